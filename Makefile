@@ -1,0 +1,31 @@
+# The two entry points README.md opens with.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test setup setup-test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q -e '.[server]'
+
+setup-test: $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+
+## Start a local S3 server with a sample dataset, prefetch it through cachefs, read it back, print what happened.
+demo: setup
+	$(BIN)/cachefs demo
+
+## Every test tier: unit, integration against a real S3 server, crash and full-disk tests (root tiers included).
+test: setup-test
+	$(BIN)/ruff check cachefs tests bench
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: setup-test
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,59 @@
+"""The single event-loop thread that the sync facades (fsspec, CLI, FUSE handlers) run the async core on.
+
+One loop per process, started on first use and stopped at interpreter exit. Sync callers use
+:func:`run_sync`; code already on the loop must await instead (calling ``run_sync`` from the loop thread
+would deadlock, so it raises).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["get_loop", "run_sync"]
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """The process-wide cachefs event loop (started lazily in a daemon thread)."""
+    global _loop, _thread
+    with _lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="cachefs-io", daemon=True)
+            thread.start()
+            _loop, _thread = loop, thread
+            atexit.register(_stop)
+        return _loop
+
+
+def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run ``coro`` on the cachefs loop and wait for its result from a plain thread."""
+    loop = get_loop()
+    if threading.current_thread() is _thread:
+        coro.close()
+        raise RuntimeError("run_sync called from the cachefs event-loop thread; await instead")
+    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return fut.result(timeout)
+    except BaseException:
+        fut.cancel()
+        raise
+
+
+def _stop() -> None:
+    global _loop
+    loop = _loop
+    if loop is None or loop.is_closed():
+        return
+    loop.call_soon_threadsafe(loop.stop)
+    if _thread is not None:
+        _thread.join(timeout=5)

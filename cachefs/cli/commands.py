@@ -1,0 +1,139 @@
+"""The CLI's subcommands; each takes the parsed arguments and the loaded config and returns an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import Config
+from ..engine import Engine
+from ..errors import ConfigError
+from ..prefetch import warm
+from ..types import DatasetRef
+from .progress import ProgressPrinter, human_bytes
+
+__all__ = ["prefetch", "status", "evict", "refresh", "demo", "status_report"]
+
+
+async def prefetch(args: argparse.Namespace, config: Config) -> int:
+    if args.workers < 1:
+        raise ConfigError("--workers must be at least 1")
+    engine = Engine(config)
+    try:
+        if args.refresh:
+            await engine.refresh(args.url)
+        ds = await engine.open_dataset(args.url, manifest_version=args.manifest_version)
+        printer = ProgressPrinter(quiet=args.quiet)
+        prog = await warm(engine, ds, include=args.include, exclude=args.exclude, workers=args.workers,
+                          on_progress=printer)
+        printer.finish(prog)
+    finally:
+        await engine.aclose()
+    print(f"{ds.ref.url}: {prog.files_done}/{prog.files_total} files, {human_bytes(prog.bytes_done)} cached "
+          f"({human_bytes(prog.bytes_fetched)} fetched, {human_bytes(prog.bytes_skipped)} already cached) "
+          f"in {prog.elapsed:.1f}s, {human_bytes(prog.rate)}/s")
+    for path, why in prog.failed[:20]:
+        print(f"  failed: {path}: {why}", file=sys.stderr)
+    if prog.failed:
+        print(f"cachefs: error: {len(prog.failed)} file(s) could not be cached", file=sys.stderr)
+        return 1
+    return 0
+
+
+def status_report(engine: Engine) -> dict:
+    """What ``cachefs status --json`` prints: node capacity and usage, and per-dataset figures."""
+    engine.flush_stats()
+    total, objects = engine.index.totals()
+    disk_total, disk_free = engine.store.disk_usage()
+    datasets = []
+    for rec in engine.index.datasets():
+        m = rec.manifest()
+        st = engine.index.dataset_stats(rec.id)
+        size = m.bytes if m else 0
+        served = st.hit_bytes + st.miss_bytes
+        datasets.append({
+            "url": rec.url,
+            "id": rec.id,
+            "manifest_version": rec.current,
+            "manifest_versions": [v.version for v in rec.manifests],
+            "files": m.files if m else 0,
+            "skipped_names": m.skipped if m else 0,
+            "total_bytes": size,
+            "cached_bytes": st.cached_bytes,
+            "cached_fraction": round(min(1.0, st.cached_bytes / size), 4) if size else 1.0,
+            "hit_bytes": st.hit_bytes,
+            "miss_bytes": st.miss_bytes,
+            "hit_ratio": round(st.hit_bytes / served, 4) if served else None,
+        })
+    return {
+        "cache_dir": engine.config.cache.dir,
+        "capacity_bytes": engine.capacity,
+        "used_bytes": total,
+        "objects": objects,
+        "disk_total_bytes": disk_total,
+        "disk_free_bytes": disk_free,
+        "min_free_bytes": engine.min_free,
+        "datasets": datasets,
+    }
+
+
+async def status(args: argparse.Namespace, config: Config) -> int:
+    engine = Engine(config)
+    try:
+        rep = status_report(engine)
+    finally:
+        await engine.aclose()
+    if args.json:
+        from .main import print_json
+
+        print_json(rep)
+        return 0
+    print(f"cache dir  {rep['cache_dir']}")
+    print(f"used       {human_bytes(rep['used_bytes'])} of {human_bytes(rep['capacity_bytes'])} "
+          f"in {rep['objects']} objects; disk free {human_bytes(rep['disk_free_bytes'])}")
+    if not rep["datasets"]:
+        print("no datasets cached")
+        return 0
+    rows = [("DATASET", "ID", "MANIFEST", "FILES", "SIZE", "CACHED", "HIT RATIO")]
+    for d in rep["datasets"]:
+        rows.append((d["url"], d["id"], f"v{d['manifest_version']}", str(d["files"]), human_bytes(d["total_bytes"]),
+                     f"{100 * d['cached_fraction']:.1f}%",
+                     "-" if d["hit_ratio"] is None else f"{100 * d['hit_ratio']:.1f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+async def evict(args: argparse.Namespace, config: Config) -> int:
+    if not args.url and not args.all:
+        raise ConfigError("give a dataset URL or --all")
+    engine = Engine(config)
+    try:
+        if args.all:
+            freed = engine.evict_sync(everything=True)
+        else:
+            freed = engine.evict_sync(dataset=DatasetRef.from_url(args.url).id)
+        total, _ = engine.index.totals()
+    finally:
+        await engine.aclose()
+    print(f"evicted {human_bytes(freed)}; {human_bytes(total)} still cached (objects in use are kept)")
+    return 0
+
+
+async def refresh(args: argparse.Namespace, config: Config) -> int:
+    engine = Engine(config)
+    try:
+        rec = await engine.refresh(args.url)
+    finally:
+        await engine.aclose()
+    m = rec.manifest()
+    print(f"{rec.url}: manifest v{m.version}: {m.files} files, {human_bytes(m.bytes)}"
+          + (f", {m.skipped} names skipped (see -v)" if m.skipped else ""))
+    return 0
+
+
+async def demo(args: argparse.Namespace, config: Config) -> int:
+    from .demo import run_demo
+
+    return await run_demo(args, config)

@@ -1,0 +1,121 @@
+"""``cachefs``: prefetch, status, evict, refresh, demo.
+
+Errors end the command with one line on stderr and an exit code that says what kind of failure it was
+(see ``EXIT_CODES``); ``-v`` adds logs, never credentials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from ..config import Config, load_config
+from ..errors import (
+    CacheFSError,
+    CacheFullError,
+    ConfigError,
+    CredentialsError,
+    InvalidURLError,
+    ObjectNotFoundError,
+    OriginUnavailableError,
+)
+
+__all__ = ["main", "EXIT_CODES"]
+
+#: Exit status per error class (first match wins); anything else that is a CacheFSError or OSError is 1.
+EXIT_CODES: list[tuple[type[BaseException], int]] = [
+    (InvalidURLError, 2),
+    (ConfigError, 2),
+    (CredentialsError, 3),
+    (OriginUnavailableError, 4),
+    (CacheFullError, 5),
+    (ObjectNotFoundError, 6),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("cache and origin")
+    g.add_argument("--cache-dir", help="cache directory (env CACHEFS_CACHE_DIR; default /var/cache/cachefs as root)")
+    g.add_argument("--config", help="YAML config file (env CACHEFS_CONFIG)")
+    g.add_argument("--capacity", help="cache size limit, e.g. 500GiB or 90%% (env CACHEFS_CACHE_CAPACITY)")
+    g.add_argument("--memory-budget", help="in-flight memory ceiling, e.g. 512MiB (env CACHEFS_ENGINE_MEMORY_BUDGET)")
+    g.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
+    g.add_argument("--region", help="S3 region (default: AWS_REGION / profile)")
+    g.add_argument("--profile", help="AWS profile (default: AWS_PROFILE)")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+
+    p = argparse.ArgumentParser(prog="cachefs", description="Node-local read-through cache for datasets on object storage.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pf = sub.add_parser("prefetch", parents=[common], help="fetch a dataset (or part of it) into the cache")
+    pf.add_argument("url", help="dataset URL, e.g. s3://bucket/prefix or file:///data")
+    pf.add_argument("--include", action="append", metavar="GLOB", help="only paths matching (repeatable)")
+    pf.add_argument("--exclude", action="append", metavar="GLOB", help="skip paths matching (repeatable)")
+    pf.add_argument("--workers", type=int, default=64, help="files fetched at once (default 64)")
+    pf.add_argument("--refresh", action="store_true", help="take a new manifest snapshot first")
+    pf.add_argument("--manifest-version", type=int, help="use this manifest snapshot")
+    pf.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    st = sub.add_parser("status", parents=[common], help="capacity, usage and per-dataset cached fraction")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+
+    ev = sub.add_parser("evict", parents=[common], help="remove cached data (objects in use are kept)")
+    ev.add_argument("url", nargs="?", help="dataset whose data to evict")
+    ev.add_argument("--all", action="store_true", help="evict every dataset")
+
+    rf = sub.add_parser("refresh", parents=[common], help="take a new manifest snapshot of a dataset")
+    rf.add_argument("url")
+
+    dm = sub.add_parser("demo", parents=[common],
+                        help="start a local S3 server with a sample dataset, prefetch it and read it back")
+    dm.add_argument("--small-files", type=int, default=3000)
+    dm.add_argument("--large-files", type=int, default=3)
+    dm.add_argument("--large-size", default="64MiB")
+    return p
+
+
+def _config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {
+        "cache_dir": args.cache_dir,
+        "cache_capacity": args.capacity,
+        "engine_memory_budget": args.memory_budget,
+        "origin_endpoint_url": args.endpoint_url,
+        "origin_region": args.region,
+        "origin_profile": args.profile,
+    }
+    return load_config(args.config, overrides=overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose < 2:
+        for noisy in ("botocore", "aiobotocore", "s3fs", "urllib3"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    from . import commands
+
+    try:
+        return asyncio.run(getattr(commands, args.command)(args, _config(args)))
+    except KeyboardInterrupt:
+        print("cachefs: interrupted; everything cached so far is kept, run the same command to resume",
+              file=sys.stderr)
+        return 130
+    except (CacheFSError, OSError) as exc:
+        code = next((c for cls, c in EXIT_CODES if isinstance(exc, cls)), 1)
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return code
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

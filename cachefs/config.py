@@ -1,0 +1,249 @@
+"""Configuration: frozen dataclasses, loaded once (defaults → YAML → ``CACHEFS_*`` env → flags) and validated.
+
+Every knob has one name in three spellings: YAML ``section.field``, env ``CACHEFS_SECTION_FIELD``, and the
+keyword ``section_field`` in the ``overrides`` mapping that the CLI's flags and the fsspec options fill in.
+Sizes accept ``4MiB``, ``10GB``, plain integers, or (for capacity and the free-space floor) a percentage of
+the cache filesystem such as ``90%``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["CacheConfig", "OriginConfig", "EngineConfig", "Config", "load_config", "parse_size", "default_cache_dir"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_size(value: Any, name: str = "size") -> int:
+    """Parse ``4MiB`` / ``10 GB`` / ``123`` into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name}: must not be negative")
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{name}: cannot read {value!r} as a size (examples: 4MiB, 10GB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_cache_dir() -> str:
+    """``/var/cache/cachefs`` for root (the node agent), else ``$XDG_CACHE_HOME/cachefs``."""
+    if os.geteuid() == 0:
+        return "/var/cache/cachefs"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cachefs")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The node-local store."""
+
+    dir: str = field(default_factory=default_cache_dir)
+    #: Upper bound on cached bytes: a size or a percentage of the cache filesystem.
+    capacity: str = "90%"
+    #: Eviction starts when usage passes high_watermark × capacity and stops at low_watermark × capacity.
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    #: Keep at least this much of the cache filesystem free, whatever the capacity says (other tenants, logs).
+    min_free: str = "5%"
+    #: 4 MiB blocks: large enough that a 256 MiB object is 64 index records and ranged GETs are efficient
+    #: on S3 (whose per-request latency dominates below ~1 MiB), small enough that a random read only
+    #: fetches and verifies a little more than it needs.
+    block_size: int = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class OriginConfig:
+    """How to reach the origin. Credentials default to the usual AWS chain (env, profile, instance role)."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    anonymous: bool = False
+    #: Attempts per request, the first included; backoff is exponential with full jitter.
+    max_attempts: int = 8
+    backoff_base: float = 0.05
+    backoff_max: float = 5.0
+    request_timeout: float = 60.0
+    connect_timeout: float = 5.0
+    #: Concurrent LIST requests when taking a manifest.
+    list_concurrency: int = 32
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The read path."""
+
+    #: Hard ceiling on bytes held in memory for in-flight fetches and read-ahead; fetches wait for room.
+    memory_budget: int = 512 * 1024 * 1024
+    #: Concurrent ranged GETs per process. 32 × 4 MiB keeps a 10 ms-RTT, multi-Gbit/s link busy.
+    max_concurrent_fetches: int = 32
+    #: Read-ahead grows 1, 2, 4, … blocks on sequential reads up to this many bytes.
+    readahead_max: int = 64 * 1024 * 1024
+    #: Access statistics (LRU times, hit counters) are written to the index at most this often.
+    stats_flush_interval: float = 2.0
+
+
+@dataclass(frozen=True)
+class Config:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    origin: OriginConfig = field(default_factory=OriginConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def validate(self) -> Config:
+        c, o, e = self.cache, self.origin, self.engine
+        if not c.dir:
+            raise ConfigError("cache.dir must not be empty")
+        if not 0 < c.low_watermark < c.high_watermark <= 1:
+            raise ConfigError("need 0 < cache.low_watermark < cache.high_watermark <= 1")
+        if c.block_size < 64 * 1024 or c.block_size > 256 * 1024 * 1024 or c.block_size & (c.block_size - 1):
+            raise ConfigError("cache.block_size must be a power of two between 64KiB and 256MiB")
+        _check_size_or_percent(c.capacity, "cache.capacity")
+        _check_size_or_percent(c.min_free, "cache.min_free")
+        if o.max_attempts < 1:
+            raise ConfigError("origin.max_attempts must be at least 1")
+        if o.backoff_base <= 0 or o.backoff_max < o.backoff_base:
+            raise ConfigError("need 0 < origin.backoff_base <= origin.backoff_max")
+        if o.request_timeout <= 0 or o.connect_timeout <= 0:
+            raise ConfigError("origin timeouts must be positive")
+        if o.list_concurrency < 1:
+            raise ConfigError("origin.list_concurrency must be at least 1")
+        if (o.access_key_id is None) != (o.secret_access_key is None):
+            raise ConfigError("origin.access_key_id and origin.secret_access_key must be given together")
+        if e.max_concurrent_fetches < 1:
+            raise ConfigError("engine.max_concurrent_fetches must be at least 1")
+        if e.memory_budget < 2 * c.block_size:
+            raise ConfigError(
+                f"engine.memory_budget ({e.memory_budget} B) must hold at least two blocks ({2 * c.block_size} B)"
+            )
+        if e.readahead_max < 0:
+            raise ConfigError("engine.readahead_max must not be negative")
+        return self
+
+
+def _check_size_or_percent(value: str, name: str) -> None:
+    s = str(value).strip()
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ConfigError(f"{name}: cannot read {value!r}") from None
+        if not 0 <= pct <= 100:
+            raise ConfigError(f"{name}: percentage must be within 0–100")
+    else:
+        parse_size(s, name)
+
+
+def resolve_size(value: str, fs_total: int, name: str) -> int:
+    """A size or ``N%`` of ``fs_total`` in bytes."""
+    s = str(value).strip()
+    if s.endswith("%"):
+        return int(fs_total * float(s[:-1]) / 100)
+    return parse_size(s, name)
+
+
+_SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfig}
+_SIZE_FIELDS = {("cache", "block_size"), ("engine", "memory_budget"), ("engine", "readahead_max")}
+
+
+def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:
+    name = f"{section}.{f.name}"
+    if (section, f.name) in _SIZE_FIELDS:
+        return parse_size(raw, name)
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if raw is None:
+        return None
+    try:
+        if kind.startswith("bool"):
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: cannot read {raw!r} as {kind}") from None
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the one validated :class:`Config`: defaults, then the YAML file (``path`` or ``$CACHEFS_CONFIG``),
+    then ``CACHEFS_<SECTION>_<FIELD>`` variables, then ``overrides`` (``{"cache_dir": ...}``; ``None`` values
+    are ignored so unset flags do not clobber the layers below)."""
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    path = path or env.get("CACHEFS_CONFIG")
+    if path:
+        values_from_yaml = _read_yaml(Path(path))
+        for section, body in values_from_yaml.items():
+            if section not in _SECTIONS:
+                raise ConfigError(f"{path}: unknown section {section!r} (known: {', '.join(_SECTIONS)})")
+            if not isinstance(body, dict):
+                raise ConfigError(f"{path}: section {section!r} must be a mapping")
+            known = {f.name for f in fields(_SECTIONS[section])}
+            for k, v in body.items():
+                if k not in known:
+                    raise ConfigError(f"{path}: unknown key {section}.{k}")
+                values[section][k] = v
+    for section, cls in _SECTIONS.items():
+        for f in fields(cls):
+            key = f"CACHEFS_{section.upper()}_{f.name.upper()}"
+            if key in env:
+                values[section][f.name] = env[key]
+            if overrides and overrides.get(f"{section}_{f.name}") is not None:
+                values[section][f.name] = overrides[f"{section}_{f.name}"]
+    if overrides:
+        known = {f"{s}_{f.name}" for s, c in _SECTIONS.items() for f in fields(c)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
+    built = {}
+    for section, cls in _SECTIONS.items():
+        fmap = {f.name: f for f in fields(cls)}
+        built[section] = cls(**{k: _coerce(section, fmap[k], v) for k, v in values[section].items()})
+    return Config(**built).validate()
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data

@@ -1,0 +1,562 @@
+"""The read-through engine: manifest → index → local store → origin.
+
+How a read is served
+--------------------
+A read names a dataset, a manifest entry (path, size, version) and a byte range. The range is split into
+fixed-size blocks. Blocks the index lists as present are read from the object's local file and verified
+against their xxh3 (once per open handle). Missing blocks are fetched from the origin with a ranged GET
+pinned to the entry's version, at most once at a time per block in this process (*single-flight*: a
+hundred readers of one cold block cause one GET and share its bytes), written to the local file, and only
+then recorded in the index. Other processes on the node see the record and read the file; they may
+occasionally fetch the same block too (harmless: same version, same bytes, same offset).
+
+Sequential readers get read-ahead: each :class:`ReadStream` that keeps reading where it stopped doubles its
+window (1, 2, 4, … blocks, up to ``engine.readahead_max``), and the blocks ahead are fetched in the
+background, but only while the memory budget has room, so read-ahead can never starve demand reads.
+
+Everything in flight lives under one :class:`~cachefs.budget.MemoryBudget`, so the process's memory is
+bounded however many readers there are.
+
+Two doors, one path
+-------------------
+The async methods run on the cachefs event loop. Sync callers (fsspec files, FUSE handlers) first try
+:meth:`Engine.read_local`, which serves fully present ranges from the calling thread without touching the
+loop, and fall back to :meth:`Engine.read` through :func:`cachefs._aio.run_sync` on a miss. Both doors share
+the same handle table, present-block maps and checksum verification.
+
+Eviction
+--------
+When cached bytes pass ``high_watermark × capacity`` or the disk's free space drops under ``min_free``,
+whole objects are removed in least-recently-used order until usage is under ``low_watermark × capacity``.
+An object that any process has open (a shared ``flock`` on its file) is skipped, so eviction never pulls
+data out from under a reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .budget import MemoryBudget
+from .checksum import block_checksum
+from .config import Config, resolve_size
+from .errors import CacheFullError, ConfigError, CorruptBlockError
+from .index import DatasetRecord, Index, ObjectRecord
+from .manifest import ManifestStore, take_snapshot
+from .sources import Source, open_origin
+from .store import DiskStore, StoredObject
+from .types import DatasetRef, Entry, object_key
+
+__all__ = ["Engine", "Dataset", "ReadStream", "get_engine"]
+
+log = logging.getLogger(__name__)
+
+#: Open object files kept per process; idle ones beyond this are closed (which also lets eviction take them).
+_MAX_OPEN_OBJECTS = 1024
+
+
+@dataclass
+class Dataset:
+    """A dataset opened at one manifest version. Metadata calls never reach the origin."""
+
+    ref: DatasetRef
+    version: int
+    source: Source
+    manifests: ManifestStore
+    record: DatasetRecord
+
+    def stat(self, path: str) -> Entry:
+        return self.manifests.lookup(self.ref.id, self.version, _norm(path))
+
+    def listdir(self, path: str = "") -> list[Entry]:
+        return list(self.manifests.listdir(self.ref.id, self.version, _norm(path)))
+
+    def walk_files(self, path: str = "") -> Iterator[Entry]:
+        return self.manifests.walk_files(self.ref.id, self.version, _norm(path))
+
+    def file(self, path: str) -> Entry:
+        entry = self.stat(path)
+        if entry.is_dir:
+            raise IsADirectoryError(21, f"{path}: is a directory")
+        return entry
+
+
+def _norm(path: str) -> str:
+    return path.strip("/")
+
+
+@dataclass
+class ReadStream:
+    """Per-open-file read state: where the last read ended and how far ahead to fetch."""
+
+    next_offset: int = 0
+    window: int = 0  # blocks
+
+
+@dataclass
+class _Open:
+    stored: StoredObject
+    record: ObjectRecord
+    present: dict[int, tuple[int, int]]
+    refs: int = 0
+    nblocks: int = 0
+    hits: int = 0
+    last_access: float = field(default_factory=time.time)
+
+
+class Engine:
+    """One per cache directory per process (see :func:`get_engine`)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        c = config.cache
+        self.block_size = c.block_size
+        self.index = Index(c.dir)
+        self.store = DiskStore(c.dir, c.block_size)
+        self.manifests = ManifestStore(self.index)
+        disk_total, _ = self.store.disk_usage()
+        self.capacity = resolve_size(c.capacity, disk_total, "cache.capacity")
+        self.min_free = resolve_size(c.min_free, disk_total, "cache.min_free")
+        self.budget = MemoryBudget(config.engine.memory_budget)
+        self._fetch_slots: asyncio.Semaphore | None = None
+        self._open: OrderedDict[bytes, _Open] = OrderedDict()
+        self._open_lock = threading.RLock()
+        self._inflight: dict[tuple[bytes, int], asyncio.Task] = {}
+        self._sources: dict[tuple, Source] = {}
+        self._ds_stats: dict[str, list[int]] = {}  # dataset id -> [hit bytes, miss bytes] not yet flushed
+        self._obj_stats: dict[bytes, tuple[float, int]] = {}  # object key -> (last access, hits) not yet flushed
+        self._stats_lock = threading.Lock()
+        self._stats_task: asyncio.Task | None = None
+        self._evicting: asyncio.Task | None = None
+        self._warned_full = False
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        from . import _aio
+
+        loop = _aio.get_loop() if self._sources else None
+        if loop is not None and loop.is_running():
+            try:
+                _aio.run_sync(self.aclose(), timeout=5)
+                return
+            except Exception:  # noqa: BLE001 - best effort at interpreter exit
+                pass
+        self.close()
+
+    # -- datasets -----------------------------------------------------------------------------------------
+    def source_for(self, url: str, storage_options: dict[str, Any] | None = None) -> Source:
+        key = (url.split("://", 1)[0], repr(sorted((storage_options or {}).items())))
+        src = self._sources.get(key)
+        if src is None:
+            src = self._sources[key] = open_origin(url, self.config, storage_options)
+        return src
+
+    async def open_dataset(
+        self, url: str, *, storage_options: dict[str, Any] | None = None, manifest_version: int | None = None,
+        source: Source | None = None,
+    ) -> Dataset:
+        """Open a dataset, taking its first manifest if the node has none. No origin request otherwise."""
+        ref = DatasetRef.from_url(url)
+        src = source or self.source_for(ref.url, storage_options)
+        rec = self.index.dataset(ref.id)
+        if rec is None or not rec.manifests:
+            rec = await take_snapshot(self.index, src, ref, only_if_missing=True)
+        version = rec.current if manifest_version is None else int(manifest_version)
+        if rec.manifest(version) is None:
+            have = ", ".join(str(m.version) for m in rec.manifests) or "none"
+            raise ConfigError(f"{ref.url}: manifest version {version} is not on this node (have: {have})")
+        return Dataset(ref, version, src, self.manifests, rec)
+
+    async def refresh(self, url: str, *, storage_options: dict[str, Any] | None = None,
+                      source: Source | None = None) -> DatasetRecord:
+        """Take a new manifest snapshot; readers that open the dataset afterwards see it."""
+        ref = DatasetRef.from_url(url)
+        return await take_snapshot(self.index, source or self.source_for(ref.url, storage_options), ref)
+
+    def known_dataset_for(self, url: str) -> DatasetRecord | None:
+        """The dataset on this node whose URL is the longest prefix of ``url``."""
+        best = None
+        for rec in self.index.datasets():
+            if (url == rec.url or url.startswith(rec.url + "/")) and (best is None or len(rec.url) > len(best.url)):
+                best = rec
+        return best
+
+    # -- open objects -------------------------------------------------------------------------------------
+    def _acquire(self, ds: Dataset, entry: Entry) -> _Open:
+        okey = object_key(ds.ref.id, entry.path, entry.version)
+        with self._open_lock:
+            ob = self._open.get(okey)
+            if ob is None:
+                stored = self.store.open(okey, ds.ref.id, entry.size)
+                rec = ObjectRecord(ds.ref.id, entry.path, entry.version, entry.size, block_size=self.block_size)
+                nblocks = -(-entry.size // self.block_size)
+                ob = _Open(stored, rec, self.index.blocks_of(okey), nblocks=nblocks)
+                self._open[okey] = ob
+                self._trim_open()
+            else:
+                self._open.move_to_end(okey)
+            ob.refs += 1
+            return ob
+
+    def _release(self, ob: _Open) -> None:
+        with self._open_lock:
+            ob.refs -= 1
+
+    def _trim_open(self) -> None:
+        if len(self._open) <= _MAX_OPEN_OBJECTS:
+            return
+        for okey in list(self._open):
+            if len(self._open) <= _MAX_OPEN_OBJECTS:
+                break
+            ob = self._open[okey]
+            if ob.refs == 0:
+                self._close_open(okey, ob)
+
+    def _close_open(self, okey: bytes, ob: _Open) -> None:
+        del self._open[okey]
+        self._note_access(okey, ob)
+        ob.stored.close()
+        if not ob.present:  # opened but never filled: do not leave an empty file the index does not know
+            self.store.try_remove(okey, ob.record.dataset, lambda: self.index.object(okey) is None)
+
+    def _has(self, ob: _Open, idx: int) -> bool:
+        if idx in ob.present:
+            return True
+        got = self.index.block(ob.stored.key, idx)  # another process may have fetched it
+        if got is not None:
+            ob.present[idx] = got
+            return True
+        return False
+
+    def local_path(self, ds: Dataset, entry: Entry) -> str | None:
+        """Path of the complete local file of ``entry``, or None if some block is missing."""
+        ob = self._acquire(ds, entry)
+        try:
+            if all(self._has(ob, i) for i in range(ob.nblocks)):
+                return ob.stored.path
+            return None
+        finally:
+            self._release(ob)
+
+    # -- reads --------------------------------------------------------------------------------------------
+    def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None
+                   ) -> bytes | None:
+        """Serve ``[start, end)`` from local blocks only, from the calling thread; None if any is missing."""
+        end = min(end, entry.size)
+        if start >= end:
+            return b""
+        ob = self._acquire(ds, entry)
+        try:
+            bs = self.block_size
+            if not all(self._has(ob, i) for i in range(start // bs, (end - 1) // bs + 1)):
+                return None
+            try:
+                data = ob.stored.read(start, end, ob.present)
+            except CorruptBlockError as exc:
+                self._drop_corrupt(ob, exc)
+                return None
+            self._count(ob, ds.ref.id, hit=len(data))
+            if stream is not None:
+                self._advance(stream, start, end)
+            return data
+        finally:
+            self._release(ob)
+
+    async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None
+                   ) -> bytes:
+        """Bytes ``[start, end)`` of ``entry`` (clamped to its size), fetching what is missing."""
+        end = min(end, entry.size)
+        if start >= end:
+            return b""
+        self._start_background()
+        ob = self._acquire(ds, entry)
+        try:
+            bs = self.block_size
+            first, last = start // bs, (end - 1) // bs
+            for _attempt in range(3):
+                missing = [i for i in range(first, last + 1) if not self._has(ob, i)]
+                fetched: dict[int, bytes] = {}
+                if missing:
+                    got = await asyncio.gather(*(self._block(ds, entry, ob, i) for i in missing))
+                    fetched = {i: b for i, b in zip(missing, got, strict=True) if b is not None}
+                try:
+                    data = self._assemble(ob, start, end, fetched)
+                    break
+                except CorruptBlockError as exc:
+                    self._drop_corrupt(ob, exc)
+            else:
+                raise CorruptBlockError(f"{entry.path}: blocks keep failing their checksums; is the cache disk healthy?")
+            fetched_bytes = sum(len(b) for b in fetched.values())
+            self._count(ob, ds.ref.id, hit=max(0, len(data) - fetched_bytes), miss=min(len(data), fetched_bytes))
+            if stream is not None:
+                self._advance(stream, start, end)
+                self._read_ahead(ds, entry, ob, stream)
+            return data
+        finally:
+            self._release(ob)
+
+    def _assemble(self, ob: _Open, start: int, end: int, fetched: dict[int, bytes]) -> bytes:
+        if not fetched:
+            return ob.stored.read(start, end, ob.present)
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs
+        parts = []
+        for i in range(first, last + 1):
+            lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
+            block = fetched.get(i)
+            if block is not None:
+                parts.append(block[lo - i * bs : hi - i * bs])
+            else:
+                parts.append(ob.stored.read(lo, hi, ob.present))
+        return b"".join(parts)
+
+    def _drop_corrupt(self, ob: _Open, exc: CorruptBlockError) -> None:
+        idx = getattr(exc, "block", None)
+        log.warning("%s; dropping the block so it is fetched again", exc)
+        if idx is None:
+            return
+        ob.present.pop(idx, None)
+        forget = getattr(ob.stored, "forget_verified", None)
+        if forget:
+            forget(idx)
+        self.index.drop_block(ob.stored.key, idx)
+
+    def _advance(self, stream: ReadStream, start: int, end: int) -> None:
+        max_window = self.config.engine.readahead_max // self.block_size
+        stream.window = min(max(1, stream.window * 2), max_window) if start == stream.next_offset else 0
+        stream.next_offset = end
+
+    def _read_ahead(self, ds: Dataset, entry: Entry, ob: _Open, stream: ReadStream) -> None:
+        if stream.window == 0:
+            return
+        bs = self.block_size
+        nxt = -(-stream.next_offset // bs)
+        for i in range(nxt, min(ob.nblocks, nxt + stream.window)):
+            if self._has(ob, i) or (ob.stored.key, i) in self._inflight:
+                continue
+            length = min(bs, entry.size - i * bs)
+            if not self.budget.try_reserve(length):
+                break  # read-ahead only uses spare budget
+            ob.refs += 1
+            task = asyncio.ensure_future(self._block(ds, entry, ob, i, reserved=True))
+            task.add_done_callback(lambda t, ob=ob: (self._release(ob), _retrieve(t)))
+
+    async def _block(self, ds: Dataset, entry: Entry, ob: _Open, idx: int, *, reserved: bool = False,
+                     strict: bool = False) -> bytes | None:
+        """Make block ``idx`` present; returns its bytes if this call fetched them (single-flight)."""
+        key = (ob.stored.key, idx)
+        task = self._inflight.get(key)
+        if task is None:
+            if self._has(ob, idx):
+                if reserved:
+                    await self.budget.release(min(self.block_size, entry.size - idx * self.block_size))
+                return None
+            task = asyncio.ensure_future(self._fetch(ds, entry, ob, idx, reserved=reserved))
+            self._inflight[key] = task
+            task.add_done_callback(lambda t: (self._inflight.pop(key, None), _retrieve(t)))
+        elif reserved:
+            await self.budget.release(min(self.block_size, entry.size - idx * self.block_size))
+        data, stored_ok = await asyncio.shield(task)
+        if strict and not stored_ok:
+            raise CacheFullError(f"cache disk full: cannot store {entry.path} (capacity {self.capacity} B)")
+        return data
+
+    async def _fetch(self, ds: Dataset, entry: Entry, ob: _Open, idx: int, *, reserved: bool) -> tuple[bytes, bool]:
+        bs = self.block_size
+        start = idx * bs
+        length = min(bs, entry.size - start)
+        if self._fetch_slots is None:
+            self._fetch_slots = asyncio.Semaphore(self.config.engine.max_concurrent_fetches)
+        if not reserved:
+            await self.budget.acquire(length)
+        try:
+            async with self._fetch_slots:
+                data = await ds.source.read(ds.ref.object_url(entry.path), entry.version, start, start + length)
+            checksum = block_checksum(data)
+            stored = await self._store_block(ob, idx, data, checksum)
+        finally:
+            await self.budget.release(length)
+        return data, stored
+
+    async def _store_block(self, ob: _Open, idx: int, data: bytes, checksum: int) -> bool:
+        for attempt in range(2):
+            try:
+                if len(data) >= 256 * 1024:
+                    await asyncio.to_thread(ob.stored.write_block, idx, data)
+                else:
+                    ob.stored.write_block(idx, data)
+                break
+            except CacheFullError:
+                if attempt == 0:
+                    await self.evict(force=True)
+                    continue
+                if not self._warned_full:
+                    log.warning("cache disk full and nothing evictable: serving from the origin without caching")
+                    self._warned_full = True
+                return False
+        self.index.put_block(ob.stored.key, idx, checksum, len(data), ob.record)
+        ob.present[idx] = (checksum, len(data))
+        self._maybe_evict()
+        return True
+
+    async def ensure_cached(self, ds: Dataset, entry: Entry) -> int:
+        """Make every block of ``entry`` present (prefetch); returns bytes fetched. Raises CacheFullError."""
+        self._start_background()
+        ob = self._acquire(ds, entry)
+        try:
+            missing = [i for i in range(ob.nblocks) if not self._has(ob, i)]
+            got = await asyncio.gather(*(self._block(ds, entry, ob, i, strict=True) for i in missing))
+            fetched = sum(len(b) for b in got if b is not None)
+            self._count(ob, ds.ref.id, miss=fetched)
+            return fetched
+        finally:
+            self._release(ob)
+
+    def cached_bytes(self, ds: Dataset, entry: Entry) -> int:
+        okey = object_key(ds.ref.id, entry.path, entry.version)
+        with self._open_lock:
+            ob = self._open.get(okey)
+            if ob is not None:
+                return sum(length for _, length in ob.present.values())
+        rec = self.index.object(okey)
+        return rec.cached_bytes if rec else 0
+
+    # -- statistics ---------------------------------------------------------------------------------------
+    def _count(self, ob: _Open, ds_id: str, hit: int = 0, miss: int = 0) -> None:
+        ob.hits += 1
+        ob.last_access = time.time()
+        with self._stats_lock:
+            s = self._ds_stats.setdefault(ds_id, [0, 0])
+            s[0] += hit
+            s[1] += miss
+
+    def _note_access(self, okey: bytes, ob: _Open) -> None:
+        if ob.hits:
+            with self._stats_lock:
+                last, hits = self._obj_stats.get(okey, (0.0, 0))
+                self._obj_stats[okey] = (max(last, ob.last_access), hits + ob.hits)
+            ob.hits = 0
+
+    def flush_stats(self) -> None:
+        """Write batched access statistics (LRU times, hit/miss bytes) to the index."""
+        with self._open_lock:
+            for okey, ob in list(self._open.items()):
+                self._note_access(okey, ob)
+        with self._stats_lock:
+            objs, self._obj_stats = self._obj_stats, {}
+            ds = {k: (v[0], v[1]) for k, v in self._ds_stats.items() if v[0] or v[1]}
+            self._ds_stats = {}
+        try:
+            self.index.record_access(objs, ds)
+        except Exception:  # noqa: BLE001 - statistics must never break a read or exit
+            log.exception("could not write access statistics")
+
+    def _start_background(self) -> None:
+        if self._stats_task is None or self._stats_task.done():
+            self._stats_task = asyncio.ensure_future(self._stats_loop())
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.engine.stats_flush_interval)
+            await asyncio.to_thread(self.flush_stats)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, and release the origin connections."""
+        for task in (self._stats_task, self._evicting):
+            if task is not None and not task.done():
+                task.cancel()
+        sources, self._sources = list(self._sources.values()), {}
+        for src in sources:
+            await src.close()
+        self.close()
+
+    def close(self) -> None:
+        """Flush statistics and close every open object file."""
+        self.flush_stats()
+        with self._open_lock:
+            for ob in self._open.values():
+                ob.stored.close()
+            self._open.clear()
+
+    # -- eviction -----------------------------------------------------------------------------------------
+    def over_limits(self) -> bool:
+        total, _ = self.index.totals()
+        _, free = self.store.disk_usage()
+        return total > self.capacity * self.config.cache.high_watermark or free < self.min_free
+
+    def _maybe_evict(self) -> None:
+        if (self._evicting is None or self._evicting.done()) and self.over_limits():
+            self._evicting = asyncio.ensure_future(self.evict())
+
+    async def evict(self, *, force: bool = False) -> int:
+        """Evict least-recently-used objects until under the low watermark; returns bytes freed."""
+        return await asyncio.to_thread(self.evict_sync, force=force)
+
+    def evict_sync(self, *, force: bool = False, dataset: str | None = None, everything: bool = False) -> int:
+        self.flush_stats()
+        target = int(self.capacity * self.config.cache.low_watermark)
+        total, _ = self.index.totals()
+        _, free = self.store.disk_usage()
+        if not (force or everything or dataset) and total <= self.capacity * self.config.cache.high_watermark \
+                and free >= self.min_free:
+            return 0
+        candidates = sorted(self.index.objects(dataset), key=lambda kv: kv[1].last_access)
+        freed = 0
+        for okey, rec in candidates:
+            if not (everything or dataset):
+                total, _ = self.index.totals()
+                _, free = self.store.disk_usage()
+                if total <= target and free >= self.min_free * 1.1:
+                    break
+            with self._open_lock:
+                ob = self._open.get(okey)
+                if ob is not None:
+                    if ob.refs > 0:
+                        continue
+                    self._close_open(okey, ob)
+            got = []
+            if self.store.try_remove(okey, rec.dataset,
+                                     lambda okey=okey: got.append(self.index.remove_object(okey)) or True):
+                freed += sum(got)
+        if freed:
+            log.info("evicted %d bytes", freed)
+        return freed
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Mark a background task's outcome as seen; its awaiters (if any) get the exception themselves."""
+    if not task.cancelled():
+        task.exception()
+
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def get_engine(config: Config) -> Engine:
+    """The process's engine for ``config.cache.dir`` (one per cache dir, so single-flight spans every user)."""
+    import os
+
+    key = os.path.realpath(config.cache.dir)
+    with _engines_lock:
+        eng = _engines.get(key)
+        if eng is None:
+            eng = _engines[key] = Engine(config)
+        return eng
+
+
+def drop_engine(config: Config) -> None:
+    """Forget the process's engine for a cache dir (tests that restart the engine)."""
+    import os
+
+    with _engines_lock:
+        eng = _engines.pop(os.path.realpath(config.cache.dir), None)
+    if eng is not None:
+        eng.close()

@@ -1,0 +1,236 @@
+"""The ``cachefs`` fsspec protocol: ``fsspec.open("cachefs::s3://bucket/key", cachefs={...}, s3={...})``.
+
+Registered through the ``fsspec.specs`` entry point, so pandas, pyarrow and anything else that takes fsspec
+URLs can read through the node cache. Listing and ``info`` come from the dataset's frozen manifest (no
+origin request once the manifest exists); reads of cached ranges are served straight from the local cache
+files in the calling thread, and misses go through the engine.
+
+Which dataset a path belongs to: the ``dataset=`` option if given; else the dataset on this node whose URL
+is the longest prefix of the path (e.g. one ``cachefs prefetch`` took); else a new dataset rooted at the
+path (for listings) or at its parent directory (for files).
+
+Options (``cachefs={...}``): ``dataset``, ``manifest_version`` (pin a snapshot), ``cache_dir``, ``config``
+(a YAML file) and any config key as ``section_field`` (e.g. ``engine_memory_budget="1GiB"``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+from fsspec.spec import AbstractFileSystem
+
+from ._aio import run_sync
+from .config import load_config
+from .engine import Dataset, Engine, ReadStream, get_engine
+from .errors import InvalidURLError, ObjectNotFoundError, ReadOnlyError
+from .types import Entry, canonical_url
+
+try:  # fsspec >= 2025.10 marks chaining-aware filesystems with this base class
+    from fsspec.implementations.chained import ChainedFileSystem as _Base
+except ImportError:  # pragma: no cover - older fsspec
+    _Base = AbstractFileSystem
+
+__all__ = ["CacheFileSystem", "CacheFile"]
+
+
+class CacheFileSystem(_Base):
+    """Read-only fsspec filesystem over a node-local read-through cache of another filesystem."""
+
+    protocol = "cachefs"
+    root_marker = ""
+
+    def __init__(
+        self,
+        target_protocol: str | None = None,
+        target_options: dict[str, Any] | None = None,
+        fo: str | None = None,
+        *,
+        dataset: str | None = None,
+        manifest_version: int | None = None,
+        cache_dir: str | None = None,
+        config: str | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        overrides = {k: v for k, v in options.items() if k not in ("skip_instance_cache", "use_listings_cache",
+                                                                    "listings_expiry_time", "max_paths")}
+        overrides["cache_dir"] = cache_dir
+        cfg = load_config(config, overrides=overrides)
+        self.engine: Engine = get_engine(cfg)
+        self.target_protocol = (target_protocol or (dataset.split("://", 1)[0] if dataset and "://" in dataset
+                                                    else "file")).lower()
+        self.target_options = dict(target_options or {})
+        self.dataset_url = canonical_url(dataset) if dataset else None
+        self.manifest_version = manifest_version
+        self._datasets: dict[str, Dataset] = {}
+
+    # -- paths and datasets -------------------------------------------------------------------------------
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = str(path)
+        if path.startswith("cachefs://"):
+            path = path[len("cachefs://"):]
+        elif "::" in path:
+            path = path.split("::", 1)[1]
+        if "://" in path:
+            path = path.split("://", 1)[1]
+        return path.rstrip("/") or path
+
+    def _url(self, path: str) -> str:
+        path = self._strip_protocol(path)
+        if self.target_protocol in ("file", "local"):
+            return canonical_url("file://" + (path if path.startswith("/") else os.path.abspath(path)))
+        return canonical_url(f"{self.target_protocol}://{path}")
+
+    def _open_dataset(self, url: str) -> Dataset:
+        ds = self._datasets.get(url)
+        if ds is None:
+            ds = run_sync(self.engine.open_dataset(url, storage_options=self.target_options,
+                                                   manifest_version=self.manifest_version))
+            self._datasets[url] = ds
+        return ds
+
+    def _resolve(self, path: str, *, as_dir: bool) -> tuple[Dataset, str]:
+        url = self._url(path)
+        if self.dataset_url:
+            root = self.dataset_url
+        else:
+            known = self.engine.known_dataset_for(url)
+            if known is not None:
+                root = known.url
+            elif as_dir:
+                root = url
+            else:
+                root = url.rsplit("/", 1)[0]
+                if root.endswith(":/") or root.endswith("://"):
+                    root = url
+        if url != root and not url.startswith(root + "/"):
+            raise InvalidURLError(f"{url} is outside the dataset {root}")
+        return self._open_dataset(root), url[len(root) + 1:] if url != root else ""
+
+    def _info(self, ds: Dataset, e: Entry) -> dict[str, Any]:
+        name = ds.ref.object_url(e.path).split("://", 1)[1]
+        if self.target_protocol == "file":
+            name = name if name.startswith("/") else "/" + name
+        info = {"name": name, "size": e.size, "type": "directory" if e.is_dir else "file", "mtime": e.mtime}
+        if not e.is_dir:
+            info["ETag"] = e.version
+        return info
+
+    # -- fsspec API ---------------------------------------------------------------------------------------
+    def ls(self, path, detail=True, **kwargs):
+        ds, rel = self._resolve(path, as_dir=True)
+        entries = ds.listdir(rel) if ds.stat(rel).is_dir else [ds.stat(rel)]
+        infos = [self._info(ds, e) for e in entries]
+        return infos if detail else [i["name"] for i in infos]
+
+    def info(self, path, **kwargs):
+        ds, rel = self._resolve(path, as_dir=False)
+        return self._info(ds, ds.stat(rel))
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        ds, rel = self._resolve(path, as_dir=False)
+        entry = ds.file(rel)
+        start, end = _norm_range(entry.size, start, end)
+        return read_range(self.engine, ds, entry, start, end)
+
+    def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
+        if "r" not in mode or any(c in mode for c in "wax+"):
+            raise ReadOnlyError(f"{path}: cachefs is read-only (mode {mode!r})")
+        ds, rel = self._resolve(path, as_dir=False)
+        return CacheFile(self, ds, ds.file(rel))
+
+    def ukey(self, path):
+        return self.info(path).get("ETag", "")
+
+    def modified(self, path):
+        import datetime
+
+        return datetime.datetime.fromtimestamp(self.info(path)["mtime"], tz=datetime.timezone.utc)
+
+    def _readonly(self, *args, **kwargs):
+        raise ReadOnlyError("cachefs is read-only")
+
+    rm_file = rm = mkdir = makedirs = rmdir = mv = cp_file = put_file = pipe_file = touch = _readonly
+
+
+def _norm_range(size: int, start: int | None, end: int | None) -> tuple[int, int]:
+    start = 0 if start is None else (max(0, size + start) if start < 0 else start)
+    end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+    return start, max(start, end)
+
+
+def read_range(engine: Engine, ds: Dataset, entry: Entry, start: int, end: int,
+               stream: ReadStream | None = None) -> bytes:
+    """Sync read: local blocks from this thread, misses through the engine's loop."""
+    data = engine.read_local(ds, entry, start, end, stream)
+    if data is None:
+        data = run_sync(engine.read(ds, entry, start, end, stream))
+    return data
+
+
+class CacheFile(io.RawIOBase):
+    """A read-only, seekable file of one manifest entry."""
+
+    def __init__(self, fs: CacheFileSystem, ds: Dataset, entry: Entry) -> None:
+        super().__init__()
+        self.fs, self.ds, self.entry = fs, ds, entry
+        self.path = ds.ref.object_url(entry.path)
+        self.size = entry.size
+        self.mode = "rb"
+        self._pos = 0
+        self._stream = ReadStream()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._pos + offset
+        elif whence == io.SEEK_END:
+            pos = self.size + offset
+        else:
+            raise ValueError(f"invalid whence {whence}")
+        if pos < 0:
+            raise ValueError("negative seek position")
+        self._pos = pos
+        return pos
+
+    def read(self, size: int = -1) -> bytes:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        end = self.size if size is None or size < 0 else min(self.size, self._pos + size)
+        if self._pos >= end:
+            return b""
+        data = read_range(self.fs.engine, self.ds, self.entry, self._pos, end, self._stream)
+        self._pos += len(data)
+        return data
+
+    read1 = read
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(memoryview(buffer)))
+        n = len(data)
+        memoryview(buffer).cast("B")[:n] = data
+        return n
+
+    def info(self) -> dict[str, Any]:
+        return self.fs._info(self.ds, self.entry)
+
+    def __repr__(self) -> str:
+        return f"<CacheFile {self.path}>"

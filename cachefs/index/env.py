@@ -1,0 +1,52 @@
+"""Opening the one LMDB environment of a cache directory.
+
+LMDB forbids opening the same environment twice in one process (locks would be lost), so environments are
+shared through a small registry keyed by real path; that registry is the only module-level state in the
+index, and it exists because of that LMDB rule. Several *processes* open the same environment freely:
+LMDB's reader table and writer lock make that safe.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import lmdb
+
+from ..errors import CacheFSError, ConfigError
+
+__all__ = ["open_env", "DB_NAMES"]
+
+#: Named databases; see docs/FORMAT.md for each record layout.
+DB_NAMES = ("meta", "datasets", "ds_stats", "manifest", "objects", "blocks")
+
+# The address space reserved for the map. LMDB files grow only as data is written; the reservation is
+# virtual, and 1 TiB holds index records for billions of blocks and manifest entries.
+_MAP_SIZE = 1 << 40
+
+_envs: dict[str, tuple[lmdb.Environment, dict[str, object]]] = {}
+_envs_lock = threading.Lock()
+
+
+def open_env(path: str) -> tuple[lmdb.Environment, dict[str, object]]:
+    """The process-wide LMDB environment at ``path`` and its named databases."""
+    real = os.path.realpath(path)
+    with _envs_lock:
+        if real in _envs:
+            return _envs[real]
+        try:
+            os.makedirs(real, mode=0o700, exist_ok=True)
+            # sync/metasync off: a kill -9 loses nothing (committed pages are in the page cache) and a power
+            # loss at worst loses recent records, whose blocks are then fetched again; the data files are
+            # checksummed, so an index that got ahead of its data is caught on read.
+            env = lmdb.open(
+                real, map_size=_MAP_SIZE, max_dbs=len(DB_NAMES) + 2, max_readers=2048,
+                sync=False, metasync=False, readahead=False, meminit=False,
+            )
+        except lmdb.Error as exc:
+            raise CacheFSError(f"cannot open the cache index at {real}: {exc}") from None
+        except PermissionError:
+            raise ConfigError(f"cache index {real}: permission denied") from None
+        dbs = {name: env.open_db(name.encode()) for name in DB_NAMES}
+        _envs[real] = (env, dbs)
+        return env, dbs

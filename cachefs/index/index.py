@@ -1,0 +1,220 @@
+"""The node's index of what is cached: blocks present per object version, object access statistics, per-dataset
+and total byte counts. Backed by LMDB so that every process on the node sees one consistent picture and a
+crash never leaves a half-updated record (each update is one transaction)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+from ..errors import CacheFSError
+from .env import open_env
+from .records import BLOCK, DS_STATS, FORMAT_VERSION, TOTALS, ObjectRecord
+
+__all__ = ["Index", "DatasetRecord", "ManifestInfo", "DatasetStats"]
+
+
+@dataclass
+class ManifestInfo:
+    version: int
+    created: float
+    files: int
+    bytes: int
+    skipped: int = 0
+
+
+@dataclass
+class DatasetRecord:
+    """What the node knows about a dataset: its URL and manifest versions (the newest is ``current``)."""
+
+    id: str
+    url: str
+    current: int = 0
+    manifests: list[ManifestInfo] = field(default_factory=list)
+
+    def manifest(self, version: int | None = None) -> ManifestInfo | None:
+        want = self.current if version is None else version
+        return next((m for m in self.manifests if m.version == want), None)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> DatasetRecord:
+        d = json.loads(bytes(raw))
+        d["manifests"] = [ManifestInfo(**m) for m in d.get("manifests", [])]
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class DatasetStats:
+    cached_bytes: int
+    hit_bytes: int
+    miss_bytes: int
+
+
+def _bkey(okey: bytes, idx: int) -> bytes:
+    return okey + idx.to_bytes(4, "big")
+
+
+class Index:
+    """Handle on ``<cache_dir>/index``; cheap to create, shares the process-wide LMDB environment."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.path = os.path.join(cache_dir, "index")
+        self.env, dbs = open_env(self.path)
+        self._meta, self._datasets, self._ds_stats = dbs["meta"], dbs["datasets"], dbs["ds_stats"]
+        self._objects, self._blocks, self.manifest_db = dbs["objects"], dbs["blocks"], dbs["manifest"]
+        self._check_format()
+
+    def _check_format(self) -> None:
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(b"format", db=self._meta)
+            if raw is None:
+                txn.put(b"format", str(FORMAT_VERSION).encode(), db=self._meta)
+            elif int(raw) != FORMAT_VERSION:
+                raise CacheFSError(
+                    f"cache index {self.path} has format {int(raw)}, this cachefs reads {FORMAT_VERSION}; "
+                    "point --cache-dir elsewhere or remove the old cache"
+                )
+
+    # -- datasets ---------------------------------------------------------------------------------------
+    def dataset(self, ds_id: str) -> DatasetRecord | None:
+        with self.env.begin() as txn:
+            raw = txn.get(ds_id.encode(), db=self._datasets)
+        return DatasetRecord.from_json(raw) if raw else None
+
+    def put_dataset(self, rec: DatasetRecord, txn=None) -> None:
+        if txn is None:
+            with self.env.begin(write=True) as t:
+                t.put(rec.id.encode(), rec.to_json(), db=self._datasets)
+        else:
+            txn.put(rec.id.encode(), rec.to_json(), db=self._datasets)
+
+    def datasets(self) -> list[DatasetRecord]:
+        with self.env.begin() as txn:
+            return [DatasetRecord.from_json(v) for _, v in txn.cursor(db=self._datasets)]
+
+    def dataset_stats(self, ds_id: str) -> DatasetStats:
+        with self.env.begin() as txn:
+            raw = txn.get(ds_id.encode(), db=self._ds_stats)
+        return DatasetStats(*DS_STATS.unpack(raw)) if raw else DatasetStats(0, 0, 0)
+
+    def totals(self) -> tuple[int, int]:
+        """(cached bytes, cached objects) over the whole node."""
+        with self.env.begin() as txn:
+            raw = txn.get(b"totals", db=self._meta)
+        return TOTALS.unpack(raw) if raw else (0, 0)
+
+    # -- blocks and objects -----------------------------------------------------------------------------
+    def block(self, okey: bytes, idx: int) -> tuple[int, int] | None:
+        """(checksum, length) of a present block, or None."""
+        with self.env.begin() as txn:
+            raw = txn.get(_bkey(okey, idx), db=self._blocks)
+        return BLOCK.unpack(raw) if raw else None
+
+    def blocks_of(self, okey: bytes) -> dict[int, tuple[int, int]]:
+        out = {}
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self._blocks)
+            if cur.set_range(okey):
+                for k, v in cur:
+                    if k[:16] != okey:
+                        break
+                    out[int.from_bytes(k[16:], "big")] = BLOCK.unpack(v)
+        return out
+
+    def object(self, okey: bytes) -> ObjectRecord | None:
+        with self.env.begin() as txn:
+            raw = txn.get(okey, db=self._objects)
+        return ObjectRecord.unpack(raw) if raw else None
+
+    def put_block(self, okey: bytes, idx: int, checksum: int, length: int, obj: ObjectRecord) -> bool:
+        """Record a block as present (after its bytes are on disk). Returns False if it already was."""
+        with self.env.begin(write=True) as txn:
+            if not txn.put(_bkey(okey, idx), BLOCK.pack(checksum, length), db=self._blocks, overwrite=False):
+                return False
+            raw = txn.get(okey, db=self._objects)
+            new_object = raw is None
+            rec = obj if new_object else ObjectRecord.unpack(raw)
+            if new_object:
+                rec.cached_bytes = 0
+                rec.last_access = time.time()
+            rec.cached_bytes += length
+            txn.put(okey, rec.pack(), db=self._objects)
+            self._add_stats(txn, rec.dataset, cached=length)
+            total, count = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
+            txn.put(b"totals", TOTALS.pack(total + length, count + new_object), db=self._meta)
+        return True
+
+    def drop_block(self, okey: bytes, idx: int) -> None:
+        """Forget one block (it failed its checksum); its bytes will be fetched again."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.pop(_bkey(okey, idx), db=self._blocks)
+            if raw is None:
+                return
+            _, length = BLOCK.unpack(raw)
+            obj_raw = txn.get(okey, db=self._objects)
+            if obj_raw is not None:
+                rec = ObjectRecord.unpack(obj_raw)
+                rec.cached_bytes -= length
+                txn.put(okey, rec.pack(), db=self._objects)
+                self._add_stats(txn, rec.dataset, cached=-length)
+            total, count = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
+            txn.put(b"totals", TOTALS.pack(max(0, total - length), count), db=self._meta)
+
+    def remove_object(self, okey: bytes) -> int:
+        """Forget an object and all its blocks; returns the bytes it held."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.pop(okey, db=self._objects)
+            if raw is None:
+                return 0
+            rec = ObjectRecord.unpack(raw)
+            cur = txn.cursor(db=self._blocks)
+            if cur.set_range(okey):
+                while cur.key()[:16] == okey:
+                    if not cur.delete():
+                        break
+            self._add_stats(txn, rec.dataset, cached=-rec.cached_bytes)
+            total, count = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
+            txn.put(b"totals", TOTALS.pack(max(0, total - rec.cached_bytes), max(0, count - 1)), db=self._meta)
+            return rec.cached_bytes
+
+    def objects(self, dataset: str | None = None) -> Iterator[tuple[bytes, ObjectRecord]]:
+        with self.env.begin() as txn:
+            for k, v in txn.cursor(db=self._objects):
+                rec = ObjectRecord.unpack(v)
+                if dataset is None or rec.dataset == dataset:
+                    yield bytes(k), rec
+
+    def record_access(
+        self, objects: dict[bytes, tuple[float, int]], datasets: dict[str, tuple[int, int]]
+    ) -> None:
+        """Fold batched access statistics in: per object (last access, hit count delta), per dataset
+        (hit bytes, miss bytes)."""
+        if not objects and not datasets:
+            return
+        with self.env.begin(write=True) as txn:
+            for okey, (last, hits) in objects.items():
+                raw = txn.get(okey, db=self._objects)
+                if raw is None:
+                    continue
+                rec = ObjectRecord.unpack(raw)
+                rec.last_access = max(rec.last_access, last)
+                rec.hits += hits
+                txn.put(okey, rec.pack(), db=self._objects)
+            for ds, (hit, miss) in datasets.items():
+                self._add_stats(txn, ds, hit=hit, miss=miss)
+
+    def _add_stats(self, txn, ds: str, cached: int = 0, hit: int = 0, miss: int = 0) -> None:
+        key = ds.encode()
+        c, h, m = DS_STATS.unpack(txn.get(key, db=self._ds_stats) or DS_STATS.pack(0, 0, 0))
+        txn.put(key, DS_STATS.pack(max(0, c + cached), h + hit, m + miss), db=self._ds_stats)
+
+    def forget_dataset(self, ds_id: str, keys: Iterable[bytes] = ()) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.delete(ds_id.encode(), db=self._datasets)
+            txn.delete(ds_id.encode(), db=self._ds_stats)

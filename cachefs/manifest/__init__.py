@@ -1,0 +1,6 @@
+"""Frozen, versioned dataset manifests."""
+
+from .builder import KEEP_VERSIONS, take_snapshot
+from .store import ManifestStore, ManifestWriter, valid_relpath
+
+__all__ = ["ManifestStore", "ManifestWriter", "take_snapshot", "valid_relpath", "KEEP_VERSIONS"]

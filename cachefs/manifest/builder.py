@@ -1,0 +1,70 @@
+"""Taking a dataset's manifest: one parallel listing of the origin, written as a new immutable version."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+
+from ..errors import ObjectNotFoundError
+from ..index import DatasetRecord, Index, ManifestInfo
+from ..sources import Source
+from ..types import DatasetRef
+from .store import ManifestStore, ManifestWriter
+
+__all__ = ["take_snapshot", "KEEP_VERSIONS"]
+
+log = logging.getLogger(__name__)
+
+#: Manifest versions kept per dataset: the newest and two older ones, so jobs pinned to the previous
+#: snapshot keep working across a refresh or two. Older versions are dropped at the next refresh.
+KEEP_VERSIONS = 3
+
+
+async def take_snapshot(index: Index, source: Source, ds: DatasetRef, *, only_if_missing: bool = False) -> DatasetRecord:
+    """List ``ds`` once and store the listing as its new current manifest version.
+
+    Several processes may ask at once; a per-dataset file lock makes them take turns, and with
+    ``only_if_missing`` a later one reuses the snapshot an earlier one just took instead of listing again.
+    """
+    lock_dir = os.path.join(os.path.dirname(index.path), "locks")
+    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(lock_dir, f"{ds.id}.manifest"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        rec = index.dataset(ds.id) or DatasetRecord(ds.id, ds.url)
+        if only_if_missing and rec.manifests:
+            return rec
+        return await _snapshot_locked(index, source, ds, rec)
+    finally:
+        os.close(fd)
+
+
+async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: DatasetRecord) -> DatasetRecord:
+    store = ManifestStore(index)
+    version = max((m.version for m in rec.manifests), default=0) + 1
+    store.drop(ds.id, version)  # leftovers of a listing that crashed before it was committed
+    writer = ManifestWriter(index, ds.id, version)
+    try:
+        async for batch in source.list_tree(ds.url):
+            writer.add(batch)
+    except ObjectNotFoundError:
+        store.drop(ds.id, version)
+        raise ObjectNotFoundError(f"{ds.url}: dataset not found at the origin") from None
+    except BaseException:
+        store.drop(ds.id, version)
+        raise
+    for path, why in writer.skipped_examples:
+        log.warning("%s: skipped %r (%s)", ds.url, path, why)
+    if writer.skipped > len(writer.skipped_examples):
+        log.warning("%s: skipped %d names in all", ds.url, writer.skipped)
+    rec.manifests.append(ManifestInfo(version, writer.created, writer.files, writer.bytes, writer.skipped))
+    rec.current = version
+    dropped = rec.manifests[:-KEEP_VERSIONS]
+    rec.manifests = rec.manifests[-KEEP_VERSIONS:]
+    index.put_dataset(rec)  # the commit point: readers switch to the new version here
+    for old in dropped:
+        store.drop(ds.id, old.version)
+    log.info("%s: manifest v%d, %d files, %d bytes", ds.url, version, writer.files, writer.bytes)
+    return rec

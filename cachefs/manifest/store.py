@@ -1,0 +1,178 @@
+"""Frozen dataset manifests stored in the node index.
+
+A manifest version is an immutable snapshot of a dataset's tree: every directory and file with its size,
+origin version (ETag) and mtime. Entries are keyed ``dataset id | version (u32 BE) | parent dir | NUL | name``
+so that ``listdir`` is one ordered range scan over exactly the directory's children (a 1M-entry directory
+lists in about a second) and ``stat`` is one B-tree lookup. Nothing is loaded into memory up front, so many
+processes can open a multi-million-entry manifest at once.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterator
+
+from ..errors import ObjectNotFoundError
+from ..index import Index
+from ..types import Entry
+
+__all__ = ["ManifestStore", "ManifestWriter", "valid_relpath"]
+
+_ENTRY = struct.Struct("<BQd")
+_FILE, _DIR = 0, 1
+_NAME_MAX = 255
+
+
+def _prefix(ds_id: str, version: int) -> bytes:
+    return ds_id.encode() + version.to_bytes(4, "big")
+
+
+def _split(path: str) -> tuple[str, str]:
+    parent, _, name = path.rpartition("/")
+    return parent, name
+
+
+def _key(ds_id: str, version: int, path: str) -> bytes:
+    parent, name = _split(path)
+    return _prefix(ds_id, version) + parent.encode() + b"\0" + name.encode()
+
+
+def _pack(e: Entry) -> bytes:
+    return _ENTRY.pack(_DIR if e.is_dir else _FILE, e.size, e.mtime) + e.version.encode()
+
+
+def _unpack(path: str, raw) -> Entry:
+    kind, size, mtime = _ENTRY.unpack_from(raw)
+    return Entry(path, size, bytes(raw[_ENTRY.size:]).decode(), mtime, kind == _DIR)
+
+
+def valid_relpath(path: str) -> str | None:
+    """Why ``path`` cannot appear in a POSIX tree, or None when it can."""
+    if not path:
+        return "empty name"
+    if "\0" in path:
+        return "NUL in name"
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            return f"path component {part!r}"
+        if len(part.encode()) > _NAME_MAX:
+            return "name longer than 255 bytes"
+    return None
+
+
+class ManifestStore:
+    """Read access to the manifests of all datasets on the node."""
+
+    def __init__(self, index: Index) -> None:
+        self._env = index.env
+        self._db = index.manifest_db
+
+    def lookup(self, ds_id: str, version: int, path: str) -> Entry:
+        """The entry at ``path`` ("" is the root directory); raises ObjectNotFoundError."""
+        if path == "":
+            return Entry("", 0, "", 0.0, True)
+        with self._env.begin(buffers=True) as txn:
+            raw = txn.get(_key(ds_id, version, path), db=self._db)
+            if raw is None:
+                raise ObjectNotFoundError(f"{path}: no such file or directory in the dataset manifest")
+            return _unpack(path, raw)
+
+    def listdir(self, ds_id: str, version: int, path: str) -> Iterator[Entry]:
+        """Entries of directory ``path`` in name order; raises ObjectNotFoundError / NotADirectoryError."""
+        if path and not self.lookup(ds_id, version, path).is_dir:
+            raise NotADirectoryError(20, f"{path}: not a directory")
+        start = _prefix(ds_id, version) + path.encode() + b"\0"
+        base = path + "/" if path else ""
+        with self._env.begin(buffers=True) as txn:
+            cur = txn.cursor(db=self._db)
+            if not cur.set_range(start):
+                return
+            n = len(start)
+            for k, v in cur:
+                if bytes(k[:n]) != start:
+                    break
+                yield _unpack(base + bytes(k[n:]).decode(), v)
+
+    def walk_files(self, ds_id: str, version: int, path: str = "") -> Iterator[Entry]:
+        """Every file under ``path``, depth first, in name order."""
+        stack = [path]
+        while stack:
+            d = stack.pop()
+            subdirs = []
+            for e in self.listdir(ds_id, version, d):
+                if e.is_dir:
+                    subdirs.append(e.path)
+                else:
+                    yield e
+            stack.extend(reversed(subdirs))
+
+    def drop(self, ds_id: str, version: int) -> None:
+        """Delete every entry of one manifest version (also used to clear a half-written one)."""
+        pfx = _prefix(ds_id, version)
+        while True:  # in bounded transactions, so a huge manifest does not hold the writer lock for long
+            with self._env.begin(write=True, db=self._db) as txn:
+                cur = txn.cursor(db=self._db)
+                n = 0
+                if cur.set_range(pfx):
+                    while cur.key()[: len(pfx)] == pfx and n < 50_000:
+                        if not cur.delete():
+                            break
+                        n += 1
+                if n < 50_000:
+                    return
+
+
+class ManifestWriter:
+    """Writes one new manifest version batch by batch; files whose names POSIX cannot hold are skipped."""
+
+    def __init__(self, index: Index, ds_id: str, version: int) -> None:
+        self._env, self._db = index.env, index.manifest_db
+        self.ds_id, self.version = ds_id, version
+        self.created = time.time()
+        self.files = 0
+        self.bytes = 0
+        self.skipped = 0
+        #: The first few skipped paths and why, for the log and ``cachefs status``.
+        self.skipped_examples: list[tuple[str, str]] = []
+        self._dirs: set[str] = {""}
+
+    def add(self, batch: list[Entry]) -> None:
+        with self._env.begin(write=True) as txn:
+            for e in batch:
+                path = e.path
+                if path.endswith("/") and e.size == 0 and valid_relpath(path.rstrip("/")) is None:
+                    self._add_dir(txn, path.rstrip("/"))  # an S3 "directory marker" object
+                    continue
+                why = valid_relpath(path)
+                if why:
+                    self._skip(path, why)
+                    continue
+                self._add_dir(txn, _split(path)[0])
+                if path in self._dirs:
+                    self._skip(path, "a directory of the same name exists")
+                    continue
+                if not txn.put(_key(self.ds_id, self.version, path), _pack(e), db=self._db, overwrite=False):
+                    self._skip(path, "listed twice")
+                    continue
+                self.files += 1
+                self.bytes += e.size
+
+    def _add_dir(self, txn, path: str) -> None:
+        while path not in self._dirs:
+            key = _key(self.ds_id, self.version, path)
+            old = txn.get(key, db=self._db)
+            if old is not None:
+                shadowed = _unpack(path, old)
+                if not shadowed.is_dir:  # a file named like a directory: the directory wins
+                    self.files -= 1
+                    self.bytes -= shadowed.size
+                    self._skip(path, "a directory of the same name exists")
+            txn.put(key, _pack(Entry(path, 0, "", self.created, True)), db=self._db)
+            self._dirs.add(path)
+            path = _split(path)[0]
+
+    def _skip(self, path: str, why: str) -> None:
+        self.skipped += 1
+        if len(self.skipped_examples) < 20:
+            self.skipped_examples.append((path, why))

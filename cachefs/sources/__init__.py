@@ -1,0 +1,34 @@
+"""Sources of bytes: the origin (S3, local files, any fsspec backend)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import Config
+from ..errors import InvalidURLError
+from .base import RetryPolicy, Source, with_retries
+
+__all__ = ["Source", "RetryPolicy", "with_retries", "open_origin"]
+
+
+def open_origin(url: str, config: Config, storage_options: dict[str, Any] | None = None) -> Source:
+    """The origin :class:`Source` for a dataset URL's scheme."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("s3", "s3a"):
+        from .s3 import S3Source
+
+        return S3Source(config.origin, config.engine, storage_options)
+    if scheme in ("file", "local"):
+        from .local import LocalSource
+
+        return LocalSource()
+    import fsspec
+
+    if scheme not in fsspec.available_protocols():
+        raise InvalidURLError(f"{url!r}: unknown scheme {scheme!r} (s3://, gs://, file:// and other fsspec protocols work)")
+    from .generic import FsspecSource
+
+    try:
+        return FsspecSource(scheme, config.origin, storage_options)
+    except ImportError as exc:
+        raise InvalidURLError(f"{url!r}: the {scheme}:// backend is not installed ({exc.name})") from None

@@ -1,0 +1,89 @@
+"""Where missing bytes come from.
+
+A :class:`Source` lists a dataset once (for its manifest) and serves ranged reads of one *version* of one
+object. A read must either return exactly the requested bytes of that version or raise: a
+:class:`~cachefs.errors.StaleObjectError` when the object has changed, another
+:class:`~cachefs.errors.CacheFSError` otherwise. Retrying transient failures is the source's job
+(:func:`with_retries`), so the engine above sees one clean outcome per request.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from ..errors import CacheFSError, translate_origin_error
+from ..types import Entry
+
+__all__ = ["Source", "RetryPolicy", "with_retries"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Source(abc.ABC):
+    """Lists datasets and reads byte ranges of object versions."""
+
+    #: True when :meth:`read` itself detects a changed object (S3 If-Match, local mtime check).
+    verifies_version: bool = True
+
+    @abc.abstractmethod
+    def list_tree(self, root_url: str) -> AsyncIterator[list[Entry]]:
+        """Yield batches of the *files* under ``root_url`` (paths relative to it, ``/``-separated).
+
+        Raises :class:`~cachefs.errors.ObjectNotFoundError` when the root does not exist at all.
+        """
+
+    @abc.abstractmethod
+    async def stat(self, url: str) -> Entry:
+        """The current entry of one object (``path`` is the full URL)."""
+
+    @abc.abstractmethod
+    async def read(self, url: str, version: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``version`` of the object at ``url``; exactly ``end - start`` bytes."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+class RetryPolicy:
+    """Exponential backoff with full jitter (AWS's recommendation for contended retries)."""
+
+    def __init__(self, max_attempts: int, base: float, cap: float) -> None:
+        self.max_attempts = max_attempts
+        self.base = base
+        self.cap = cap
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.cap, self.base * (2**attempt)))
+
+
+async def with_retries(
+    call: Callable[[], Awaitable[T]], *, what: str, policy: RetryPolicy, timeout: float | None = None
+) -> T:
+    """Run ``call`` until it succeeds, fails with a non-retryable error, or runs out of attempts.
+
+    Every failure is translated into the cachefs tree once, here.
+    """
+    attempt = 0
+    while True:
+        try:
+            if timeout is None:
+                return await call()
+            return await asyncio.wait_for(call(), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated below, never swallowed
+            err = exc if isinstance(exc, CacheFSError) else translate_origin_error(exc, what)
+            attempt += 1
+            if not err.retryable or attempt >= policy.max_attempts:
+                if err is exc:
+                    raise
+                raise err from exc
+            delay = policy.delay(attempt)
+            log.debug("retrying %s after %s (attempt %d, sleeping %.3fs)", what, type(err).__name__, attempt, delay)
+            await asyncio.sleep(delay)

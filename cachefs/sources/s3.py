@@ -1,0 +1,191 @@
+"""The S3 origin: parallel listing with ListObjectsV2 and ranged GETs pinned to an ETag with ``If-Match``.
+
+s3fs is used only to build the aiobotocore client, so endpoint and credentials resolve exactly as boto3 and
+the aws CLI resolve them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``AWS_PROFILE``, ``AWS_REGION``, instance roles); explicit config and fsspec ``s3={...}`` options win.
+Retries are ours (botocore's are switched off) so there is one backoff policy and one error table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..config import EngineConfig, OriginConfig
+from ..errors import InvalidURLError, ObjectNotFoundError, TruncatedBodyError
+from ..types import Entry
+from .base import RetryPolicy, Source, with_retries
+
+__all__ = ["S3Source"]
+
+#: Below this depth prefixes are listed with a delimiter (so they fan out in parallel); deeper, flat.
+_FANOUT_DEPTH = 2
+
+
+def _split(url: str) -> tuple[str, str]:
+    rest = url.split("://", 1)[1]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise InvalidURLError(f"{url!r}: no bucket name")
+    return bucket, key
+
+
+def _etag(raw: str | None) -> str:
+    return (raw or "").strip('"')
+
+
+class S3Source(Source):
+    verifies_version = True
+
+    def __init__(
+        self,
+        origin: OriginConfig,
+        engine: EngineConfig | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._origin = origin
+        self._pool = (engine or EngineConfig()).max_concurrent_fetches + origin.list_concurrency + 4
+        self._options = dict(storage_options or {})
+        self._policy = RetryPolicy(origin.max_attempts, origin.backoff_base, origin.backoff_max)
+        self._fs = None
+        self._client = None
+        self._client_lock = asyncio.Lock()
+
+    async def _s3(self):
+        if self._client is not None:
+            return self._client
+        async with self._client_lock:
+            if self._client is None:
+                import s3fs
+
+                o = self._origin
+                kw: dict[str, Any] = {
+                    "asynchronous": True,
+                    "skip_instance_cache": True,
+                    "use_listings_cache": False,
+                    "anon": o.anonymous,
+                    "config_kwargs": {
+                        "retries": {"max_attempts": 1, "mode": "standard"},
+                        "connect_timeout": o.connect_timeout,
+                        "read_timeout": o.request_timeout,
+                        "max_pool_connections": self._pool,
+                    },
+                }
+                if o.endpoint_url:
+                    kw["endpoint_url"] = o.endpoint_url
+                if o.access_key_id:
+                    kw.update(key=o.access_key_id, secret=o.secret_access_key, token=o.session_token)
+                if o.profile:
+                    kw["profile"] = o.profile
+                if o.region:
+                    kw["client_kwargs"] = {"region_name": o.region}
+                user = dict(self._options)
+                for nested in ("config_kwargs", "client_kwargs"):
+                    if nested in user:
+                        kw[nested] = {**kw.get(nested, {}), **user.pop(nested)}
+                kw.update(user)
+                fs = s3fs.S3FileSystem(**kw)
+                self._client = await with_retries(fs.set_session, what="connect to S3", policy=self._policy)
+                self._fs = fs
+        return self._client
+
+    async def list_tree(self, root_url: str) -> AsyncIterator[list[Entry]]:
+        bucket, key = _split(root_url)
+        client = await self._s3()
+        prefix = key + "/" if key else ""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        sem = asyncio.Semaphore(self._origin.list_concurrency)
+        found_any = False
+
+        async def list_prefix(pfx: str, depth: int) -> None:
+            delimiter = "/" if depth < _FANOUT_DEPTH else ""
+            children: list[str] = []
+            token = None
+            async with sem:
+                while True:
+                    kw = {"Bucket": bucket, "Prefix": pfx}
+                    if delimiter:
+                        kw["Delimiter"] = delimiter
+                    if token:
+                        kw["ContinuationToken"] = token
+                    page = await with_retries(
+                        lambda kw=kw: client.list_objects_v2(**kw),
+                        what=f"list s3://{bucket}/{pfx}",
+                        policy=self._policy,
+                        timeout=self._origin.request_timeout,
+                    )
+                    batch = [
+                        Entry(
+                            path=obj["Key"][len(prefix):],
+                            size=int(obj["Size"]),
+                            version=_etag(obj.get("ETag")),
+                            mtime=obj["LastModified"].timestamp(),
+                        )
+                        for obj in page.get("Contents", ())
+                    ]
+                    children.extend(cp["Prefix"] for cp in page.get("CommonPrefixes", ()))
+                    if batch:
+                        await queue.put(batch)
+                    if not page.get("IsTruncated"):
+                        break
+                    token = page.get("NextContinuationToken")
+            # Directories need no entries of their own: the manifest derives them from the file paths.
+            await asyncio.gather(*(list_prefix(c, depth + 1) for c in children))
+
+        async def run() -> None:
+            try:
+                await list_prefix(prefix, 0)
+            finally:
+                await queue.put(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while (batch := await queue.get()) is not None:
+                found_any = True
+                yield batch
+            await task
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if not found_any:
+            # An empty listing is either an empty prefix or a missing bucket; only the latter is an error.
+            await with_retries(lambda: client.head_bucket(Bucket=bucket), what=f"s3://{bucket}",
+                               policy=self._policy, timeout=self._origin.request_timeout)
+
+    async def stat(self, url: str) -> Entry:
+        bucket, key = _split(url)
+        if not key:
+            raise ObjectNotFoundError(f"{url}: not an object")
+        client = await self._s3()
+        head = await with_retries(
+            lambda: client.head_object(Bucket=bucket, Key=key),
+            what=url, policy=self._policy, timeout=self._origin.request_timeout,
+        )
+        return Entry(url, int(head["ContentLength"]), _etag(head.get("ETag")), head["LastModified"].timestamp())
+
+    async def read(self, url: str, version: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        bucket, key = _split(url)
+        client = await self._s3()
+        want = end - start
+
+        async def get() -> bytes:
+            kw = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+            if version:
+                kw["IfMatch"] = f'"{version}"'
+            resp = await client.get_object(**kw)
+            async with resp["Body"] as body:
+                data = await body.read()
+            if len(data) != want:
+                raise TruncatedBodyError(f"{url} [{start}, {end}): got {len(data)} of {want} bytes")
+            return data
+
+        return await with_retries(get, what=url, policy=self._policy, timeout=self._origin.request_timeout)
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.__aexit__(None, None, None)

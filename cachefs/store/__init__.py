@@ -1,0 +1,6 @@
+"""The local store (NVMe tier)."""
+
+from .base import BlockStore, StoredObject
+from .disk import DiskObject, DiskStore
+
+__all__ = ["BlockStore", "StoredObject", "DiskStore", "DiskObject"]

@@ -1,0 +1,58 @@
+"""Where cached bytes live on this node.
+
+A :class:`BlockStore` keeps one local file per cached object version, laid out exactly like the object
+(block ``i`` at offset ``i × block_size``), so that a fully cached object *is* a complete local file the
+FUSE layer can hand to the kernel for passthrough. Which blocks of a file hold data is the index's
+business, not the store's: the store writes and reads bytes, verifies them against the checksum it is
+given, and refuses to delete a file while any process has it open.
+"""
+
+from __future__ import annotations
+
+import abc
+
+__all__ = ["BlockStore", "StoredObject"]
+
+
+class StoredObject(abc.ABC):
+    """An open, shared-locked local file of one object version. Evictors skip files that are open."""
+
+    key: bytes
+    size: int
+    #: Path of the local file (complete once every block is present).
+    path: str
+
+    @abc.abstractmethod
+    def write_block(self, idx: int, data: bytes) -> None:
+        """Store block ``idx``. Raises CacheFullError when the disk is full."""
+
+    @abc.abstractmethod
+    def read(self, start: int, end: int, checksums: dict[int, tuple[int, int]]) -> bytes:
+        """Bytes ``[start, end)``; every block they touch must be in ``checksums`` (idx → (xxh3, length)).
+
+        Each block is verified against its checksum the first time this handle reads it; a mismatch raises
+        CorruptBlockError naming the block (``err.block``)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the file (and its lock)."""
+
+
+class BlockStore(abc.ABC):
+    """The local tier: one file per object version, opened shared, evicted exclusively."""
+
+    block_size: int
+
+    @abc.abstractmethod
+    def open(self, key: bytes, dataset: str, size: int) -> StoredObject:
+        """Open (creating if needed) the file of an object version for reading and writing."""
+
+    @abc.abstractmethod
+    def try_remove(self, key: bytes, dataset: str, on_locked) -> bool:
+        """Remove an object's file if no process has it open. ``on_locked()`` runs while the exclusive lock is
+        held, before the file disappears (the index forgets the object there); returning False keeps the
+        file. Returns whether the file was removed."""
+
+    @abc.abstractmethod
+    def disk_usage(self) -> tuple[int, int]:
+        """(total, free) bytes of the filesystem holding the store."""

@@ -1,0 +1,150 @@
+"""The NVMe tier: sparse object files under ``<cache_dir>/data``.
+
+Layout (format 1, docs/FORMAT.md): ``data/<dataset id>/<key[0:2] hex>/<key hex>``, where ``key`` is the
+16-byte object key of (dataset, path, version). The file has the object's size from creation (sparse), and
+block ``i`` lives at offset ``i × block_size``. Files are 0600 in 0700 directories.
+
+Crash safety comes from ordering plus checksums rather than from temp files: a block's bytes are written
+(``pwrite``) before the index records the block, so a crash before the record means the block is simply
+fetched again, and a torn write can never be served because every block is verified against the xxh3
+recorded with it. (Temp-file-and-rename per block would break the one-file-per-object layout that FUSE
+passthrough needs.)
+
+Eviction safety comes from ``flock``: every reader holds a shared lock on the file for as long as it has
+it open; an evictor takes the exclusive lock without waiting, and skips the file if it cannot. A reader
+that opened the path just before an eviction unlinked it notices (inode changed) and opens again.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+
+from ..checksum import block_checksum
+from ..errors import CacheFSError, CacheFullError, CorruptBlockError
+from .base import BlockStore, StoredObject
+
+__all__ = ["DiskStore", "DiskObject"]
+
+
+def _disk_error(exc: OSError, what: str) -> CacheFSError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CacheFullError(f"cache disk full while writing {what}")
+    return CacheFSError(f"cache disk error on {what}: {exc.strerror}", errno_=exc.errno or errno.EIO)
+
+
+class DiskObject(StoredObject):
+    __slots__ = ("key", "size", "path", "_fd", "_bs", "_verified")
+
+    def __init__(self, key: bytes, size: int, path: str, fd: int, block_size: int) -> None:
+        self.key, self.size, self.path = key, size, path
+        self._fd, self._bs = fd, block_size
+        self._verified: set[int] = set()
+
+    def write_block(self, idx: int, data: bytes) -> None:
+        try:
+            n = os.pwrite(self._fd, data, idx * self._bs)
+        except OSError as exc:
+            raise _disk_error(exc, self.path) from None
+        if n != len(data):  # only a full disk makes pwrite on a regular file short
+            raise CacheFullError(f"cache disk full while writing {self.path}")
+
+    def read(self, start: int, end: int, checksums: dict[int, tuple[int, int]]) -> bytes:
+        bs = self._bs
+        first, last = start // bs, (end - 1) // bs
+        unverified = [i for i in range(first, last + 1) if i not in self._verified]
+        if not unverified:
+            return os.pread(self._fd, end - start, start)
+        # Read the block-aligned span once and verify the blocks not yet verified through memoryview
+        # slices: no copies, and a whole-object read returns the pread buffer itself.
+        lo = first * bs
+        hi = min(self.size, (last + 1) * bs)
+        data = os.pread(self._fd, hi - lo, lo)
+        view = memoryview(data)
+        for i in unverified:
+            checksum, length = checksums[i]
+            off = i * bs - lo
+            piece = view[off : off + length]
+            if len(piece) != length or block_checksum(piece) != checksum:
+                err = CorruptBlockError(f"{self.path}: block {i} failed its checksum")
+                err.block = i
+                raise err
+            self._verified.add(i)
+        if start == lo and end == hi:
+            return data
+        return data[start - lo : end - lo]
+
+    def forget_verified(self, idx: int) -> None:
+        self._verified.discard(idx)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)  # also drops the shared flock
+
+
+class DiskStore(BlockStore):
+    def __init__(self, cache_dir: str, block_size: int) -> None:
+        self.root = os.path.join(cache_dir, "data")
+        self.block_size = block_size
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+
+    def object_path(self, key: bytes, dataset: str) -> str:
+        h = key.hex()
+        return os.path.join(self.root, dataset, h[:2], h)
+
+    def open(self, key: bytes, dataset: str, size: int) -> DiskObject:
+        path = self.object_path(key, dataset)
+        for _ in range(100):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                continue
+            except OSError as exc:
+                raise _disk_error(exc, path) from None
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # evicted between our open and our lock: try again with the new file
+                os.close(fd)
+                continue
+            try:
+                if os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
+            except OSError as exc:
+                os.close(fd)
+                raise _disk_error(exc, path) from None
+            return DiskObject(key, size, path, fd, self.block_size)
+        raise CacheFSError(f"{path}: could not open a stable cache file")
+
+    def try_remove(self, key: bytes, dataset: str, on_locked) -> bool:
+        path = self.object_path(key, dataset)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return bool(on_locked())
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            if not on_locked():
+                return False
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return True
+        finally:
+            os.close(fd)
+
+    def disk_usage(self) -> tuple[int, int]:
+        st = os.statvfs(self.root)
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize

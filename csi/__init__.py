@@ -1,0 +1,1 @@
+"""CSI driver for cachefs datasets (see issue: CSI driver and deploy/)."""

@@ -1,0 +1,1 @@
+"""Scheduler hints: cache-locality labels and the kube-scheduler extender."""
