@@ -6,13 +6,20 @@ from typing import Any
 
 from ..config import Config
 from ..errors import InvalidURLError
-from .base import RetryPolicy, Source, with_retries
+from .base import RetryingSource, RetryPolicy, Source, with_retries
 
-__all__ = ["Source", "RetryPolicy", "with_retries", "open_origin"]
+__all__ = ["Source", "RetryPolicy", "RetryingSource", "with_retries", "open_origin", "open_raw_origin"]
 
 
 def open_origin(url: str, config: Config, storage_options: dict[str, Any] | None = None) -> Source:
-    """The origin :class:`Source` for a dataset URL's scheme."""
+    """The origin :class:`Source` for a dataset URL's scheme, with retries, timeouts and error translation."""
+    o = config.origin
+    return RetryingSource(open_raw_origin(url, config, storage_options),
+                          RetryPolicy(o.max_attempts, o.backoff_base, o.backoff_max), o.request_timeout)
+
+
+def open_raw_origin(url: str, config: Config, storage_options: dict[str, Any] | None = None) -> Source:
+    """The bare origin source for a URL's scheme (one attempt per request; see :class:`RetryingSource`)."""
     scheme = url.split("://", 1)[0].lower()
     if scheme in ("s3", "s3a"):
         from .s3 import S3Source

@@ -4,7 +4,7 @@ A :class:`Source` lists a dataset once (for its manifest) and serves ranged read
 object. A read must either return exactly the requested bytes of that version or raise: a
 :class:`~cachefs.errors.StaleObjectError` when the object has changed, another
 :class:`~cachefs.errors.CacheFSError` otherwise. Retrying transient failures is the source's job
-(:func:`with_retries`), so the engine above sees one clean outcome per request.
+(:class:`RetryingSource` wraps every origin), so the engine above sees one clean outcome per request.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TypeVar
 from ..errors import CacheFSError, translate_origin_error
 from ..types import Entry
 
-__all__ = ["Source", "RetryPolicy", "with_retries"]
+__all__ = ["Source", "RetryPolicy", "RetryingSource", "with_retries"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,3 +87,37 @@ async def with_retries(
             delay = policy.delay(attempt)
             log.debug("retrying %s after %s (attempt %d, sleeping %.3fs)", what, type(err).__name__, attempt, delay)
             await asyncio.sleep(delay)
+
+
+class RetryingSource(Source):
+    """Adds timeouts, retries with backoff, the body-length check and error translation to a source whose
+    ``read``/``stat`` make one attempt each. Listing retries per page inside the source itself."""
+
+    def __init__(self, inner: Source, policy: RetryPolicy, timeout: float) -> None:
+        self.inner = inner
+        self.policy = policy
+        self.timeout = timeout
+        self.verifies_version = inner.verifies_version
+
+    def list_tree(self, root_url: str) -> AsyncIterator[list[Entry]]:
+        return self.inner.list_tree(root_url)
+
+    async def stat(self, url: str) -> Entry:
+        return await with_retries(lambda: self.inner.stat(url), what=url, policy=self.policy, timeout=self.timeout)
+
+    async def read(self, url: str, version: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+
+        async def attempt() -> bytes:
+            data = await self.inner.read(url, version, start, end)
+            if len(data) != end - start:
+                from ..errors import TruncatedBodyError
+
+                raise TruncatedBodyError(f"{url} [{start}, {end}): got {len(data)} of {end - start} bytes")
+            return data
+
+        return await with_retries(attempt, what=url, policy=self.policy, timeout=self.timeout)
+
+    async def close(self) -> None:
+        await self.inner.close()

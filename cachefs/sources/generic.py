@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..config import OriginConfig
-from ..errors import StaleObjectError, TruncatedBodyError
+from ..errors import StaleObjectError
 from ..types import Entry
 from .base import RetryPolicy, Source, with_retries
 
@@ -26,8 +26,7 @@ def info_version(info: dict[str, Any]) -> str:
     for key in _VERSION_KEYS:
         if info.get(key):
             return str(info[key]).strip('"')
-    mtime = info.get("mtime") or info.get("LastModified") or info.get("updated") or info.get("created") or ""
-    return f"{mtime}-{info.get('size')}"
+    return f"{info_mtime(info)}-{info.get('size')}"
 
 
 def info_mtime(info: dict[str, Any]) -> float:
@@ -55,7 +54,6 @@ class FsspecSource(Source):
         self._fs = cls(**opts)
         self._async = getattr(cls, "async_impl", False)
         self._policy = RetryPolicy(origin.max_attempts, origin.backoff_base, origin.backoff_max)
-        self._timeout = origin.request_timeout
         self._checked: dict[str, str] = {}
 
     async def _call(self, name: str, *args, **kwargs):
@@ -85,7 +83,7 @@ class FsspecSource(Source):
             raise ObjectNotFoundError(f"{root_url}: not found")
 
     async def stat(self, url: str) -> Entry:
-        info = await with_retries(lambda: self._call("info", self._strip(url)), what=url, policy=self._policy)
+        info = await self._call("info", self._strip(url))
         return Entry(url, int(info.get("size") or 0), info_version(info), info_mtime(info))
 
     async def read(self, url: str, version: str, start: int, end: int) -> bytes:
@@ -94,11 +92,4 @@ class FsspecSource(Source):
             if current.version != version:
                 raise StaleObjectError(f"{url}: changed since the manifest was taken")
             self._checked[url] = version
-
-        async def get() -> bytes:
-            data = await self._call("cat_file", self._strip(url), start=start, end=end)
-            if len(data) != end - start:
-                raise TruncatedBodyError(f"{url} [{start}, {end}): got {len(data)} of {end - start} bytes")
-            return data
-
-        return await with_retries(get, what=url, policy=self._policy, timeout=self._timeout)
+        return await self._call("cat_file", self._strip(url), start=start, end=end)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..config import EngineConfig, OriginConfig
-from ..errors import InvalidURLError, ObjectNotFoundError, TruncatedBodyError
+from ..errors import InvalidURLError, ObjectNotFoundError
 from ..types import Entry
 from .base import RetryPolicy, Source, with_retries
 
@@ -159,31 +159,18 @@ class S3Source(Source):
         if not key:
             raise ObjectNotFoundError(f"{url}: not an object")
         client = await self._s3()
-        head = await with_retries(
-            lambda: client.head_object(Bucket=bucket, Key=key),
-            what=url, policy=self._policy, timeout=self._origin.request_timeout,
-        )
+        head = await client.head_object(Bucket=bucket, Key=key)
         return Entry(url, int(head["ContentLength"]), _etag(head.get("ETag")), head["LastModified"].timestamp())
 
     async def read(self, url: str, version: str, start: int, end: int) -> bytes:
-        if end <= start:
-            return b""
         bucket, key = _split(url)
         client = await self._s3()
-        want = end - start
-
-        async def get() -> bytes:
-            kw = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
-            if version:
-                kw["IfMatch"] = f'"{version}"'
-            resp = await client.get_object(**kw)
-            async with resp["Body"] as body:
-                data = await body.read()
-            if len(data) != want:
-                raise TruncatedBodyError(f"{url} [{start}, {end}): got {len(data)} of {want} bytes")
-            return data
-
-        return await with_retries(get, what=url, policy=self._policy, timeout=self._origin.request_timeout)
+        kw = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if version:
+            kw["IfMatch"] = f'"{version}"'
+        resp = await client.get_object(**kw)
+        async with resp["Body"] as body:
+            return await body.read()
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -1,0 +1,160 @@
+"""Conformance suites: every :class:`~cachefs.sources.Source` and :class:`~cachefs.store.BlockStore`
+implementation gets a test class that subclasses one of these and provides the fixture it names."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from ..checksum import block_checksum
+from ..errors import CorruptBlockError, ObjectNotFoundError, StaleObjectError
+from ..sources import RetryingSource, RetryPolicy
+from ..store import BlockStore
+
+
+def _run(source, scenario):
+    """Run ``scenario(source)`` in one event loop and close the source (its connections belong to the loop)."""
+
+    async def main():
+        try:
+            return await scenario(source)
+        finally:
+            await source.close()
+
+    return asyncio.run(main())
+
+
+async def _list(source, url):
+    out = []
+    async for batch in source.list_tree(url):
+        out.extend(batch)
+    return {e.path: e for e in out}
+
+
+class SourceConformance:
+    """Subclasses provide a ``origin`` fixture: an object with ``.source`` (a raw Source), ``.root`` (dataset
+    URL), ``.put(path, bytes)`` and ``.missing_root`` (a URL under which nothing exists)."""
+
+    FILES = {
+        "a.txt": b"hello",
+        "empty.bin": b"",
+        "dir/b.bin": bytes(range(256)) * 300,
+        "dir/sub/c d ü.txt": "unicode and spaces".encode(),
+    }
+
+    @pytest.fixture
+    def populated(self, origin):
+        for path, data in self.FILES.items():
+            origin.put(path, data)
+        return origin
+
+    def _retrying(self, origin):
+        return RetryingSource(origin.source, RetryPolicy(3, 0.001, 0.01), 10.0)
+
+    def test_lists_every_file_with_size_and_version(self, populated):
+        got = _run(populated.source, lambda src: _list(src, populated.root))
+        assert set(got) == set(self.FILES)
+        for path, data in self.FILES.items():
+            assert got[path].size == len(data)
+            assert got[path].version, path
+            assert not got[path].is_dir
+
+    def test_reads_exact_ranges(self, populated):
+        data = self.FILES["dir/b.bin"]
+        url = f"{populated.root}/dir/b.bin"
+        ranges = [(0, 1), (0, len(data)), (1000, 1001), (7, 70_000), (len(data) - 3, len(data)), (5, 5)]
+
+        async def scenario(src):
+            e = (await _list(src, populated.root))["dir/b.bin"]
+            return [await src.read(url, e.version, s, t) for s, t in ranges]
+
+        got = _run(self._retrying(populated), scenario)
+        assert got == [data[s:t] for s, t in ranges]
+
+    def test_changed_object_is_stale(self, populated):
+        async def scenario(src):
+            e = (await _list(src, populated.root))["a.txt"]
+            populated.put("a.txt", b"HELLO, changed")
+            await src.read(f"{populated.root}/a.txt", e.version, 0, 5)
+
+        with pytest.raises(StaleObjectError):
+            _run(self._retrying(populated), scenario)
+
+    def test_missing_root_is_not_found(self, origin):
+        with pytest.raises(ObjectNotFoundError):
+            _run(origin.source, lambda src: _list(src, origin.missing_root))
+
+    def test_stat_matches_listing(self, populated):
+        async def scenario(src):
+            e = (await _list(src, populated.root))["dir/b.bin"]
+            st = await src.stat(f"{populated.root}/dir/b.bin")
+            return (st.size, st.version), (e.size, e.version)
+
+        a, b = _run(self._retrying(populated), scenario)
+        assert a == b
+
+
+class BlockStoreConformance:
+    """Subclasses provide a ``store`` fixture: a fresh BlockStore with a small block size."""
+
+    KEY = bytes(range(16))
+
+    def _write_all(self, store: BlockStore, data: bytes):
+        obj = store.open(self.KEY, "ds", len(data))
+        bs = store.block_size
+        sums = {}
+        for i in range(0, -(-len(data) // bs)):
+            block = data[i * bs : (i + 1) * bs]
+            obj.write_block(i, block)
+            sums[i] = (block_checksum(block), len(block))
+        return obj, sums
+
+    def test_write_then_read_any_range(self, store):
+        data = os.urandom(store.block_size * 3 + 17)
+        obj, sums = self._write_all(store, data)
+        for start, end in [(0, len(data)), (1, 2), (store.block_size - 1, store.block_size + 1), (len(data) - 1, len(data))]:
+            assert obj.read(start, end, sums) == data[start:end]
+        obj.close()
+
+    def test_complete_object_is_one_local_file(self, store):
+        data = os.urandom(store.block_size * 2 + 5)
+        obj, _ = self._write_all(store, data)
+        with open(obj.path, "rb") as f:
+            assert f.read() == data
+        obj.close()
+
+    def test_corrupt_block_is_detected(self, store):
+        data = os.urandom(store.block_size * 2)
+        obj, sums = self._write_all(store, data)
+        obj.close()
+        with open(store.open(self.KEY, "ds", len(data)).path, "r+b") as f:
+            f.seek(store.block_size + 10)
+            f.write(b"\xff\x00\xff")
+        fresh = store.open(self.KEY, "ds", len(data))
+        assert fresh.read(0, 10, sums) == data[:10]
+        with pytest.raises(CorruptBlockError) as info:
+            fresh.read(store.block_size, store.block_size + 20, sums)
+        assert info.value.block == 1
+        fresh.close()
+
+    def test_open_object_is_not_removed(self, store):
+        data = os.urandom(100)
+        obj, _ = self._write_all(store, data)
+        assert store.try_remove(self.KEY, "ds", lambda: True) is False
+        obj.close()
+        assert store.try_remove(self.KEY, "ds", lambda: True) is True
+        again = store.open(self.KEY, "ds", len(data))
+        assert again.read(0, 100, {0: (block_checksum(bytes(100)), 100)}) == bytes(100)  # a new, empty file
+        again.close()
+
+    def test_remove_can_be_vetoed(self, store):
+        obj, _ = self._write_all(store, b"x" * 10)
+        obj.close()
+        assert store.try_remove(self.KEY, "ds", lambda: False) is False
+        assert os.path.exists(store.open(self.KEY, "ds", 10).path)
+
+    def test_disk_usage(self, store):
+        total, free = store.disk_usage()
+        assert total > 0 and 0 <= free <= total

@@ -1,0 +1,248 @@
+"""The read path end to end against a real S3 server: bytes, single-flight, faults, staleness, eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from cachefs.engine import Engine, ReadStream
+from cachefs.errors import AccessDeniedError, StaleObjectError
+from cachefs.sources import RetryingSource, RetryPolicy, open_raw_origin
+from cachefs.testing.failing import FailingSource
+from tests.conftest import make_files, put_tree
+
+
+def sources(config):
+    failing = FailingSource(open_raw_origin("s3://x", config))
+    o = config.origin
+    return RetryingSource(failing, RetryPolicy(o.max_attempts, o.backoff_base, o.backoff_max), o.request_timeout), failing
+
+
+def run(engine: Engine, scenario, *extra_sources):
+    async def main():
+        try:
+            return await scenario()
+        finally:
+            await engine.aclose()
+            for src in extra_sources:
+                await src.close()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def dataset(s3):
+    _, client, bucket = s3
+    files = make_files(n_small=30, big_sizes=(300_000, 64 * 1024, 1))
+    put_tree(client, bucket, "ds", files)
+    return f"s3://{bucket}/ds", files, client, bucket
+
+
+def test_reads_equal_origin_and_second_read_is_local(config, dataset):
+    url, files, *_ = dataset
+    engine = Engine(config)
+    src, failing = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        for path, data in files.items():
+            e = ds.file(path)
+            assert await engine.read(ds, e, 0, e.size) == data
+            assert await engine.read(ds, e, 3, 9999) == data[3:9999]
+        cold = failing.reads
+        for path, data in files.items():
+            e = ds.file(path)
+            assert engine.read_local(ds, e, 0, e.size) == data
+            assert await engine.read(ds, e, 1, e.size - 1) == data[1 : len(data) - 1]
+        assert failing.reads == cold
+        # metadata never goes to the origin once the manifest exists
+        assert {e.path for e in ds.walk_files()} == set(files)
+        assert ds.stat("small/d1").is_dir and ds.stat("big/0.bin").size == 300_000
+
+    run(engine, scenario, src)
+
+
+def test_single_flight_one_get_for_100_readers(config, dataset):
+    url, files, *_ = dataset
+    engine = Engine(config)
+    src, failing = sources(config)
+    failing.delay = 0.05
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        e = ds.file("big/1.bin")  # exactly one 64 KiB block
+        got = await asyncio.gather(*(engine.read(ds, e, 0, e.size) for _ in range(100)))
+        assert all(g == files["big/1.bin"] for g in got)
+        assert failing.reads == 1
+
+    run(engine, scenario, src)
+
+
+@pytest.mark.parametrize("fault", ["throttle", "server_error", "truncate", "disconnect", "timeout"])
+def test_transient_faults_are_retried(config, dataset, fault):
+    url, files, *_ = dataset
+    config = dataclasses.replace(config, origin=dataclasses.replace(config.origin, request_timeout=0.5))
+    engine = Engine(config)
+    src, failing = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        failing.plan(fault, fault)
+        e = ds.file("big/0.bin")
+        assert await engine.read(ds, e, 0, 1000) == files["big/0.bin"][:1000]
+        assert failing.reads == 3  # two failures, then success
+
+    run(engine, scenario, src)
+
+
+def test_permanent_errors_are_not_retried(config, dataset):
+    url, *_ = dataset
+    engine = Engine(config)
+    src, failing = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        failing.plan("forbidden")
+        with pytest.raises(AccessDeniedError):
+            await engine.read(ds, ds.file("big/0.bin"), 0, 10)
+        assert failing.reads == 1
+
+    run(engine, scenario, src)
+
+
+def test_etag_change_mid_read_is_stale_never_mixed(config, dataset):
+    url, files, client, bucket = dataset
+    engine = Engine(config)
+    src, failing = sources(config)
+    old = files["big/0.bin"]
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        e = ds.file("big/0.bin")
+        stream = ReadStream()
+        first = await engine.read(ds, e, 0, 65536, stream)  # block 0 (+ read-ahead of block 1)
+        assert first == old[:65536]
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(client.put_object, Bucket=bucket, Key="ds/big/0.bin", Body=b"new" * 100_000)
+        with pytest.raises(StaleObjectError):
+            await engine.read(ds, e, 0, e.size)
+        # what is cached is still the old version, consistently
+        assert await engine.read(ds, e, 0, 65536) == old[:65536]
+
+    run(engine, scenario, src)
+
+
+def test_pinned_manifest_keeps_old_bytes_new_manifest_sees_new(config, dataset):
+    url, files, client, bucket = dataset
+    engine = Engine(config)
+    src, _ = sources(config)
+
+    async def scenario():
+        ds1 = await engine.open_dataset(url, source=src)
+        cached = ds1.file("small/d0/f0.txt")
+        assert await engine.read(ds1, cached, 0, cached.size) == files["small/d0/f0.txt"]
+        await asyncio.to_thread(client.put_object, Bucket=bucket, Key="ds/small/d0/f0.txt", Body=b"v2")
+        await asyncio.to_thread(client.put_object, Bucket=bucket, Key="ds/small/d0/f3.txt", Body=b"v2 too")
+        rec = await engine.refresh(url, source=src)
+        assert rec.current == 2
+        pinned = await engine.open_dataset(url, source=src, manifest_version=1)
+        e = pinned.file("small/d0/f0.txt")
+        assert await engine.read(pinned, e, 0, e.size) == files["small/d0/f0.txt"]  # cached: old bytes
+        with pytest.raises(StaleObjectError):  # not cached and changed: a clear error, never new bytes
+            e3 = pinned.file("small/d0/f3.txt")
+            await engine.read(pinned, e3, 0, e3.size)
+        latest = await engine.open_dataset(url, source=src)
+        e = latest.file("small/d0/f0.txt")
+        assert await engine.read(latest, e, 0, e.size) == b"v2"
+
+    run(engine, scenario, src)
+
+
+def test_corrupt_block_is_refetched(config, dataset):
+    url, files, *_ = dataset
+    engine = Engine(config)
+    src, failing = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        e = ds.file("big/0.bin")
+        await engine.ensure_cached(ds, e)
+        path = engine.local_path(ds, e)
+        engine.close()  # drop open handles (and their verified-block memory)
+        with open(path, "r+b") as f:
+            f.seek(70_000)
+            f.write(b"garbage")
+        before = failing.reads
+        assert await engine.read(ds, e, 0, e.size) == files["big/0.bin"]
+        assert failing.reads == before + 1  # just the bad block
+
+    run(engine, scenario, src)
+
+
+def test_sequential_reader_gets_read_ahead(config, dataset):
+    url, files, *_ = dataset
+    engine = Engine(config)
+    src, failing = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        e = ds.file("big/0.bin")  # 5 blocks of 64 KiB
+        stream = ReadStream()
+        await engine.read(ds, e, 0, 65536, stream)
+        await engine.read(ds, e, 65536, 131072, stream)
+        await asyncio.sleep(0.3)
+        fetched_blocks = {start // 65536 for _, start, _ in failing.read_ranges}
+        assert fetched_blocks >= {0, 1, 2, 3}  # window grew to 2 blocks ahead of the reader
+
+    run(engine, scenario, src)
+
+
+def test_eviction_keeps_usage_under_capacity_and_spares_open_objects(config, s3):
+    _, client, bucket = s3
+    files = {f"f{i}.bin": bytes([i]) * 200_000 for i in range(12)}
+    put_tree(client, bucket, "ev", files)
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, capacity="1MB"))
+    engine = Engine(config)
+    src, _ = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(f"s3://{bucket}/ev", source=src)
+        pinned = ds.file("f0.bin")
+        ob = engine._acquire(ds, pinned)  # a reader holds f0 open throughout
+        try:
+            for path in files:
+                e = ds.file(path)
+                assert await engine.read(ds, e, 0, e.size) == files[path]
+                await asyncio.sleep(0.01)
+            await engine.evict()
+            total, _ = engine.index.totals()
+            assert total <= engine.capacity
+            assert engine.cached_bytes(ds, pinned) == 200_000  # in use: never evicted
+        finally:
+            engine._release(ob)
+
+    run(engine, scenario, src)
+
+
+def test_memory_budget_holds_with_64_readers(config, s3):
+    _, client, bucket = s3
+    files = {f"m{i}.bin": bytes([i]) * 1_000_000 for i in range(8)}
+    put_tree(client, bucket, "mem", files)
+    engine = Engine(config)  # 8 MiB budget, 64 KiB blocks
+    src, _ = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(f"s3://{bucket}/mem", source=src)
+
+        async def reader(i):
+            e = ds.file(f"m{i % 8}.bin")
+            stream = ReadStream()
+            for off in range(0, e.size, 100_000):
+                assert await engine.read(ds, e, off, off + 100_000, stream) == files[e.path][off : off + 100_000]
+
+        await asyncio.gather(*(reader(i) for i in range(64)))
+        assert 0 < engine.budget.peak <= engine.budget.limit
+
+    run(engine, scenario, src)
