@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["CacheConfig", "OriginConfig", "EngineConfig", "Config", "load_config", "parse_size", "default_cache_dir"]
+__all__ = ["CacheConfig", "Config", "EngineConfig", "OriginConfig", "default_cache_dir", "load_config", "parse_size"]
 
 _UNITS = {
     "": 1, "b": 1,

@@ -54,7 +54,7 @@ from .sources import Source, open_origin
 from .store import DiskStore, StoredObject
 from .types import DatasetRef, Entry, object_key
 
-__all__ = ["Engine", "Dataset", "ReadStream", "get_engine"]
+__all__ = ["Dataset", "Engine", "ReadStream", "get_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +455,7 @@ class Engine:
             self._ds_stats = {}
         try:
             self.index.record_access(objs, ds)
-        except Exception:  # noqa: BLE001 - statistics must never break a read or exit
+        except Exception:
             log.exception("could not write access statistics")
 
     def _start_background(self) -> None:
@@ -521,10 +521,14 @@ class Engine:
                     if ob.refs > 0:
                         continue
                     self._close_open(okey, ob)
-            got = []
-            if self.store.try_remove(okey, rec.dataset,
-                                     lambda okey=okey: got.append(self.index.remove_object(okey)) or True):
-                freed += sum(got)
+            removed: list[int] = []
+
+            def forget(okey: bytes = okey, removed: list[int] = removed) -> bool:
+                removed.append(self.index.remove_object(okey))
+                return True
+
+            if self.store.try_remove(okey, rec.dataset, forget):
+                freed += sum(removed)
         if freed:
             log.info("evicted %d bytes", freed)
         return freed

@@ -12,21 +12,21 @@ import asyncio
 import errno
 
 __all__ = [
-    "CacheFSError",
-    "ObjectNotFoundError",
     "AccessDeniedError",
+    "CacheFSError",
+    "CacheFullError",
+    "ConfigError",
+    "CorruptBlockError",
     "CredentialsError",
     "InvalidURLError",
-    "ConfigError",
-    "StaleObjectError",
+    "ObjectNotFoundError",
     "OriginError",
     "OriginUnavailableError",
+    "ReadOnlyError",
+    "StaleObjectError",
     "ThrottledError",
     "TransientOriginError",
     "TruncatedBodyError",
-    "CorruptBlockError",
-    "CacheFullError",
-    "ReadOnlyError",
     "translate_origin_error",
 ]
 
@@ -153,16 +153,13 @@ _S3_CODES: dict[str, type[CacheFSError]] = {
 }
 
 
-def _client_error_code(exc: BaseException) -> str | None:
+def _client_error_codes(exc: BaseException) -> list[str]:
+    """The S3 error code and the HTTP status of a botocore-style error, most specific first."""
     response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = response.get("Error", {}).get("Code")
-        if code:
-            return str(code)
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if status:
-            return str(status)
-    return None
+    if not isinstance(response, dict):
+        return []
+    codes = [response.get("Error", {}).get("Code"), response.get("ResponseMetadata", {}).get("HTTPStatusCode")]
+    return [str(c) for c in codes if c]
 
 
 def _walk_causes(exc: BaseException):
@@ -181,16 +178,18 @@ def translate_origin_error(exc: BaseException, what: str) -> CacheFSError:
     if isinstance(exc, CacheFSError):
         return exc
     for cause in _walk_causes(exc):
-        code = _client_error_code(cause)
-        if code is not None:
+        codes = _client_error_codes(cause)
+        if not codes:
+            continue
+        for code in codes:
             cls = _S3_CODES.get(code)
             if cls is None and code.isdigit() and int(code) >= 500:
                 cls = TransientOriginError
             if cls is StaleObjectError:
-                return cls(f"{what}: changed at the origin since the manifest was taken ({code})")
+                return cls(f"{what}: changed at the origin since the manifest was taken ({codes[0]})")
             if cls is not None:
-                return cls(f"{what}: {code}")
-            return OriginError(f"{what}: origin error {code}")
+                return cls(f"{what}: {codes[0]}")
+        return OriginError(f"{what}: origin error {codes[0]}")
     name = type(exc).__name__
     for cause in _walk_causes(exc):
         cname = type(cause).__name__

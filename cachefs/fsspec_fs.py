@@ -24,7 +24,7 @@ from fsspec.spec import AbstractFileSystem
 from ._aio import run_sync
 from .config import load_config
 from .engine import Dataset, Engine, ReadStream, get_engine
-from .errors import InvalidURLError, ObjectNotFoundError, ReadOnlyError
+from .errors import InvalidURLError, ReadOnlyError
 from .types import Entry, canonical_url
 
 try:  # fsspec >= 2025.10 marks chaining-aware filesystems with this base class
@@ -32,7 +32,7 @@ try:  # fsspec >= 2025.10 marks chaining-aware filesystems with this base class
 except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
-__all__ = ["CacheFileSystem", "CacheFile"]
+__all__ = ["CacheFile", "CacheFileSystem"]
 
 
 class CacheFileSystem(_Base):
@@ -150,7 +150,7 @@ class CacheFileSystem(_Base):
     def modified(self, path):
         import datetime
 
-        return datetime.datetime.fromtimestamp(self.info(path)["mtime"], tz=datetime.timezone.utc)
+        return datetime.datetime.fromtimestamp(self.info(path)["mtime"], tz=datetime.UTC)
 
     def _readonly(self, *args, **kwargs):
         raise ReadOnlyError("cachefs is read-only")

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from .errors import InvalidURLError
 
-__all__ = ["DatasetRef", "Entry", "ByteRange", "object_key", "canonical_url", "dataset_id"]
+__all__ = ["ByteRange", "DatasetRef", "Entry", "canonical_url", "dataset_id", "object_key"]
 
 #: Schemes whose URLs name a bucket-like root; anything fsspec knows is accepted, these are just common.
 _OBJECT_STORE_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "r2", "oss"}

@@ -12,7 +12,7 @@ from ..prefetch import warm
 from ..types import DatasetRef
 from .progress import ProgressPrinter, human_bytes
 
-__all__ = ["prefetch", "status", "evict", "refresh", "demo", "status_report"]
+__all__ = ["demo", "evict", "prefetch", "refresh", "status", "status_report"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -23,15 +23,23 @@ async def prefetch(args: argparse.Namespace, config: Config) -> int:
         if args.refresh:
             await engine.refresh(args.url)
         ds = await engine.open_dataset(args.url, manifest_version=args.manifest_version)
-        printer = ProgressPrinter(quiet=args.quiet)
+        printer = ProgressPrinter(quiet=args.quiet or args.json)
         prog = await warm(engine, ds, include=args.include, exclude=args.exclude, workers=args.workers,
                           on_progress=printer)
         printer.finish(prog)
     finally:
         await engine.aclose()
-    print(f"{ds.ref.url}: {prog.files_done}/{prog.files_total} files, {human_bytes(prog.bytes_done)} cached "
-          f"({human_bytes(prog.bytes_fetched)} fetched, {human_bytes(prog.bytes_skipped)} already cached) "
-          f"in {prog.elapsed:.1f}s, {human_bytes(prog.rate)}/s")
+    if args.json:
+        from .main import print_json
+
+        print_json({"url": ds.ref.url, "manifest_version": ds.version, "files_total": prog.files_total,
+                    "files_done": prog.files_done, "bytes_total": prog.bytes_total, "bytes_done": prog.bytes_done,
+                    "bytes_fetched": prog.bytes_fetched, "bytes_skipped": prog.bytes_skipped,
+                    "seconds": round(prog.elapsed, 3), "failed": [{"path": p, "error": e} for p, e in prog.failed]})
+    else:
+        print(f"{ds.ref.url}: {prog.files_done}/{prog.files_total} files, {human_bytes(prog.bytes_done)} cached "
+              f"({human_bytes(prog.bytes_fetched)} fetched, {human_bytes(prog.bytes_skipped)} already cached) "
+              f"in {prog.elapsed:.1f}s, {human_bytes(prog.rate)}/s")
     for path, why in prog.failed[:20]:
         print(f"  failed: {path}: {why}", file=sys.stderr)
     if prog.failed:

@@ -24,7 +24,7 @@ from ..errors import (
     OriginUnavailableError,
 )
 
-__all__ = ["main", "EXIT_CODES"]
+__all__ = ["EXIT_CODES", "main"]
 
 #: Exit status per error class (first match wins); anything else that is a CacheFSError or OSError is 1.
 EXIT_CODES: list[tuple[type[BaseException], int]] = [
@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--refresh", action="store_true", help="take a new manifest snapshot first")
     pf.add_argument("--manifest-version", type=int, help="use this manifest snapshot")
     pf.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pf.add_argument("--json", action="store_true", help="print the summary as JSON (implies --quiet)")
 
     st = sub.add_parser("status", parents=[common], help="capacity, usage and per-dataset cached fraction")
     st.add_argument("--json", action="store_true", help="machine-readable output")

@@ -3,4 +3,4 @@
 from .index import DatasetRecord, DatasetStats, Index, ManifestInfo
 from .records import FORMAT_VERSION, ObjectRecord
 
-__all__ = ["Index", "DatasetRecord", "DatasetStats", "ManifestInfo", "ObjectRecord", "FORMAT_VERSION"]
+__all__ = ["FORMAT_VERSION", "DatasetRecord", "DatasetStats", "Index", "ManifestInfo", "ObjectRecord"]

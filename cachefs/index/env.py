@@ -15,7 +15,7 @@ import lmdb
 
 from ..errors import CacheFSError, ConfigError
 
-__all__ = ["open_env", "DB_NAMES"]
+__all__ = ["DB_NAMES", "open_env"]
 
 #: Named databases; see docs/FORMAT.md for each record layout.
 DB_NAMES = ("meta", "datasets", "ds_stats", "manifest", "objects", "blocks")

@@ -14,7 +14,7 @@ from ..errors import CacheFSError
 from .env import open_env
 from .records import BLOCK, DS_STATS, FORMAT_VERSION, TOTALS, ObjectRecord
 
-__all__ = ["Index", "DatasetRecord", "ManifestInfo", "DatasetStats"]
+__all__ = ["DatasetRecord", "DatasetStats", "Index", "ManifestInfo"]
 
 
 @dataclass

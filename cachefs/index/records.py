@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ObjectRecord", "BLOCK", "DS_STATS", "TOTALS", "FORMAT_VERSION"]
+__all__ = ["BLOCK", "DS_STATS", "FORMAT_VERSION", "TOTALS", "ObjectRecord"]
 
 #: Bump when any record layout or the data-file layout changes; an index of another version is refused.
 FORMAT_VERSION = 1

@@ -3,4 +3,4 @@
 from .builder import KEEP_VERSIONS, take_snapshot
 from .store import ManifestStore, ManifestWriter, valid_relpath
 
-__all__ = ["ManifestStore", "ManifestWriter", "take_snapshot", "valid_relpath", "KEEP_VERSIONS"]
+__all__ = ["KEEP_VERSIONS", "ManifestStore", "ManifestWriter", "take_snapshot", "valid_relpath"]

@@ -13,7 +13,7 @@ from ..sources import Source
 from ..types import DatasetRef
 from .store import ManifestStore, ManifestWriter
 
-__all__ = ["take_snapshot", "KEEP_VERSIONS"]
+__all__ = ["KEEP_VERSIONS", "take_snapshot"]
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from ..config import Config
 from ..errors import InvalidURLError
 from .base import RetryingSource, RetryPolicy, Source, with_retries
 
-__all__ = ["Source", "RetryPolicy", "RetryingSource", "with_retries", "open_origin", "open_raw_origin"]
+__all__ = ["RetryPolicy", "RetryingSource", "Source", "open_origin", "open_raw_origin", "with_retries"]
 
 
 def open_origin(url: str, config: Config, storage_options: dict[str, Any] | None = None) -> Source:

@@ -19,7 +19,7 @@ from typing import TypeVar
 from ..errors import CacheFSError, translate_origin_error
 from ..types import Entry
 
-__all__ = ["Source", "RetryPolicy", "RetryingSource", "with_retries"]
+__all__ = ["RetryPolicy", "RetryingSource", "Source", "with_retries"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,7 +77,7 @@ async def with_retries(
             return await asyncio.wait_for(call(), timeout)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - translated below, never swallowed
+        except Exception as exc:
             err = exc if isinstance(exc, CacheFSError) else translate_origin_error(exc, what)
             attempt += 1
             if not err.retryable or attempt >= policy.max_attempts:

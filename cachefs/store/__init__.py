@@ -3,4 +3,4 @@
 from .base import BlockStore, StoredObject
 from .disk import DiskObject, DiskStore
 
-__all__ = ["BlockStore", "StoredObject", "DiskStore", "DiskObject"]
+__all__ = ["BlockStore", "DiskObject", "DiskStore", "StoredObject"]

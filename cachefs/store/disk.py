@@ -25,7 +25,7 @@ from ..checksum import block_checksum
 from ..errors import CacheFSError, CacheFullError, CorruptBlockError
 from .base import BlockStore, StoredObject
 
-__all__ = ["DiskStore", "DiskObject"]
+__all__ = ["DiskObject", "DiskStore"]
 
 
 def _disk_error(exc: OSError, what: str) -> CacheFSError:
@@ -35,7 +35,7 @@ def _disk_error(exc: OSError, what: str) -> CacheFSError:
 
 
 class DiskObject(StoredObject):
-    __slots__ = ("key", "size", "path", "_fd", "_bs", "_verified")
+    __slots__ = ("_bs", "_fd", "_verified", "key", "path", "size")
 
     def __init__(self, key: bytes, size: int, path: str, fd: int, block_size: int) -> None:
         self.key, self.size, self.path = key, size, path

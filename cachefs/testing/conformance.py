@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import ClassVar
 
 import pytest
 
@@ -37,11 +38,11 @@ class SourceConformance:
     """Subclasses provide a ``origin`` fixture: an object with ``.source`` (a raw Source), ``.root`` (dataset
     URL), ``.put(path, bytes)`` and ``.missing_root`` (a URL under which nothing exists)."""
 
-    FILES = {
+    FILES: ClassVar[dict[str, bytes]] = {
         "a.txt": b"hello",
         "empty.bin": b"",
         "dir/b.bin": bytes(range(256)) * 300,
-        "dir/sub/c d ü.txt": "unicode and spaces".encode(),
+        "dir/sub/c d ü.txt": b"unicode and spaces",
     }
 
     @pytest.fixture

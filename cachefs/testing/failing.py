@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from ..sources import Source
 from ..types import Entry
 
-__all__ = ["FailingSource", "FAULTS"]
+__all__ = ["FAULTS", "FailingSource"]
 
 FAULTS = ("throttle", "server_error", "timeout", "truncate", "disconnect", "forbidden", "missing")
 

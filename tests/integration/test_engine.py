@@ -115,7 +115,7 @@ def test_permanent_errors_are_not_retried(config, dataset):
 def test_etag_change_mid_read_is_stale_never_mixed(config, dataset):
     url, files, client, bucket = dataset
     engine = Engine(config)
-    src, failing = sources(config)
+    src, _ = sources(config)
     old = files["big/0.bin"]
 
     async def scenario():
@@ -182,7 +182,7 @@ def test_corrupt_block_is_refetched(config, dataset):
 
 
 def test_sequential_reader_gets_read_ahead(config, dataset):
-    url, files, *_ = dataset
+    url, *_ = dataset
     engine = Engine(config)
     src, failing = sources(config)
 

@@ -1,0 +1,186 @@
+"""The two front doors of the core: the fsspec protocol and the ``cachefs`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import fsspec
+import pytest
+
+from tests.conftest import make_files, put_tree
+
+
+def cli(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "cachefs.cli.main", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+@pytest.fixture
+def dataset(s3):
+    _, client, bucket = s3
+    files = make_files(n_small=40, big_sizes=(5_000_000,))
+    put_tree(client, bucket, "ds", files)
+    return f"s3://{bucket}/ds", files
+
+
+def test_chained_url_reads_and_lists(dataset, cache_dir):
+    url, files = dataset
+    opts = {"cachefs": {"cache_dir": cache_dir, "dataset": url}}
+    with fsspec.open(f"cachefs::{url}/big/0.bin", "rb", **opts) as f:
+        assert f.read(10) == files["big/0.bin"][:10]
+        f.seek(-5, 2)
+        assert f.read() == files["big/0.bin"][-5:]
+    fs, path = fsspec.core.url_to_fs(f"cachefs::{url}", **opts)
+    assert sorted(fs.ls(path, detail=False)) == sorted([f"{path}/big", f"{path}/small"])
+    assert len(fs.find(path)) == len(files)
+    assert fs.info(f"{path}/big/0.bin")["size"] == 5_000_000
+    assert fs.cat_file(f"{path}/small/d0/f0.txt") == files["small/d0/f0.txt"]
+    with pytest.raises(FileNotFoundError):
+        fs.info(f"{path}/nope")
+    with pytest.raises(OSError):
+        fs.open(f"{path}/new", "wb")
+
+
+def test_pandas_and_pyarrow_read_through_cachefs(s3, cache_dir):
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    _, client, bucket = s3
+    df = pd.DataFrame({"a": range(1000), "b": [f"x{i}" for i in range(1000)]})
+    client.put_object(Bucket=bucket, Key="tab/data.csv", Body=df.to_csv(index=False).encode())
+    import io
+
+    buf = io.BytesIO()
+    df.to_parquet(buf)
+    client.put_object(Bucket=bucket, Key="tab/data.parquet", Body=buf.getvalue())
+    opts = {"cachefs": {"cache_dir": cache_dir, "dataset": f"s3://{bucket}/tab"}}
+    got = pd.read_csv(f"cachefs::s3://{bucket}/tab/data.csv", storage_options=opts)
+    assert got.equals(df)
+    fs, path = fsspec.core.url_to_fs(f"cachefs::s3://{bucket}/tab/data.parquet", **opts)
+    assert pq.read_table(path, filesystem=fs).to_pandas().equals(df)
+
+
+def test_file_origin_through_fsspec(tmp_path, cache_dir):
+    root = tmp_path / "origin"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "x.bin").write_bytes(b"x" * 100_000)
+    (root / "top.txt").write_text("top")
+    fs = fsspec.filesystem("cachefs", target_protocol="file", cache_dir=cache_dir, dataset=f"file://{root}")
+    assert fs.cat_file(f"{root}/a/b/x.bin") == b"x" * 100_000
+    assert fs.cat_file(f"{root}/top.txt") == b"top"
+    assert sorted(fs.ls(str(root), detail=False)) == [f"{root}/a", f"{root}/top.txt"]
+
+
+def test_prefetch_status_evict_refresh(dataset, cache_dir):
+    url, files = dataset
+    r = cli("prefetch", url, "--cache-dir", cache_dir, "--include", "small/*")
+    assert r.returncode == 0, r.stderr
+    assert "40/40 files" in r.stdout
+    r = cli("status", "--cache-dir", cache_dir, "--json")
+    rep = json.loads(r.stdout)
+    (d,) = rep["datasets"]
+    small = sum(len(v) for k, v in files.items() if k.startswith("small/"))
+    assert d["cached_bytes"] == small and d["total_bytes"] == sum(map(len, files.values()))
+    r = cli("prefetch", url, "--cache-dir", cache_dir)  # resumes: the small files are not fetched again
+    assert r.returncode == 0, r.stderr
+    assert f"{small} B already cached" in r.stdout or "already cached" in r.stdout
+    assert json.loads(cli("status", "--cache-dir", cache_dir, "--json").stdout)["datasets"][0]["cached_fraction"] == 1.0
+    table = cli("status", "--cache-dir", cache_dir).stdout
+    assert url in table and "100.0%" in table
+    r = cli("refresh", url, "--cache-dir", cache_dir)
+    assert r.returncode == 0 and "manifest v2" in r.stdout
+    r = cli("evict", url, "--cache-dir", cache_dir)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(cli("status", "--cache-dir", cache_dir, "--json").stdout)["used_bytes"] == 0
+
+
+@pytest.mark.parametrize(("args", "code", "words"), [
+    (["prefetch", "not a url"], 2, "not a URL"),
+    (["prefetch", "s3://"], 2, "no bucket"),
+    (["prefetch", "s3://bucket/a/../b"], 2, "'..'"),
+    (["prefetch", "nosuchscheme://x/y"], 2, "unknown scheme"),
+    (["prefetch", "s3://cachefs-no-such-bucket/x"], 6, "not found"),
+    (["evict"], 2, "--all"),
+    (["prefetch", "s3://b/x", "--capacity", "lots"], 2, "capacity"),
+])
+def test_bad_input_is_one_clear_line(s3, cache_dir, args, code, words):
+    r = cli(*args, "--cache-dir", cache_dir)
+    assert r.returncode == code, (r.stdout, r.stderr)
+    assert words in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_unreachable_endpoint_and_missing_credentials(s3, cache_dir, tmp_path):
+    r = cli("prefetch", "s3://b/x", "--cache-dir", cache_dir, "--endpoint-url", "http://127.0.0.1:9",
+            env={"CACHEFS_ORIGIN_MAX_ATTEMPTS": "2"})
+    assert r.returncode == 4 and "cannot reach" in r.stderr, r.stderr
+    env = {k: "" for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true")
+    r = subprocess.run([sys.executable, "-c", "import os,sys\n"
+                        "[os.environ.pop(k) for k in ('AWS_ACCESS_KEY_ID','AWS_SECRET_ACCESS_KEY')]\n"
+                        "from cachefs.cli.main import main; sys.exit(main(sys.argv[1:]))",
+                        "prefetch", "s3://b/x", "--cache-dir", cache_dir],
+                       capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    assert r.returncode == 3 and "credentials" in r.stderr, r.stderr
+
+
+def test_empty_dataset_and_zero_byte_and_odd_names(s3, cache_dir):
+    _, client, bucket = s3
+    client.put_object(Bucket=bucket, Key="odd/zero.bin", Body=b"")
+    client.put_object(Bucket=bucket, Key="odd/with space/ünïcödé.txt", Body=b"u")
+    client.put_object(Bucket=bucket, Key="odd/a/../escape.txt", Body=b"bad")
+    client.put_object(Bucket=bucket, Key="odd/dir/", Body=b"")  # directory marker
+    r = cli("prefetch", f"s3://{bucket}/odd", "--cache-dir", cache_dir)
+    assert r.returncode == 0, r.stderr
+    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=f"s3://{bucket}/odd")
+    assert fs.cat_file(f"{bucket}/odd/zero.bin") == b""
+    assert fs.cat_file(f"{bucket}/odd/with space/ünïcödé.txt") == b"u"
+    assert fs.info(f"{bucket}/odd/dir")["type"] == "directory"
+    assert not fs.exists(f"{bucket}/odd/escape.txt") and not fs.exists(f"{bucket}/odd/a")
+    rep = json.loads(cli("status", "--cache-dir", cache_dir, "--json").stdout)
+    assert rep["datasets"][0]["skipped_names"] == 1
+    client.create_bucket(Bucket=f"{bucket}-empty")
+    r = cli("prefetch", f"s3://{bucket}-empty/nothing", "--cache-dir", cache_dir)
+    assert r.returncode == 0 and "0/0 files" in r.stdout, r.stderr
+
+
+def test_kill_9_mid_prefetch_then_resume(s3, cache_dir):
+    _, client, bucket = s3
+    files = {f"k/f{i:03d}.bin": os.urandom(200_000) for i in range(120)}
+    put_tree(client, bucket, "crash", files)
+    url = f"s3://{bucket}/crash"
+    env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "2"}
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--cache-dir", cache_dir,
+                             "--workers", "2", "-q"], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    from cachefs.index import Index
+
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        time.sleep(0.1)
+        if os.path.exists(os.path.join(cache_dir, "index")) and 2_000_000 < Index(cache_dir).totals()[0]:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    partial = Index(cache_dir).totals()[0]
+    total = sum(map(len, files.values()))
+    assert 0 < partial < total, "kill landed after the prefetch finished; make the dataset larger"
+    r = cli("prefetch", url, "--cache-dir", cache_dir, "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    # resumed, not restarted: what the killed run cached (whole files at least) is not fetched again
+    assert summary["bytes_skipped"] > 0
+    assert summary["bytes_fetched"] == total - summary["bytes_skipped"]
+    assert summary["files_done"] == len(files)
+    # every cached byte verifies against the origin
+    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url, skip_instance_cache=True)
+    for path, data in files.items():
+        assert fs.cat_file(f"{bucket}/crash/{path}") == data
