@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 import logging
 import threading
 import time
@@ -130,6 +131,7 @@ class Engine:
         self._open_lock = threading.RLock()
         self._inflight: dict[tuple[bytes, int], asyncio.Task] = {}
         self._sources: dict[tuple, Source] = {}
+        self._first_snapshot: dict[str, asyncio.Lock] = {}
         self._ds_stats: dict[str, list[int]] = {}  # dataset id -> [hit bytes, miss bytes] not yet flushed
         self._obj_stats: dict[bytes, tuple[float, int]] = {}  # object key -> (last access, hits) not yet flushed
         self._stats_lock = threading.Lock()
@@ -167,7 +169,8 @@ class Engine:
         src = source or self.source_for(ref.url, storage_options)
         rec = self.index.dataset(ref.id)
         if rec is None or not rec.manifests:
-            rec = await take_snapshot(self.index, src, ref, only_if_missing=True)
+            async with self._first_snapshot.setdefault(ref.id, asyncio.Lock()):  # one listing per process
+                rec = await take_snapshot(self.index, src, ref, only_if_missing=True)
         version = rec.current if manifest_version is None else int(manifest_version)
         if rec.manifest(version) is None:
             have = ", ".join(str(m.version) for m in rec.manifests) or "none"
@@ -210,9 +213,11 @@ class Engine:
             ob.refs -= 1
 
     def _trim_open(self) -> None:
-        if len(self._open) <= _MAX_OPEN_OBJECTS:
+        excess = len(self._open) - _MAX_OPEN_OBJECTS
+        if excess <= 0:
             return
-        for okey in list(self._open):
+        # The least recently used handles are at the front; look a little past the excess in case some are busy.
+        for okey in list(itertools.islice(self._open, excess + 32)):
             if len(self._open) <= _MAX_OPEN_OBJECTS:
                 break
             ob = self._open[okey]
@@ -312,7 +317,7 @@ class Engine:
             lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
             block = fetched.get(i)
             if block is not None:
-                parts.append(block[lo - i * bs : hi - i * bs])
+                parts.append(memoryview(block)[lo - i * bs : hi - i * bs])
             else:
                 parts.append(ob.stored.read(lo, hi, ob.present))
         return b"".join(parts)

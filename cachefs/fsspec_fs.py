@@ -128,6 +128,43 @@ class CacheFileSystem(_Base):
         infos = [self._info(ds, e) for e in entries]
         return infos if detail else [i["name"] for i in infos]
 
+    def walk(self, path, maxdepth=None, topdown=True, on_error="omit", **kwargs):
+        """Like fsspec's walk, straight from the manifest (one range scan per directory)."""
+        detail = kwargs.pop("detail", False)
+        ds, rel = self._resolve(path, as_dir=True)
+        if not ds.stat(rel).is_dir:
+            return
+        stack = [(rel, 1)]
+        while stack:
+            d, depth = stack.pop()
+            dirs, files = {}, {}
+            for e in ds.listdir(d):
+                (dirs if e.is_dir else files)[e.name] = e
+            root = self._info(ds, ds.stat(d))["name"]
+            if detail:
+                out = (root, {n: self._info(ds, e) for n, e in dirs.items()},
+                       {n: self._info(ds, e) for n, e in files.items()})
+            else:
+                out = (root, list(dirs), list(files))
+            if topdown:
+                yield out
+            if maxdepth is None or depth < maxdepth:
+                stack.extend((e.path, depth + 1) for e in reversed(list(dirs.values())))
+            if not topdown:
+                yield out
+
+    def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
+        """Every file (and, with ``withdirs``, directory) under ``path``, from the manifest."""
+        out = {}
+        for _root, dirs, files in self.walk(path, maxdepth, detail=True):
+            if withdirs:
+                out.update({info["name"]: info for info in dirs.values()})
+            out.update({info["name"]: info for info in files.values()})
+        if not out and self.isfile(path):
+            out = {self._strip_protocol(path): self.info(path)}
+        names = sorted(out)
+        return {n: out[n] for n in names} if detail else names
+
     def info(self, path, **kwargs):
         ds, rel = self._resolve(path, as_dir=False)
         return self._info(ds, ds.stat(rel))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -14,6 +15,7 @@ __all__ = ["ByteRange", "DatasetRef", "Entry", "canonical_url", "dataset_id", "o
 _OBJECT_STORE_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "r2", "oss"}
 
 
+@functools.lru_cache(maxsize=65536)
 def canonical_url(url: str) -> str:
     """Return the one spelling of a dataset or object URL that ids are computed from.
 

@@ -32,13 +32,24 @@ async def take_snapshot(index: Index, source: Source, ds: DatasetRef, *, only_if
     os.makedirs(lock_dir, mode=0o700, exist_ok=True)
     fd = os.open(os.path.join(lock_dir, f"{ds.id}.manifest"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        await _lock(fd)
         rec = index.dataset(ds.id) or DatasetRecord(ds.id, ds.url)
         if only_if_missing and rec.manifests:
             return rec
         return await _snapshot_locked(index, source, ds, rec)
     finally:
         os.close(fd)
+
+
+async def _lock(fd: int) -> None:
+    # Poll rather than block in a worker thread: many waiters must not tie up the default executor, which
+    # the listing itself may need.
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            await asyncio.sleep(0.05)
 
 
 async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: DatasetRecord) -> DatasetRecord:

@@ -4,6 +4,12 @@ Run directly (``python -m cachefs.testing.s3server --delay-ms 10``) it prints ``
 ``--delay-ms`` adds a per-request delay inside the server, to stand in for object-storage latency (this
 kernel has no netem). :class:`S3Server` starts and stops it from Python.
 
+``--fast-get`` (benchmarks only) answers plain path-style GetObject requests, whole or ranged, straight from
+moto's object store: moto itself copies the *whole* object for every ranged GET and spends milliseconds of
+Python per request, which would make the server, not the client under test, the bottleneck; real S3 serves a
+range in time proportional to the range. Everything else (listing, HEAD, PUT, versioned or
+virtual-host-style requests) still goes to moto.
+
 The server runs in a separate process (not a thread of the test process) so that its request handling does
 not compete with the code under test for the GIL.
 """
@@ -25,12 +31,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--delay-ms", type=float, default=0.0)
+    p.add_argument("--fast-get", action="store_true")
     args = p.parse_args(argv)
 
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
     app = DomainDispatcherApplication(create_backend_app)
+    if args.fast_get:
+        app = _fast_get(app)
     delay = args.delay_ms / 1000.0
     if delay > 0:
         inner = app
@@ -44,11 +53,65 @@ def main(argv: list[str] | None = None) -> None:
     server.serve_forever()
 
 
+def _fast_get(inner):
+    """WSGI middleware: GetObject (path-style, optional Range and If-Match) served from moto's store."""
+    import re
+    from urllib.parse import unquote
+
+    from moto.s3.models import s3_backends
+
+    range_re = re.compile(r"bytes=(\d+)-(\d*)$")
+
+    def find_key(path: str):
+        bucket, _, key = unquote(path).lstrip("/").partition("/")
+        if not key:
+            return None
+        for account in list(s3_backends):
+            for partition in list(s3_backends[account]):
+                b = s3_backends[account][partition].buckets.get(bucket)
+                if b is not None and not b.is_versioned:
+                    return b.keys.get(key)
+        return None
+
+    def app(environ, start_response):
+        query = environ.get("QUERY_STRING", "")
+        if environ["REQUEST_METHOD"] != "GET" or (query and query != "x-id=GetObject"):
+            return inner(environ, start_response)
+        key = find_key(environ.get("PATH_INFO", ""))
+        if key is None:
+            return inner(environ, start_response)
+        if_match = environ.get("HTTP_IF_MATCH")
+        if if_match and if_match.strip('"') != key.etag.strip('"'):
+            return inner(environ, start_response)  # moto's own 412 response
+        size = key.size
+        start, end, status = 0, size - 1, "200 OK"
+        rng = environ.get("HTTP_RANGE")
+        if rng:
+            m = range_re.match(rng.strip())
+            if not m or int(m.group(1)) >= size:
+                return inner(environ, start_response)
+            start = int(m.group(1))
+            end = min(size - 1, int(m.group(2))) if m.group(2) else size - 1
+            status = "206 Partial Content"
+        with key.lock:
+            key._value_buffer.seek(start)
+            body = key._value_buffer.read(end - start + 1)
+        headers = [("Content-Type", "binary/octet-stream"), ("Content-Length", str(len(body))),
+                   ("ETag", key.etag), ("Last-Modified", key.last_modified_RFC1123), ("Accept-Ranges", "bytes")]
+        if rng:
+            headers.append(("Content-Range", f"bytes {start}-{end}/{size}"))
+        start_response(status, headers)
+        return [body]
+
+    return app
+
+
 class S3Server:
     """Start moto's S3 server in a child process; ``endpoint`` is its URL. Use as a context manager."""
 
-    def __init__(self, host: str = "127.0.0.1", delay_ms: float = 0.0, netns: str | None = None) -> None:
-        self.host, self.delay_ms, self.netns = host, delay_ms, netns
+    def __init__(self, host: str = "127.0.0.1", delay_ms: float = 0.0, netns: str | None = None,
+                 fast_get: bool = False) -> None:
+        self.host, self.delay_ms, self.netns, self.fast_get = host, delay_ms, netns, fast_get
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -58,7 +121,7 @@ class S3Server:
 
     def start(self) -> S3Server:
         cmd = [sys.executable, "-m", "cachefs.testing.s3server", "--host", self.host,
-               "--delay-ms", str(self.delay_ms)]
+               "--delay-ms", str(self.delay_ms)] + (["--fast-get"] if self.fast_get else [])
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         env = dict(os.environ, PYTHONUNBUFFERED="1")

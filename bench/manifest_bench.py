@@ -1,0 +1,100 @@
+"""Manifest scale: a directory of 1,000,000 entries stored, listed and stat'ed; a 100,000-file local tree
+snapshotted through the real listing path. Ratios are against ``os.scandir``/``os.stat`` of the same local
+tree, measured in the same run.
+
+    python -m bench.manifest_bench [--entries 1000000] [--tree 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import tempfile
+import time
+
+from cachefs.config import load_config
+from cachefs.engine import Engine
+from cachefs.index import Index
+from cachefs.manifest import ManifestStore, ManifestWriter
+from cachefs.types import Entry
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--entries", type=int, default=1_000_000)
+    p.add_argument("--tree", type=int, default=100_000)
+    args = p.parse_args()
+    work = tempfile.mkdtemp(prefix="cachefs-mbench-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
+    try:
+        one_big_directory(work, args.entries)
+        local_tree(work, args.tree)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def one_big_directory(work: str, n: int) -> None:
+    index = Index(os.path.join(work, "cache1"))
+    w = ManifestWriter(index, "0" * 16, 1)
+    t = time.perf_counter()
+    batch = []
+    for i in range(n):
+        batch.append(Entry(f"train/img-{i:08d}.jpg", 100_000 + i % 1000, f"etag{i}", 1.7e9))
+        if len(batch) == 10_000:
+            w.add(batch)
+            batch = []
+    w.add(batch)
+    build = time.perf_counter() - t
+    store = ManifestStore(index)
+    t = time.perf_counter()
+    count = sum(1 for _ in store.listdir("0" * 16, 1, "train"))
+    listing = time.perf_counter() - t
+    names = [f"train/img-{random.randrange(n):08d}.jpg" for _ in range(100_000)]
+    t = time.perf_counter()
+    for name in names:
+        store.lookup("0" * 16, 1, name)
+    stat_us = (time.perf_counter() - t) / len(names) * 1e6
+    print(f"1 directory × {count:,} entries: stored in {build:.1f}s, listdir {listing:.2f}s "
+          f"({count / listing:,.0f} entries/s), stat {stat_us:.1f} µs each (100,000 random names)")
+
+
+def local_tree(work: str, n: int) -> None:
+    root = os.path.join(work, "tree")
+    for i in range(n):
+        d = os.path.join(root, f"d{i % 100:03d}")
+        if i < 100:
+            os.makedirs(d)
+        open(os.path.join(d, f"f{i:07d}"), "wb").close()
+    cfg = load_config(env={}, overrides={"cache_dir": os.path.join(work, "cache2")})
+    engine = Engine(cfg)
+
+    async def snap():
+        t = time.perf_counter()
+        ds = await engine.open_dataset(f"file://{root}")
+        return ds, time.perf_counter() - t
+
+    ds, took = asyncio.run(snap())
+    t = time.perf_counter()
+    count = sum(1 for _ in ds.walk_files())
+    walk = time.perf_counter() - t
+    t = time.perf_counter()
+    local = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            os.stat(os.path.join(dirpath, f))
+            local += 1
+    local_walk = time.perf_counter() - t
+    t = time.perf_counter()
+    for e in ds.walk_files():
+        ds.stat(e.path)
+    walk_stat = walk + (time.perf_counter() - t)
+    assert count == local == n
+    engine.close()
+    print(f"local tree of {n:,} files: manifest taken in {took:.1f}s; walk from manifest {walk:.2f}s, "
+          f"walk+stat {walk_stat:.2f}s vs os.walk+os.stat {local_walk:.2f}s → {local_walk / walk_stat:.2f}×")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""Run every benchmark in bench/ with its default (issue-sized) parameters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BENCHMARKS = ["bench.read_bench", "bench.manifest_bench"]
+
+if __name__ == "__main__":
+    for mod in BENCHMARKS:
+        print(f"## {mod}", flush=True)
+        subprocess.run([sys.executable, "-m", mod, *sys.argv[1:]], check=True)
