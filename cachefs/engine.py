@@ -126,6 +126,7 @@ class Engine:
         self.capacity = resolve_size(c.capacity, disk_total, "cache.capacity")
         self.min_free = resolve_size(c.min_free, disk_total, "cache.min_free")
         self.budget = MemoryBudget(config.engine.memory_budget)
+        self._window = MemoryBudget(config.engine.fetch_window)  # bytes on the wire
         self._fetch_slots: asyncio.Semaphore | None = None
         self._open: OrderedDict[bytes, _Open] = OrderedDict()
         self._open_lock = threading.RLock()
@@ -382,7 +383,7 @@ class Engine:
         if not reserved:
             await self.budget.acquire(length)
         try:
-            async with self._fetch_slots:
+            async with self._fetch_slots, self._window.reserve(length):
                 data = await ds.source.read(ds.ref.object_url(entry.path), entry.version, start, start + length)
             checksum = block_checksum(data)
             stored = await self._store_block(ob, idx, data, checksum)

@@ -184,3 +184,46 @@ def test_kill_9_mid_prefetch_then_resume(s3, cache_dir):
     fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url, skip_instance_cache=True)
     for path, data in files.items():
         assert fs.cat_file(f"{bucket}/crash/{path}") == data
+
+
+def test_many_threads_open_a_fresh_dataset_at_once(dataset, cache_dir):
+    """Regression: 16 threads racing to take the first manifest must not starve the event loop's executor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, files = dataset
+    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url, skip_instance_cache=True)
+    names = sorted(k for k in files if k.startswith("small/"))
+
+    def read(name):
+        with fs.open(f"{url[5:]}/{name}", "rb") as f:
+            return f.read() == files[name]
+
+    with ThreadPoolExecutor(16) as pool:
+        assert all(pool.map(read, names, timeout=60))
+
+
+READER = """
+import sys, fsspec, hashlib
+url, cache_dir, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url)
+for _ in range(3):
+    for n in names:
+        print(n, hashlib.sha256(fs.cat_file(url[5:] + "/" + n)).hexdigest())
+"""
+
+
+def test_several_processes_share_one_cache(dataset, cache_dir):
+    import hashlib
+
+    url, files = dataset
+    names = sorted(files)
+    procs = [subprocess.Popen([sys.executable, "-c", READER, url, cache_dir, *names[i::2] + names[::3]],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        for line in out.splitlines():
+            name, digest = line.split()
+            assert digest == hashlib.sha256(files[name]).hexdigest()
+    rep = json.loads(cli("status", "--cache-dir", cache_dir, "--json").stdout)
+    assert rep["datasets"][0]["cached_bytes"] == sum(map(len, files.values()))
