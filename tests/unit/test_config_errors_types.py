@@ -4,7 +4,7 @@ import errno
 
 import pytest
 
-from cachefs.config import load_config, parse_size
+from cachefs.config import EngineConfig, load_config, parse_size
 from cachefs.errors import (
     AccessDeniedError,
     ConfigError,
@@ -27,7 +27,7 @@ def test_layers_defaults_yaml_env_flags(tmp_path):
     assert cfg.cache.dir == "/from/flag"
     assert cfg.cache.block_size == 1024 * 1024
     assert cfg.engine.memory_budget == 128 * 1024 * 1024
-    assert cfg.engine.max_concurrent_fetches == 32  # default
+    assert cfg.engine.max_concurrent_fetches == EngineConfig().max_concurrent_fetches  # default
 
 
 @pytest.mark.parametrize(("env", "words"), [
