@@ -27,7 +27,8 @@ the same handle table, present-block maps and checksum verification.
 Eviction
 --------
 When cached bytes pass ``high_watermark × capacity`` or the disk's free space drops under ``min_free``,
-whole objects are removed in least-recently-used order until usage is under ``low_watermark × capacity``.
+whole objects are removed until usage is under ``low_watermark × capacity``: first objects read at most once,
+then the rest, least recently used first within each group (:func:`eviction_order`).
 An object that any process has open (a shared ``flock`` on its file) is skipped, so eviction never pulls
 data out from under a reader.
 """
@@ -99,6 +100,9 @@ class ReadStream:
 
     next_offset: int = 0
     window: int = 0  # blocks
+    #: Whether this stream's access was counted yet (an object's hit count is the number of accesses, i.e.
+    #: opens, not of read calls, so a file read in many small reads is still one access).
+    counted: bool = False
 
 
 @dataclass
@@ -268,7 +272,7 @@ class Engine:
             except CorruptBlockError as exc:
                 self._drop_corrupt(ob, exc)
                 return None
-            self._count(ob, ds.ref.id, hit=len(data))
+            self._count(ob, ds.ref.id, stream, hit=len(data))
             if stream is not None:
                 self._advance(stream, start, end)
             return data
@@ -300,7 +304,8 @@ class Engine:
             else:
                 raise CorruptBlockError(f"{entry.path}: blocks keep failing their checksums; is the cache disk healthy?")
             fetched_bytes = sum(len(b) for b in fetched.values())
-            self._count(ob, ds.ref.id, hit=max(0, len(data) - fetched_bytes), miss=min(len(data), fetched_bytes))
+            self._count(ob, ds.ref.id, stream, hit=max(0, len(data) - fetched_bytes),
+                        miss=min(len(data), fetched_bytes))
             if stream is not None:
                 self._advance(stream, start, end)
                 self._read_ahead(ds, entry, ob, stream)
@@ -420,7 +425,7 @@ class Engine:
             missing = [i for i in range(ob.nblocks) if not self._has(ob, i)]
             got = await asyncio.gather(*(self._block(ds, entry, ob, i, strict=True) for i in missing))
             fetched = sum(len(b) for b in got if b is not None)
-            self._count(ob, ds.ref.id, miss=fetched)
+            self._count(ob, ds.ref.id, ReadStream(counted=True), miss=fetched)  # warming is not an access
             return fetched
         finally:
             self._release(ob)
@@ -435,9 +440,12 @@ class Engine:
         return rec.cached_bytes if rec else 0
 
     # -- statistics ---------------------------------------------------------------------------------------
-    def _count(self, ob: _Open, ds_id: str, hit: int = 0, miss: int = 0) -> None:
-        ob.hits += 1
-        ob.last_access = time.time()
+    def _count(self, ob: _Open, ds_id: str, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:
+        if stream is None or not stream.counted:
+            ob.hits += 1
+            ob.last_access = time.time()
+            if stream is not None:
+                stream.counted = True
         with self._stats_lock:
             s = self._ds_stats.setdefault(ds_id, [0, 0])
             s[0] += hit
@@ -502,7 +510,7 @@ class Engine:
             self._evicting = asyncio.ensure_future(self.evict())
 
     async def evict(self, *, force: bool = False) -> int:
-        """Evict least-recently-used objects until under the low watermark; returns bytes freed."""
+        """Evict objects in :func:`eviction_order` until under the low watermark; returns bytes freed."""
         return await asyncio.to_thread(self.evict_sync, force=force)
 
     def evict_sync(self, *, force: bool = False, dataset: str | None = None, everything: bool = False) -> int:
@@ -513,7 +521,7 @@ class Engine:
         if not (force or everything or dataset) and total <= self.capacity * self.config.cache.high_watermark \
                 and free >= self.min_free:
             return 0
-        candidates = sorted(self.index.objects(dataset), key=lambda kv: kv[1].last_access)
+        candidates = sorted(self.index.objects(dataset), key=lambda kv: eviction_order(kv[1]))
         freed = 0
         for okey, rec in candidates:
             if not (everything or dataset):
@@ -538,6 +546,14 @@ class Engine:
         if freed:
             log.info("evicted %d bytes", freed)
         return freed
+
+
+def eviction_order(rec: ObjectRecord) -> tuple[bool, float]:
+    """Sort key of eviction victims ("two-touch LRU"): objects read at most once go first, oldest first, then
+    objects read twice or more, oldest first. One-off scans and a dataset streamed once therefore cannot push
+    out data that jobs keep coming back to; bench/eviction_bench.py measures it against LRU, FIFO and
+    random (better than each on skewed and hot-plus-scan traces, close to random on pure epoch scans)."""
+    return rec.hits >= 2, rec.last_access
 
 
 def _retrieve(task: asyncio.Future) -> None:

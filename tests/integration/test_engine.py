@@ -246,3 +246,32 @@ def test_memory_budget_holds_with_64_readers(config, s3):
         assert 0 < engine.budget.peak <= engine.budget.limit
 
     run(engine, scenario, src)
+
+
+def test_eviction_prefers_objects_read_once(config, s3):
+    """Two-touch LRU: a file read twice survives a scan of once-read files that overflows the cache."""
+    _, client, bucket = s3
+    files = {f"s{i}.bin": bytes([i]) * 150_000 for i in range(10)}
+    put_tree(client, bucket, "tt", files)
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, capacity="1MB"))
+    engine = Engine(config)
+    src, _ = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(f"s3://{bucket}/tt", source=src)
+        hot = ds.file("s0.bin")
+        for _ in range(2):  # two accesses (two opens), each reading in several calls
+            stream = ReadStream()
+            for off in range(0, hot.size, 50_000):
+                await engine.read(ds, hot, off, off + 50_000, stream)
+        for i in range(1, 10):  # a one-off scan, oldest-first would evict s0 first
+            e = ds.file(f"s{i}.bin")
+            await engine.read(ds, e, 0, e.size, ReadStream())
+            await asyncio.sleep(0.01)
+        engine.close()  # flush access statistics, release handles
+        await engine.evict()
+        assert engine.cached_bytes(ds, hot) == hot.size
+        assert engine.index.object(engine._acquire(ds, hot).stored.key).hits == 2
+        assert engine.index.totals()[0] <= engine.capacity
+
+    run(engine, scenario, src)
