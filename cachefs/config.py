@@ -104,6 +104,9 @@ class EngineConfig:
     fetch_window: int = 32 * 1024 * 1024
     #: Read-ahead grows 1, 2, 4, … blocks on sequential reads up to this many bytes.
     readahead_max: int = 64 * 1024 * 1024
+    #: Return freed fetch buffers to the OS at once (glibc's mmap threshold pinned at one block), so RSS stays
+    #: within the budget; see cachefs/_memory.py for the measurements. Process-wide; off leaves malloc alone.
+    bound_allocator: bool = True
     #: Access statistics (LRU times, hit counters) are written to the index at most this often.
     stats_flush_interval: float = 2.0
 
@@ -255,3 +258,30 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return data
+
+
+def reference_markdown() -> str:
+    """docs/CONFIGURATION.md, generated from the dataclasses above (a test keeps the file in step)."""
+    lines = [
+        "# Configuration",
+        "",
+        "Loaded once at start, in this order (later wins): defaults → YAML file (`--config` or `$CACHEFS_CONFIG`) →",
+        "`CACHEFS_<SECTION>_<FIELD>` environment variables → command-line flags / fsspec options (`section_field=`).",
+        "Invalid values stop the program with one clear line. Sizes take `4MiB`, `10GB` or plain bytes;",
+        "`cache.capacity` and `cache.min_free` also take a percentage of the cache filesystem.",
+        "",
+        "S3 endpoint and credentials also follow the AWS conventions (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`/",
+        "`AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, `AWS_REGION`, instance roles) when not set here. Secrets are never",
+        "logged. Why each default is what it is: see the comments in `cachefs/config.py`.",
+        "",
+        "| YAML | environment | default |",
+        "|---|---|---|",
+    ]
+    for section, cls in _SECTIONS.items():
+        for f in fields(cls):
+            default = "`/var/cache/cachefs` as root, else `~/.cache/cachefs`" if f.name == "dir" and section == "cache" \
+                else f"`{f.default}`"
+            lines.append(f"| `{section}.{f.name}` | `CACHEFS_{section.upper()}_{f.name.upper()}` | {default} |")
+    lines += ["", "Command-line flags: `--cache-dir`, `--config`, `--capacity`, `--memory-budget`, `--endpoint-url`, "
+              "`--region`, `--profile`.", ""]
+    return "\n".join(lines)

@@ -46,6 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._memory import bound_allocator
 from .budget import MemoryBudget
 from .checksum import block_checksum
 from .config import Config, resolve_size
@@ -130,6 +131,8 @@ class Engine:
         self.capacity = resolve_size(c.capacity, disk_total, "cache.capacity")
         self.min_free = resolve_size(c.min_free, disk_total, "cache.min_free")
         self.budget = MemoryBudget(config.engine.memory_budget)
+        if config.engine.bound_allocator:
+            bound_allocator(min(c.block_size, 4 * 1024 * 1024))
         self._window = MemoryBudget(config.engine.fetch_window)  # bytes on the wire
         self._fetch_slots: asyncio.Semaphore | None = None
         self._open: OrderedDict[bytes, _Open] = OrderedDict()

@@ -227,3 +227,28 @@ def test_several_processes_share_one_cache(dataset, cache_dir):
             assert digest == hashlib.sha256(files[name]).hexdigest()
     rep = json.loads(cli("status", "--cache-dir", cache_dir, "--json").stdout)
     assert rep["datasets"][0]["cached_bytes"] == sum(map(len, files.values()))
+
+
+def test_ctrl_c_mid_prefetch_exits_130_and_keeps_what_was_cached(s3, cache_dir):
+    _, client, bucket = s3
+    files = {f"i/f{i:03d}.bin": os.urandom(200_000) for i in range(100)}
+    put_tree(client, bucket, "intr", files)
+    url = f"s3://{bucket}/intr"
+    env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--cache-dir", cache_dir,
+                             "--workers", "1", "-q"], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from cachefs.index import Index
+
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        time.sleep(0.05)
+        if os.path.exists(os.path.join(cache_dir, "index")) and Index(cache_dir).totals()[0] > 1_000_000:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted" in err and "resume" in err and "Traceback" not in err
+    r = cli("prefetch", url, "--cache-dir", cache_dir, "--json", env=env)
+    summary = json.loads(r.stdout)
+    assert summary["bytes_skipped"] > 1_000_000 and summary["files_done"] == len(files)
