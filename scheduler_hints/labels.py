@@ -1,0 +1,210 @@
+"""The label contract between node agents (which publish) and the scheduler extender (which reads).
+
+Per node and dataset
+    label       ``ds.cachefs.io/<dataset id>: "<bucket>"`` — the cached fraction in percent, rounded down to a
+                multiple of ``BUCKET_STEP`` (0, 5, …, 100), so a node that is filling up changes its label at
+                most 20 times per dataset.
+    annotation  ``ds.cachefs.io/<dataset id>`` — JSON with the exact figures: ``url``, ``cachedBytes``,
+                ``totalBytes``, ``manifestVersion``, ``updatedAt`` (RFC 3339).
+Per node
+    label       ``cachefs.io/cache-group: <group>`` — the node's cache group (rack, cell), when configured;
+    label       ``cachefs.io/free-gib: "<n>"`` — free cache space, whole GiB (coarse on purpose);
+    annotation  ``cachefs.io/cache`` — JSON: ``freeBytes``, ``capacityBytes``, ``usedBytes``, ``updatedAt``.
+
+Names: the dataset id is 16 lowercase hex digits (a hash of the canonical dataset URL, see
+:func:`cachefs.types.dataset_id`), so every key is short and valid whatever the URL: a long or odd URL never
+appears in a key or label value, only inside the annotation's JSON. Keys and values are checked against
+Kubernetes' rules (qualified names: a DNS-subdomain prefix of ≤ 253 characters and a name of ≤ 63
+characters; label values ≤ 63 characters of ``[A-Za-z0-9._-]`` starting and ending alphanumeric); a cache
+group name that breaks them is refused at start-up with a clear error rather than silently mangled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+__all__ = [
+    "BUCKET_STEP",
+    "DATASET_PREFIX",
+    "FREE_LABEL",
+    "GROUP_LABEL",
+    "NODE_ANNOTATION",
+    "DatasetCache",
+    "LabelError",
+    "NodeCacheSummary",
+    "NodeCacheView",
+    "bucket_with_hysteresis",
+    "dataset_key",
+    "desired_metadata",
+    "fraction_bucket",
+    "read_node",
+    "validate_label_key",
+    "validate_label_value",
+]
+
+DATASET_PREFIX = "ds.cachefs.io"
+GROUP_LABEL = "cachefs.io/cache-group"
+FREE_LABEL = "cachefs.io/free-gib"
+NODE_ANNOTATION = "cachefs.io/cache"
+BUCKET_STEP = 5
+
+_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DATASET_ID = re.compile(r"^[0-9a-f]{16}$")
+
+
+class LabelError(ValueError):
+    """A label key or value that Kubernetes would reject."""
+
+
+def validate_label_key(key: str) -> str:
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        raise LabelError(f"label key {key!r}: prefix must be a DNS subdomain of at most 253 characters")
+    if not name or len(name) > 63 or not _NAME.match(name):
+        raise LabelError(f"label key {key!r}: name must be 1–63 characters of [A-Za-z0-9._-], "
+                         "starting and ending alphanumeric")
+    return key
+
+
+def validate_label_value(value: str) -> str:
+    if value and (len(value) > 63 or not _NAME.match(value)):
+        raise LabelError(f"label value {value!r}: must be at most 63 characters of [A-Za-z0-9._-], "
+                         "starting and ending alphanumeric")
+    return value
+
+
+def dataset_key(ds_id: str) -> str:
+    """The label and annotation key of one dataset."""
+    if not _DATASET_ID.match(ds_id):
+        raise LabelError(f"dataset id {ds_id!r}: expected 16 lowercase hex digits")
+    return f"{DATASET_PREFIX}/{ds_id}"
+
+
+def fraction_bucket(cached: int, total: int, step: int = BUCKET_STEP) -> int:
+    """Cached percentage rounded down to a multiple of ``step``; 100 only when everything is cached."""
+    if total <= 0:
+        return 100
+    if cached >= total:
+        return 100
+    pct = 100 * max(0, cached) / total
+    return min(100 - step, int(pct // step) * step)
+
+
+def bucket_with_hysteresis(cached: int, total: int, previous: int | None, step: int = BUCKET_STEP,
+                           margin: float = 1.0) -> int:
+    """Like :func:`fraction_bucket`, but keep ``previous`` while the exact percentage is within ``margin``
+    points of its bucket's range, so a fraction hovering on a boundary does not flap the label."""
+    new = fraction_bucket(cached, total, step)
+    if previous is None or new == previous or new == 100 or (total > 0 and cached <= 0):
+        return new
+    pct = 100 * cached / total if total > 0 else 100.0
+    if previous - margin <= pct < previous + step + margin:
+        return previous
+    return new
+
+
+@dataclass(frozen=True)
+class DatasetCache:
+    """What one node holds of one dataset (the index summary the publisher reads)."""
+
+    url: str
+    id: str
+    cached_bytes: int
+    total_bytes: int
+    manifest_version: int = 0
+
+
+@dataclass(frozen=True)
+class NodeCacheSummary:
+    datasets: tuple[DatasetCache, ...]
+    free_bytes: int
+    capacity_bytes: int
+    used_bytes: int
+    cache_group: str | None = None
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] | None = None,
+                     now: float | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """The cachefs labels and annotations a node holding ``summary`` publishes.
+
+    ``previous_labels`` (the node's current labels) feeds the hysteresis. Datasets with nothing cached get
+    no label (the extender reads a missing label as 0 %).
+    """
+    now = time.time() if now is None else now
+    previous_labels = previous_labels or {}
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    for d in summary.datasets:
+        if d.cached_bytes <= 0:
+            continue
+        key = dataset_key(d.id)
+        prev = previous_labels.get(key)
+        prev_bucket = int(prev) if prev is not None and prev.isdigit() else None
+        labels[key] = str(bucket_with_hysteresis(d.cached_bytes, d.total_bytes, prev_bucket))
+        annotations[key] = json.dumps({
+            "url": d.url, "cachedBytes": d.cached_bytes, "totalBytes": d.total_bytes,
+            "manifestVersion": d.manifest_version, "updatedAt": _rfc3339(now),
+        }, separators=(",", ":"), sort_keys=True)
+    if summary.cache_group:
+        labels[GROUP_LABEL] = validate_label_value(summary.cache_group)
+    labels[FREE_LABEL] = str(max(0, summary.free_bytes) // 2**30)
+    annotations[NODE_ANNOTATION] = json.dumps({
+        "freeBytes": summary.free_bytes, "capacityBytes": summary.capacity_bytes, "usedBytes": summary.used_bytes,
+        "updatedAt": _rfc3339(now),
+    }, separators=(",", ":"), sort_keys=True)
+    for k, v in labels.items():
+        validate_label_key(k)
+        validate_label_value(v)
+    return labels, annotations
+
+
+def is_ours(key: str) -> bool:
+    return key.startswith(DATASET_PREFIX + "/") or key in (GROUP_LABEL, FREE_LABEL, NODE_ANNOTATION)
+
+
+@dataclass(frozen=True)
+class NodeCacheView:
+    """What the extender reads back from a node: cached fraction (0–1) and bytes per dataset id."""
+
+    name: str
+    fractions: dict[str, float] = field(default_factory=dict)
+    cached_bytes: dict[str, int] = field(default_factory=dict)
+    cache_group: str | None = None
+    free_bytes: int | None = None
+
+
+def read_node(name: str, labels: dict[str, str] | None, annotations: dict[str, str] | None) -> NodeCacheView:
+    """Parse a node's cachefs labels/annotations. Exact annotation figures win over the coarse label;
+    anything malformed is ignored (treated as nothing cached), never an error."""
+    labels, annotations = labels or {}, annotations or {}
+    fractions: dict[str, float] = {}
+    cached: dict[str, int] = {}
+    for key, value in labels.items():
+        if key.startswith(DATASET_PREFIX + "/") and value.isdigit():
+            fractions[key.split("/", 1)[1]] = min(100, int(value)) / 100
+    for key, value in annotations.items():
+        if not key.startswith(DATASET_PREFIX + "/"):
+            continue
+        try:
+            d = json.loads(value)
+            c, t = int(d["cachedBytes"]), int(d["totalBytes"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        ds_id = key.split("/", 1)[1]
+        cached[ds_id] = max(0, c)
+        fractions[ds_id] = min(1.0, c / t) if t > 0 else 1.0
+    free = None
+    try:
+        free = int(json.loads(annotations.get(NODE_ANNOTATION, "{}")).get("freeBytes"))
+    except (ValueError, TypeError, AttributeError):
+        free = None
+    return NodeCacheView(name, fractions, cached, labels.get(GROUP_LABEL), free)

@@ -1,0 +1,45 @@
+"""Where the publisher learns what this node holds: one small interface, implemented by the cachefs index
+(and by a fake in tests)."""
+
+from __future__ import annotations
+
+import abc
+
+from .labels import DatasetCache, NodeCacheSummary
+
+__all__ = ["IndexSummary", "StaticSummary", "SummarySource"]
+
+
+class SummarySource(abc.ABC):
+    @abc.abstractmethod
+    def summary(self) -> NodeCacheSummary:
+        """Per-dataset cached/total bytes and the node's free cache space, now."""
+
+
+class IndexSummary(SummarySource):
+    """Reads the node's cachefs index (the same figures ``cachefs status --json`` prints)."""
+
+    def __init__(self, config, cache_group: str | None = None) -> None:
+        from cachefs.engine import Engine
+
+        self._engine = Engine(config)
+        self._group = cache_group
+
+    def summary(self) -> NodeCacheSummary:
+        from cachefs.status import status_report
+
+        rep = status_report(self._engine)
+        datasets = tuple(DatasetCache(d["url"], d["id"], d["cached_bytes"], d["total_bytes"], d["manifest_version"])
+                         for d in rep["datasets"])
+        free = max(0, min(rep["capacity_bytes"] - rep["used_bytes"], rep["disk_free_bytes"] - rep["min_free_bytes"]))
+        return NodeCacheSummary(datasets, free, rep["capacity_bytes"], rep["used_bytes"], self._group)
+
+
+class StaticSummary(SummarySource):
+    """A summary set by hand: for tests, and for ``cachefs labels`` to show the contract."""
+
+    def __init__(self, summary: NodeCacheSummary) -> None:
+        self.current = summary
+
+    def summary(self) -> NodeCacheSummary:
+        return self.current
