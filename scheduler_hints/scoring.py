@@ -1,0 +1,133 @@
+"""Scoring as pure functions of (pod needs, node, cluster view). Each component returns a number in [0, 1]
+or ``None`` when it has no signal for this pod (no datasets, no GPUs, no gang); :func:`combine` weighs the
+components that have a signal and maps the result to kube-scheduler's extender scale 0–10.
+
+Scores are absolute, not normalised to the best node: a node holding 1 % of the data should not score like
+one holding 100 % just because the others hold nothing (kube-scheduler adds extender scores to its own
+plugins', so inflating small differences would override them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .labels import NodeCacheView
+
+__all__ = [
+    "MAX_SCORE",
+    "NodeState",
+    "PodNeeds",
+    "Weights",
+    "combine",
+    "gpu_packing",
+    "locality",
+    "topology_affinity",
+]
+
+MAX_SCORE = 10  # k8s.io/kube-scheduler/extender/v1 MaxExtenderPriority
+
+
+@dataclass(frozen=True)
+class Weights:
+    local: float = 1.0
+    #: Credit for bytes cached elsewhere in the node's cache group (a peer fetch is cheaper than the origin).
+    domain: float = 0.3
+    packing: float = 0.5
+    topology: float = 0.8
+    #: Node labels naming topology levels, innermost first (NVLink domain, leaf switch, rack …).
+    topology_levels: tuple[str, ...] = ("nvidia.com/gpu.clique", "network.topology.nvidia.com/block",
+                                        "topology.kubernetes.io/rack")
+
+
+@dataclass(frozen=True)
+class PodNeeds:
+    """What a pod needs: dataset ids (with byte weights when known) and GPUs."""
+
+    datasets: Mapping[str, int] = field(default_factory=dict)  # dataset id -> total bytes (0 when unknown)
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class NodeState:
+    name: str
+    cache: NodeCacheView
+    labels: Mapping[str, str] = field(default_factory=dict)
+    gpu_allocatable: int = 0
+    gpu_free: int = 0
+
+
+def locality(needs: PodNeeds, node: NodeState, group_peers: Sequence[NodeState] = (), w: Weights = Weights()
+             ) -> float | None:
+    """Fraction of the pod's bytes cached on the node, plus ``w.domain`` × the fraction cached on the best
+    peer of its cache group (capped at 1). None when the pod reads no known dataset."""
+    if not needs.datasets:
+        return None
+    weights = {d: (b if b > 0 else 1) for d, b in needs.datasets.items()}
+    total = sum(weights.values())
+    local = sum(weights[d] * node.cache.fractions.get(d, 0.0) for d in weights) / total
+    domain = 0.0
+    if node.cache.cache_group and w.domain > 0:
+        peers = [p for p in group_peers if p.name != node.name and p.cache.cache_group == node.cache.cache_group]
+        for d in weights:
+            best = max((p.cache.fractions.get(d, 0.0) for p in peers), default=0.0)
+            domain += weights[d] * max(0.0, best - node.cache.fractions.get(d, 0.0))
+        domain /= total
+    return min(1.0, local + w.domain * domain)
+
+
+def gpu_packing(needs: PodNeeds, node: NodeState) -> float | None:
+    """Bin-packing preference: 1 when the pod fills the node's free GPUs exactly, lower the more it would
+    leave free (so whole nodes stay free for big jobs). None for pods without GPUs; 0 if it does not fit."""
+    if needs.gpus <= 0:
+        return None
+    if node.gpu_allocatable <= 0 or node.gpu_free < needs.gpus:
+        return 0.0
+    left = node.gpu_free - needs.gpus
+    return 1.0 - left / node.gpu_allocatable
+
+
+def topology_affinity(node: NodeState, placed: Sequence[NodeState], *, cluster: Sequence[NodeState] = (),
+                      gang_gpus: int = 0, w: Weights = Weights()) -> float | None:
+    """For gang members: how close the node is to where the gang's other members are placed — full credit
+    for the innermost shared topology level, less for outer ones. For the first member, how small a
+    topology domain around the node could hold the whole gang (``gang_gpus`` free GPUs in ``cluster``).
+    None for pods outside a gang."""
+    levels = w.topology_levels
+    if not placed:
+        if gang_gpus <= 0:
+            return None
+        for depth, key in enumerate(levels):
+            value = node.labels.get(key)
+            if value is None:
+                continue
+            free = sum(n.gpu_free for n in cluster if n.labels.get(key) == value)
+            if free >= gang_gpus:
+                return 1.0 - depth / (len(levels) + 1)
+        return 0.0
+    best = 0.0
+    for other in placed:
+        if other.name == node.name:
+            return 1.0
+        for depth, key in enumerate(levels):
+            value = node.labels.get(key)
+            if value is not None and value == other.labels.get(key):
+                best = max(best, 1.0 - depth / (len(levels) + 1))
+                break
+    return best
+
+
+def combine(parts: Mapping[str, float | None], w: Weights = Weights()) -> int:
+    """Weighted mean of the components that have a signal, as an integer 0–10. No signal at all → 0
+    (neutral: every node gets the same)."""
+    weights = {"locality": w.local, "packing": w.packing, "topology": w.topology}
+    num = den = 0.0
+    for name, value in parts.items():
+        if value is None:
+            continue
+        weight = weights[name]
+        num += weight * min(1.0, max(0.0, value))
+        den += weight
+    if den == 0:
+        return 0
+    return round(MAX_SCORE * num / den)
