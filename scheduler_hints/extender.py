@@ -1,0 +1,274 @@
+"""The kube-scheduler extender: ``POST /filter``, ``/prioritize`` and ``/bind`` (aiohttp; thin).
+
+Wire format as ``k8s.io/kube-scheduler/extender/v1`` emits it: the structs have no JSON tags, so keys are Go
+field names (``Pod``, ``Nodes``, ``NodeNames``, ``FailedNodes``, ``FailedAndUnresolvableNodes``, ``Error``,
+``Host``, ``Score``, ``PodName``, ``PodNamespace``, ``PodUID``, ``Node``). We emit exactly those and accept
+any case, as Go's decoder does. Scores are 0–10 (``MaxExtenderPriority``).
+
+Both ``nodeCacheCapable`` modes work: with ``false`` the request carries full Node objects (their labels,
+annotations and allocatable GPUs are read from it); with ``true`` only names arrive and the node details
+come from the extender's own node cache (:class:`NodeCache`, fed by a watch or, in tests, by hand).
+
+Every malformed input gets a 4xx with a JSON error, never a crash; pods without data or GPUs get neutral
+scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from .gang import GangManager
+from .labels import read_node
+from .pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
+from .scoring import NodeState, PodNeeds, Weights, combine, gpu_packing, locality, topology_affinity
+
+__all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
+
+log = logging.getLogger(__name__)
+
+#: Largest request accepted: 5,000 full Node objects of ~10 KiB each, with room to spare.
+MAX_BODY = 256 * 1024 * 1024
+
+
+def _ci(obj: Any, key: str) -> Any:
+    """``obj[key]`` matching the key case-insensitively (Go's JSON decoder does the same)."""
+    if not isinstance(obj, Mapping):
+        return None
+    if key in obj:
+        return obj[key]
+    lk = key.lower()
+    return next((v for k, v in obj.items() if isinstance(k, str) and k.lower() == lk), None)
+
+
+class BadRequest(Exception):
+    pass
+
+
+class NodeCache:
+    """Node objects by name, for ``nodeCacheCapable: true`` (fed by a watch) and for cluster-wide views."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Mapping[str, Any]] = {}
+
+    def update(self, node: Mapping[str, Any]) -> None:
+        name = (node.get("metadata") or {}).get("name")
+        if name:
+            self.nodes[name] = node
+
+    def remove(self, name: str) -> None:
+        self.nodes.pop(name, None)
+
+
+class Binder:
+    """Creates the Binding of a pod to a node (the real one posts ``pods/<name>/binding`` to the API server)."""
+
+    async def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        raise NotImplementedError
+
+
+class RecordingBinder(Binder):
+    """Records bindings; for tests and for dry runs."""
+
+    def __init__(self) -> None:
+        self.bindings: list[tuple[str, str, str]] = []
+
+    async def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        self.bindings.append((namespace, name, node))
+
+
+@dataclass
+class Extender:
+    weights: Weights = field(default_factory=Weights)
+    volumes: VolumeIndex | None = None
+    binder: Binder = field(default_factory=RecordingBinder)
+    gangs: GangManager = field(default_factory=GangManager)
+    node_cache: NodeCache = field(default_factory=NodeCache)
+    #: PodGroup minMember by ``namespace/name`` (from a PodGroup watch when wired).
+    min_members: dict[str, int] = field(default_factory=dict)
+    #: Pods this extender bound: pod key -> (node, GPUs). A pod watch calls :meth:`pod_gone` on deletion.
+    bound_pods: dict[str, tuple[str, int]] = field(default_factory=dict)
+    _pods: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    # -- parsing --------------------------------------------------------------------------------------------
+    def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
+        if not isinstance(body, Mapping):
+            raise BadRequest("expected a JSON object (ExtenderArgs)")
+        pod = _ci(body, "Pod")
+        if not isinstance(pod, Mapping):
+            raise BadRequest("ExtenderArgs.Pod missing or not an object")
+        nodes = _ci(body, "Nodes")
+        names = _ci(body, "NodeNames")
+        if isinstance(nodes, Mapping) and isinstance(nodes.get("items"), list):
+            items = [n for n in nodes["items"] if isinstance(n, Mapping)]
+            for n in items:
+                self.node_cache.update(n)
+            by_name = False
+        elif isinstance(names, list):
+            items = [self.node_cache.nodes.get(n) or {"metadata": {"name": n}} for n in names if isinstance(n, str)]
+            by_name = True
+        else:
+            raise BadRequest("ExtenderArgs needs Nodes.items (nodeCacheCapable: false) or NodeNames (true)")
+        self._pods[pod_key(pod)] = pod
+        if len(self._pods) > 100_000:  # bounded: bind looks pods up by uid shortly after filter/prioritize
+            for k in list(self._pods)[:50_000]:
+                del self._pods[k]
+        return pod, items, by_name
+
+    def _state(self, node: Mapping[str, Any]) -> NodeState:
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name", ""))
+        status = node.get("status") or {}
+        alloc_raw = (status.get("allocatable") or {}).get("nvidia.com/gpu", 0) if isinstance(status, Mapping) else 0
+        try:
+            alloc = int(str(alloc_raw))
+        except ValueError:
+            alloc = 0
+        labels = meta.get("labels") or {}
+        used = sum(g for n, g in self.bound_pods.values() if n == name)
+        free = max(0, alloc - used - self.gangs.reserved_gpus(name))
+        return NodeState(name, read_node(name, labels, meta.get("annotations") or {}), labels, alloc, free)
+
+    def _needs(self, pod: Mapping[str, Any], states: list[NodeState]) -> PodNeeds:
+        ids = pod_datasets(pod, self.volumes)
+        totals = {}
+        for ds in ids:
+            known = [n.cache.cached_bytes.get(ds, 0) / n.cache.fractions[ds]
+                     for n in states if n.cache.fractions.get(ds) and n.cache.cached_bytes.get(ds)]
+            totals[ds] = int(max(known, default=0))
+        return PodNeeds(totals, pod_gpus(pod))
+
+    # -- verbs ----------------------------------------------------------------------------------------------
+    def filter(self, body: Any) -> dict[str, Any]:
+        pod, items, by_name = self._args(body)
+        gang = pod_gang(pod, self.min_members)
+        gpus = pod_gpus(pod)
+        failed: dict[str, str] = {}
+        passed = items
+        if gang is not None and gang.min_member > 1 and gpus > 0 and not self.gangs.admitted(gang):
+            cluster = [self._state(n) for n in self.node_cache.nodes.values()]
+            free = sum(n.gpu_free for n in cluster)
+            if not self.gangs.admit(gang, gpus, free):
+                reason = (f"gang {gang.key} ({gang.min_member} pods × {gpus} GPUs) is waiting until the whole "
+                          "gang fits")
+                failed = {str((n.get("metadata") or {}).get("name", "")): reason for n in items}
+                passed = []
+        names = [str((n.get("metadata") or {}).get("name", "")) for n in passed]
+        return {
+            "Nodes": None if by_name else {"metadata": {}, "items": list(passed)},
+            "NodeNames": names if by_name else None,
+            "FailedNodes": failed,
+            "FailedAndUnresolvableNodes": {},
+            "Error": "",
+        }
+
+    def prioritize(self, body: Any) -> list[dict[str, Any]]:
+        pod, items, _ = self._args(body)
+        states = [self._state(n) for n in items]
+        cluster = [self._state(n) for n in self.node_cache.nodes.values()] or states
+        needs = self._needs(pod, states)
+        gang = pod_gang(pod, self.min_members)
+        placed: list[NodeState] = []
+        if gang is not None:
+            by_name = {s.name: s for s in cluster}
+            placed = [by_name[n] for n, _ in self._gang_nodes(gang) if n in by_name]
+        out = []
+        for s in states:
+            parts = {
+                "locality": locality(needs, s, cluster, self.weights),
+                "packing": gpu_packing(needs, s),
+                "topology": topology_affinity(s, placed, cluster=cluster,
+                                              gang_gpus=gang.min_member * needs.gpus if gang else 0,
+                                              w=self.weights) if gang else None,
+            }
+            out.append({"Host": s.name, "Score": combine(parts, self.weights)})
+        return out
+
+    def _gang_nodes(self, gang) -> list[tuple[str, int]]:
+        g = self.gangs._gangs.get(gang.key)
+        return list(g.members.values()) if g else []
+
+    async def bind(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise BadRequest("expected a JSON object (ExtenderBindingArgs)")
+        name, namespace = _ci(body, "PodName"), _ci(body, "PodNamespace")
+        uid, node = _ci(body, "PodUID"), _ci(body, "Node")
+        if not all(isinstance(v, str) and v for v in (name, namespace, node)):
+            raise BadRequest("ExtenderBindingArgs needs PodName, PodNamespace and Node")
+        uid = uid if isinstance(uid, str) else ""
+        pod = self._pods.get(uid) or self._pods.get(f"{namespace}/{name}") or {
+            "metadata": {"name": name, "namespace": namespace, "uid": uid}}
+        gang = pod_gang(pod, self.min_members)
+        gpus = pod_gpus(pod)
+        key = pod_key(pod)
+        if gang is not None and gang.min_member > 1:
+            if not await self.gangs.wait_for_gang(gang, key, node, gpus):
+                return {"Error": f"gang {gang.key}: fewer than {gang.min_member} members could be placed within "
+                                 f"{self.gangs.bind_timeout:g}s; pod {namespace}/{name} will be retried"}
+        try:
+            await self.binder.bind(namespace, name, uid, node)
+        except Exception as exc:  # noqa: BLE001 - reported to kube-scheduler, which retries the pod
+            if gang is not None:
+                self.gangs.failed(gang, key)
+            log.warning("binding %s/%s to %s failed: %s", namespace, name, node, exc)
+            return {"Error": f"binding {namespace}/{name} to {node} failed: {exc}"}
+        self.bound_pods[key] = (node, gpus)
+        if gang is not None:
+            self.gangs.bound(gang, key)
+        return {"Error": ""}
+
+    def pod_gone(self, key: str) -> None:
+        """A pod was deleted or finished: its GPUs are free again."""
+        self.bound_pods.pop(key, None)
+        self._pods.pop(key, None)
+
+
+def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
+    """The aiohttp application: one handler per verb, JSON in and out, errors as 4xx JSON."""
+
+    async def handle(request: web.Request) -> web.Response:
+        verb = request.match_info["verb"]
+        if verb not in ("filter", "prioritize", "bind"):
+            return web.json_response({"Error": f"unknown verb {verb!r} (filter, prioritize, bind)"}, status=404)
+        try:
+            body = json.loads(await request.read())
+        except web.HTTPRequestEntityTooLarge:
+            return web.json_response({"Error": f"request larger than {max_body} bytes"}, status=413)
+        except (ValueError, UnicodeDecodeError):
+            return web.json_response({"Error": "request body is not valid JSON"}, status=400)
+        try:
+            if verb == "filter":
+                result: Any = ext.filter(body)
+            elif verb == "prioritize":
+                result = ext.prioritize(body)
+            else:
+                result = await ext.bind(body)
+        except BadRequest as exc:
+            return web.json_response({"Error": str(exc)}, status=400)
+        return web.json_response(result)
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=max_body)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_post("/{verb}", handle)
+    return app
+
+
+async def serve(ext: Extender, host: str, port: int) -> None:  # pragma: no cover - thin CLI glue
+    runner = web.AppRunner(make_app(ext), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("scheduler extender listening on %s:%d", host, port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

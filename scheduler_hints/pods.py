@@ -1,0 +1,152 @@
+"""Reading what a pod needs out of a Pod object as kube-scheduler sends it (plain JSON, Go field names for
+the extender envelope but normal Kubernetes JSON inside)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cachefs.errors import InvalidURLError
+from cachefs.types import dataset_id
+
+__all__ = [
+    "CSI_DRIVER",
+    "DATASETS_ANNOTATION",
+    "GPU_RESOURCE",
+    "GangRef",
+    "StaticVolumes",
+    "VolumeIndex",
+    "pod_datasets",
+    "pod_gang",
+    "pod_gpus",
+    "pod_key",
+]
+
+CSI_DRIVER = "csi.cachefs.io"
+DATASETS_ANNOTATION = "cachefs.io/datasets"
+GPU_RESOURCE = "nvidia.com/gpu"
+#: Gang membership, in the order they are consulted.
+COSCHEDULING_LABEL = "scheduling.x-k8s.io/pod-group"  # scheduler-plugins
+VOLCANO_ANNOTATION = "scheduling.k8s.io/group-name"  # Volcano
+GANG_ANNOTATION = "cachefs.io/gang"  # ours
+GANG_SIZE_ANNOTATION = "cachefs.io/gang-size"
+#: Volume attribute keys that carry the dataset URL (PV spec.csi.volumeAttributes or inline csi.volumeAttributes).
+URL_ATTRIBUTES = ("url", "dataset")
+
+
+class VolumeIndex(abc.ABC):
+    """PVC → dataset URL, from a watch cache of PVCs and PVs (never an API call per request)."""
+
+    @abc.abstractmethod
+    def claim_dataset(self, namespace: str, claim: str) -> str | None:
+        """The dataset URL behind a PVC bound to a cachefs PV, else None."""
+
+
+class StaticVolumes(VolumeIndex):
+    def __init__(self, claims: Mapping[tuple[str, str], str] | None = None) -> None:
+        self.claims = dict(claims or {})
+
+    def claim_dataset(self, namespace: str, claim: str) -> str | None:
+        return self.claims.get((namespace, claim))
+
+
+def _meta(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = pod.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def pod_key(pod: Mapping[str, Any]) -> str:
+    m = _meta(pod)
+    return str(m.get("uid") or f"{m.get('namespace', 'default')}/{m.get('name', '')}")
+
+
+def pod_datasets(pod: Mapping[str, Any], volumes: VolumeIndex | None = None) -> list[str]:
+    """Dataset ids the pod reads: its cachefs CSI volumes (inline or PVC) and the ``cachefs.io/datasets``
+    annotation. Unparseable URLs are skipped (the pod is scored as if it read nothing from them)."""
+    urls: list[str] = []
+    meta = _meta(pod)
+    ann = meta.get("annotations") or {}
+    if isinstance(ann, Mapping) and isinstance(ann.get(DATASETS_ANNOTATION), str):
+        urls += [u.strip() for u in ann[DATASETS_ANNOTATION].split(",") if u.strip()]
+    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    namespace = str(meta.get("namespace") or "default")
+    for vol in spec.get("volumes") or ():
+        if not isinstance(vol, Mapping):
+            continue
+        csi = vol.get("csi")
+        if isinstance(csi, Mapping) and csi.get("driver") == CSI_DRIVER:
+            attrs = csi.get("volumeAttributes") or {}
+            url = next((attrs.get(k) for k in URL_ATTRIBUTES if isinstance(attrs, Mapping) and attrs.get(k)), None)
+            if url:
+                urls.append(str(url))
+        pvc = vol.get("persistentVolumeClaim")
+        if isinstance(pvc, Mapping) and pvc.get("claimName") and volumes is not None:
+            url = volumes.claim_dataset(namespace, str(pvc["claimName"]))
+            if url:
+                urls.append(url)
+    ids: list[str] = []
+    for url in urls:
+        try:
+            ds = dataset_id(url)
+        except InvalidURLError:
+            continue
+        if ds not in ids:
+            ids.append(ds)
+    return ids
+
+
+def _quantity(value: Any) -> int:
+    try:
+        return max(0, int(str(value)))
+    except ValueError:
+        return 0
+
+
+def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """GPUs the pod requests (``nvidia.com/gpu`` limits or requests; init containers by their maximum)."""
+    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+
+    def per(container: Any) -> int:
+        res = container.get("resources") if isinstance(container, Mapping) else None
+        if not isinstance(res, Mapping):
+            return 0
+        for part in ("limits", "requests"):
+            q = (res.get(part) or {}).get(GPU_RESOURCE) if isinstance(res.get(part), Mapping) else None
+            if q is not None:
+                return _quantity(q)
+        return 0
+
+    main = sum(per(c) for c in spec.get("containers") or ())
+    init = max((per(c) for c in spec.get("initContainers") or ()), default=0)
+    return max(main, init)
+
+
+@dataclass(frozen=True)
+class GangRef:
+    namespace: str
+    name: str
+    min_member: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def pod_gang(pod: Mapping[str, Any], min_members: Mapping[str, int] | None = None) -> GangRef | None:
+    """The pod's gang, if any. ``min_members`` maps ``namespace/name`` of PodGroups to their minMember (from
+    a PodGroup watch); the ``cachefs.io/gang-size`` annotation works without one."""
+    meta = _meta(pod)
+    labels = meta.get("labels") or {}
+    ann = meta.get("annotations") or {}
+    namespace = str(meta.get("namespace") or "default")
+    name = (labels.get(COSCHEDULING_LABEL) if isinstance(labels, Mapping) else None) or \
+        (ann.get(VOLCANO_ANNOTATION) if isinstance(ann, Mapping) else None) or \
+        (ann.get(GANG_ANNOTATION) if isinstance(ann, Mapping) else None)
+    if not name:
+        return None
+    size = _quantity(ann.get(GANG_SIZE_ANNOTATION, 0)) if isinstance(ann, Mapping) else 0
+    if not size and min_members:
+        size = min_members.get(f"{namespace}/{name}", 0)
+    return GangRef(namespace, str(name), max(1, size))

@@ -1,0 +1,246 @@
+"""The extender over real HTTP (aiohttp on a loopback port), with payloads shaped exactly as kube-scheduler
+sends them: ExtenderArgs with Go field names, Node and Pod objects in Kubernetes JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from cachefs.types import dataset_id
+from scheduler_hints.extender import MAX_BODY, Extender, make_app
+from scheduler_hints.gang import GangManager
+from scheduler_hints.labels import dataset_key
+from scheduler_hints.pods import StaticVolumes
+
+URL = "s3://bucket/imagenet"
+DS = dataset_id(URL)
+
+
+def node(name, *, fraction=None, gpus=8, clique=None, leaf=None):
+    labels = {"kubernetes.io/hostname": name}
+    ann = {}
+    if fraction is not None:
+        labels[dataset_key(DS)] = str(int(fraction * 100))
+        ann[dataset_key(DS)] = json.dumps({"url": URL, "cachedBytes": int(fraction * 1000), "totalBytes": 1000,
+                                           "manifestVersion": 1, "updatedAt": "2026-11-29T00:00:00Z"})
+    if clique:
+        labels["nvidia.com/gpu.clique"] = clique
+    if leaf:
+        labels["network.topology.nvidia.com/block"] = leaf
+    return {"kind": "Node", "apiVersion": "v1", "metadata": {"name": name, "labels": labels, "annotations": ann},
+            "status": {"allocatable": {"cpu": "64", "nvidia.com/gpu": str(gpus)}, "capacity": {"nvidia.com/gpu": str(gpus)}}}
+
+
+def pod(name, *, claim=None, inline=None, annotation=None, gpus=0, gang=None, gang_size=None, uid=None):
+    ann, labels, volumes = {}, {}, []
+    if annotation:
+        ann["cachefs.io/datasets"] = annotation
+    if claim:
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": claim}})
+    if inline:
+        volumes.append({"name": "inline", "csi": {"driver": "csi.cachefs.io", "volumeAttributes": {"url": inline}}})
+    if gang:
+        labels["scheduling.x-k8s.io/pod-group"] = gang
+        ann["cachefs.io/gang-size"] = str(gang_size)
+    res = {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}
+    return {"kind": "Pod", "apiVersion": "v1",
+            "metadata": {"name": name, "namespace": "ml", "uid": uid or f"uid-{name}", "labels": labels,
+                         "annotations": ann},
+            "spec": {"containers": [{"name": "train", "image": "x", "resources": res}], "volumes": volumes}}
+
+
+def args(p, nodes):
+    return {"Pod": p, "Nodes": {"metadata": {}, "items": nodes}, "NodeNames": None}
+
+
+@pytest.fixture
+def server():
+    """Start the extender on a loopback port in its own loop thread; yield (base URL, extender, runner)."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    ext = Extender(volumes=StaticVolumes({("ml", "imagenet-pvc"): URL}),
+                   gangs=GangManager(bind_timeout=2.0))
+    started = threading.Event()
+    box = {}
+
+    async def start():
+        runner = web.AppRunner(make_app(ext))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        box["runner"] = runner
+        box["port"] = site._server.sockets[0].getsockname()[1]
+        started.set()
+
+    t = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    t.start()
+    started.wait(10)
+    yield f"http://127.0.0.1:{box['port']}", ext
+    asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(10)
+    loop.close()
+
+
+def post(base, verb, body, raw=None):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{base}/{verb}", data=raw if raw is not None else json.dumps(body)) as r:
+                return r.status, await r.json()
+
+    return asyncio.run(go())
+
+
+def test_prioritize_prefers_the_node_holding_the_data(server):
+    base, _ = server
+    nodes = [node("a", fraction=0.9), node("b", fraction=0.1), node("c")]
+    for p in (pod("p1", claim="imagenet-pvc"), pod("p2", inline=URL), pod("p3", annotation=f"{URL}, s3://x/y")):
+        status, scores = post(base, "prioritize", args(p, nodes))
+        assert status == 200
+        by = {s["Host"]: s["Score"] for s in scores}
+        assert by["a"] > by["b"] > by["c"] == 0, by
+        assert all(0 <= s["Score"] <= 10 and set(s) == {"Host", "Score"} for s in scores)
+
+
+def test_pod_without_data_or_gpus_gets_neutral_scores(server):
+    base, _ = server
+    status, scores = post(base, "prioritize", args(pod("plain"), [node("a", fraction=1.0), node("b")]))
+    assert status == 200 and {s["Score"] for s in scores} == {0}
+
+
+def test_filter_passes_everything_for_ordinary_pods_and_accepts_any_case(server):
+    base, _ = server
+    body = {"pod": pod("p", annotation=URL), "nodes": {"items": [node("a"), node("b")]}}
+    status, res = post(base, "filter", body)
+    assert status == 200
+    assert [n["metadata"]["name"] for n in res["Nodes"]["items"]] == ["a", "b"]
+    assert res["FailedNodes"] == {} and res["Error"] == "" and "FailedAndUnresolvableNodes" in res
+
+
+def test_node_cache_capable_mode_uses_names(server):
+    base, ext = server
+    for n in (node("a", fraction=1.0), node("b")):
+        ext.node_cache.update(n)
+    status, res = post(base, "filter", {"Pod": pod("p", annotation=URL), "NodeNames": ["a", "b"]})
+    assert status == 200 and res["NodeNames"] == ["a", "b"] and res["Nodes"] is None
+    status, scores = post(base, "prioritize", {"Pod": pod("p", annotation=URL), "NodeNames": ["a", "b"]})
+    assert {s["Host"]: s["Score"] for s in scores} == {"a": 10, "b": 0}
+
+
+@pytest.mark.parametrize(("verb", "raw", "status"), [
+    ("filter", b"{not json", 400),
+    ("filter", b"[]", 400),
+    ("prioritize", b'{"Pod": {}}', 400),
+    ("bind", b'{"PodName": 3}', 400),
+    ("preempt-everything", b"{}", 404),
+])
+def test_bad_requests_get_clear_4xx(server, verb, raw, status):
+    base, _ = server
+    got, body = post(base, verb, None, raw=raw)
+    assert got == status and body["Error"]
+
+
+def test_oversized_request_is_refused():
+    import io
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async def go():
+        async with TestClient(TestServer(make_app(Extender(), max_body=1024))) as client:
+            r = await client.post("/filter", data=io.BytesIO(b"x" * 4096))
+            return r.status, (await r.json())["Error"]
+
+    status, error = asyncio.run(go())
+    assert status == 413 and "1024" in error
+    assert MAX_BODY >= 128 * 1024 * 1024  # room for 5,000 full Node objects
+
+
+def test_two_gangs_that_cannot_both_fit_never_deadlock(server):
+    """6 free GPUs, two gangs of 4 × 1-GPU pods arriving together: one is admitted and bound whole, the other
+    stays pending whole (holding nothing) and is admitted once the first is gone."""
+    base, ext = server
+    nodes = [node("n1", gpus=3), node("n2", gpus=3)]
+    a = [pod(f"a{i}", gpus=1, gang="ga", gang_size=4) for i in range(4)]
+    b = [pod(f"b{i}", gpus=1, gang="gb", gang_size=4) for i in range(4)]
+    results = {}
+    for pa, pb in zip(a, b, strict=True):  # interleaved, as a scheduler queue would hand them out
+        results[pa["metadata"]["name"]] = post(base, "filter", args(pa, nodes))[1]
+        results[pb["metadata"]["name"]] = post(base, "filter", args(pb, nodes))[1]
+    assert all(results[f"a{i}"]["Nodes"]["items"] for i in range(4))
+    assert all(not results[f"b{i}"]["Nodes"]["items"] and results[f"b{i}"]["FailedNodes"] for i in range(4))
+
+    async def bind_all(pods, spread):
+        async with aiohttp.ClientSession() as s:
+            async def one(p, n):
+                body = {"PodName": p["metadata"]["name"], "PodNamespace": "ml", "PodUID": p["metadata"]["uid"],
+                        "Node": n}
+                async with s.post(f"{base}/bind", data=json.dumps(body)) as r:
+                    return (await r.json())["Error"]
+            return await asyncio.gather(*(one(p, spread[i % len(spread)]) for i, p in enumerate(pods)))
+
+    assert asyncio.run(bind_all(a, ["n1", "n2"])) == [""] * 4
+    assert sorted(name for _, name, _ in ext.binder.bindings) == ["a0", "a1", "a2", "a3"]
+    # gang b is still not admitted while a holds its GPUs
+    assert not post(base, "filter", args(b[0], nodes))[1]["Nodes"]["items"]
+    for p in a:
+        ext.pod_gone(p["metadata"]["uid"])
+    assert post(base, "filter", args(b[0], nodes))[1]["Nodes"]["items"]
+    for p in b:
+        post(base, "filter", args(p, nodes))
+    assert asyncio.run(bind_all(b, ["n1", "n2"])) == [""] * 4
+
+
+def test_incomplete_gang_binds_nothing(server):
+    base, ext = server
+    nodes = [node("n1", gpus=8)]
+    members = [pod(f"g{i}", gpus=2, gang="g", gang_size=3) for i in range(2)]  # only 2 of 3 ever arrive
+    for p in members:
+        post(base, "filter", args(p, nodes))
+
+    async def bind(p):
+        async with aiohttp.ClientSession() as s:
+            body = {"PodName": p["metadata"]["name"], "PodNamespace": "ml", "PodUID": p["metadata"]["uid"],
+                    "Node": "n1"}
+            async with s.post(f"{base}/bind", data=json.dumps(body)) as r:
+                return (await r.json())["Error"]
+
+    async def both():
+        return await asyncio.gather(*(bind(p) for p in members))
+
+    errors = asyncio.run(both())
+    assert all("retried" in e for e in errors)
+    assert ext.binder.bindings == []
+
+
+def test_gang_members_prefer_the_clique_of_those_already_placed(server):
+    base, _ = server
+    nodes = [node("c1a", clique="c1", leaf="l1"), node("c1b", clique="c1", leaf="l1"),
+             node("c2a", clique="c2", leaf="l1"), node("c3a", clique="c3", leaf="l2")]
+    members = [pod(f"m{i}", gpus=8, gang="big", gang_size=3) for i in range(3)]
+    post(base, "filter", args(members[0], nodes))
+
+    async def bind_first():
+        async with aiohttp.ClientSession() as s:
+            body = {"PodName": "m0", "PodNamespace": "ml", "PodUID": "uid-m0", "Node": "c1a"}
+            async with s.post(f"{base}/bind", data=json.dumps(body)) as r:
+                return await r.json()
+
+    async def scenario():
+        task = asyncio.ensure_future(bind_first())  # waits for the rest of the gang
+        await asyncio.sleep(0.3)
+        return task
+
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.run_until_complete(scenario())
+        _, scores = post(base, "prioritize", args(members[1], nodes))
+        by = {s["Host"]: s["Score"] for s in scores}
+        assert by["c1b"] > by["c2a"] > by["c3a"], by
+        loop.run_until_complete(asyncio.wait_for(task, 5))
+    finally:
+        loop.close()
