@@ -13,7 +13,7 @@ from ..status import status_report
 from ..types import DatasetRef
 from .progress import ProgressPrinter, human_bytes
 
-__all__ = ["demo", "evict", "prefetch", "refresh", "status"]
+__all__ = ["demo", "evict", "labels", "prefetch", "refresh", "scheduler_extender", "status"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -109,3 +109,37 @@ async def demo(args: argparse.Namespace, config: Config) -> int:
     from .demo import run_demo
 
     return await run_demo(args, config)
+
+
+# The two commands below are the CLI composing scheduler_hints (cachefs/cli is a composition root; nothing
+# else in cachefs imports scheduler_hints).
+async def labels(args: argparse.Namespace, config: Config) -> int:
+    from scheduler_hints.labels import DatasetCache, LabelError, NodeCacheSummary, desired_metadata
+
+    from ..config import parse_size
+    from ..types import dataset_id
+    from .main import print_json
+
+    cached, total = parse_size(args.cached, "--cached"), parse_size(args.total, "--total")
+    ds = DatasetCache(DatasetRef.from_url(args.url).url, dataset_id(args.url), cached, total)
+    summary = NodeCacheSummary((ds,), parse_size(args.free, "--free"), 0, cached, args.cache_group)
+    try:
+        lab, ann = desired_metadata(summary)
+    except LabelError as exc:
+        raise ConfigError(str(exc)) from None
+    print_json({"labels": lab, "annotations": ann})
+    return 0
+
+
+async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
+    from scheduler_hints.config import load_extender_config
+    from scheduler_hints.extender import Extender, serve
+    from scheduler_hints.gang import GangManager
+
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
+    cfg = load_extender_config(args.extender_config)
+    ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout))
+    await serve(ext, host.strip("[]"), int(port))
+    return 0

@@ -72,6 +72,18 @@ def _parser() -> argparse.ArgumentParser:
     rf = sub.add_parser("refresh", parents=[common], help="take a new manifest snapshot of a dataset")
     rf.add_argument("url")
 
+    lb = sub.add_parser("labels", parents=[common],
+                        help="print (JSON) the node labels/annotations a node holding this much would publish")
+    lb.add_argument("url")
+    lb.add_argument("--cached", required=True, help="bytes cached on the node, e.g. 900GB")
+    lb.add_argument("--total", required=True, help="dataset size, e.g. 1TB")
+    lb.add_argument("--free", default="0", help="free cache space on the node")
+    lb.add_argument("--cache-group", help="the node's cache group (rack, cell)")
+
+    se = sub.add_parser("scheduler-extender", parents=[common], help="run the kube-scheduler extender")
+    se.add_argument("--listen", default="127.0.0.1:8888", help="HOST:PORT (default 127.0.0.1:8888)")
+    se.add_argument("--extender-config", dest="extender_config", help="YAML: weights, bind_timeout, gang_ttl")
+
     dm = sub.add_parser("demo", parents=[common],
                         help="start a local S3 server with a sample dataset, prefetch it and read it back")
     dm.add_argument("--small-files", type=int, default=3000)
@@ -102,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import commands
 
     try:
-        return asyncio.run(getattr(commands, args.command)(args, _config(args)))
+        return asyncio.run(getattr(commands, args.command.replace("-", "_"))(args, _config(args)))
     except KeyboardInterrupt:
         print("cachefs: interrupted; everything cached so far is kept, run the same command to resume",
               file=sys.stderr)

@@ -252,3 +252,44 @@ def test_ctrl_c_mid_prefetch_exits_130_and_keeps_what_was_cached(s3, cache_dir):
     r = cli("prefetch", url, "--cache-dir", cache_dir, "--json", env=env)
     summary = json.loads(r.stdout)
     assert summary["bytes_skipped"] > 1_000_000 and summary["files_done"] == len(files)
+
+
+def test_labels_command_prints_the_contract():
+    r = cli("labels", "s3://bucket/imagenet", "--cached", "900GB", "--total", "1TB", "--cache-group", "rack-7")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    from cachefs.types import dataset_id
+
+    key = f"ds.cachefs.io/{dataset_id('s3://bucket/imagenet')}"
+    assert out["labels"][key] == "90" and out["labels"]["cachefs.io/cache-group"] == "rack-7"
+    assert json.loads(out["annotations"][key])["totalBytes"] == 10**12
+    bad = cli("labels", "s3://bucket/x", "--cached", "1", "--total", "2", "--cache-group", "no spaces allowed")
+    assert bad.returncode == 2 and "label value" in bad.stderr
+
+
+def test_scheduler_extender_command_serves_http():
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "scheduler-extender", "--listen",
+                             f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                    assert r.read() == b"ok"
+                break
+            except OSError:
+                assert time.time() < deadline, "extender did not start"
+                time.sleep(0.2)
+        body = json.dumps({"Pod": {"metadata": {"name": "p"}}, "Nodes": {"items": [{"metadata": {"name": "a"}}]}})
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/prioritize", data=body.encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert json.loads(r.read()) == [{"Host": "a", "Score": 0}]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)

@@ -1,0 +1,55 @@
+"""Extender configuration: a frozen dataclass loaded from YAML (``--config``) and validated at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from cachefs.errors import ConfigError
+
+from .scoring import Weights
+
+__all__ = ["ExtenderConfig", "load_extender_config"]
+
+
+@dataclass(frozen=True)
+class ExtenderConfig:
+    weights: Weights = field(default_factory=Weights)
+    #: Seconds a gang member's bind waits for the rest of its gang (keep below the extender httpTimeout).
+    bind_timeout: float = 30.0
+    #: Seconds an admitted gang may make no progress before its admission lapses.
+    gang_ttl: float = 300.0
+
+
+def load_extender_config(path: str | None) -> ExtenderConfig:
+    if not path:
+        return ExtenderConfig()
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError:
+        raise ConfigError(f"{path}: not valid YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping")
+    w = data.pop("weights", {}) or {}
+    known_w = {f.name for f in fields(Weights)}
+    if not isinstance(w, dict) or set(w) - known_w:
+        raise ConfigError(f"{path}: weights may set {', '.join(sorted(known_w))}")
+    if "topology_levels" in w:
+        w["topology_levels"] = tuple(str(x) for x in w["topology_levels"])
+    known = {f.name for f in fields(ExtenderConfig)} - {"weights"}
+    if set(data) - known:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(set(data) - known))}")
+    try:
+        weights = Weights(**{k: (float(v) if k != "topology_levels" else v) for k, v in w.items()})
+        cfg = ExtenderConfig(weights=weights, **{k: float(v) for k, v in data.items()})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if min(cfg.weights.local, cfg.weights.domain, cfg.weights.packing, cfg.weights.topology) < 0:
+        raise ConfigError(f"{path}: weights must not be negative")
+    if cfg.bind_timeout <= 0 or cfg.gang_ttl <= 0:
+        raise ConfigError(f"{path}: bind_timeout and gang_ttl must be positive")
+    return cfg
