@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHMARKS = ["bench.read_bench", "bench.manifest_bench", "bench.eviction_bench", "bench.memory_bench"]
+BENCHMARKS = ["bench.read_bench", "bench.manifest_bench", "bench.eviction_bench", "bench.memory_bench",
+              "bench.extender_bench"]
 
 if __name__ == "__main__":
     for mod in BENCHMARKS:

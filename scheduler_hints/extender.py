@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -27,7 +27,7 @@ from aiohttp import web
 from .gang import GangManager
 from .labels import read_node
 from .pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
-from .scoring import NodeState, PodNeeds, Weights, combine, gpu_packing, locality, topology_affinity
+from .scoring import NodeState, PodNeeds, Weights, combine, gpu_packing, group_best, locality, topology_affinity
 
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
 
@@ -52,18 +52,57 @@ class BadRequest(Exception):
 
 
 class NodeCache:
-    """Node objects by name, for ``nodeCacheCapable: true`` (fed by a watch) and for cluster-wide views."""
+    """Node objects by name, for ``nodeCacheCapable: true`` (fed by a watch) and for cluster-wide views, with
+    each node's parsed cache view kept until the node's labels or annotations change (parsing 5,000 nodes'
+    annotations on every request would dominate the latency)."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, Mapping[str, Any]] = {}
+        self._parsed: dict[str, tuple[Any, NodeState]] = {}
+        #: Bumped whenever the set of nodes or any node's parsed state changes.
+        self.generation = 0
+        self._cluster: tuple[int, list[NodeState], dict] | None = None
 
     def update(self, node: Mapping[str, Any]) -> None:
         name = (node.get("metadata") or {}).get("name")
         if name:
+            if name not in self.nodes:
+                self.generation += 1
             self.nodes[name] = node
+            self.base_state(node)  # parse now (bumps the generation if it changed)
 
     def remove(self, name: str) -> None:
-        self.nodes.pop(name, None)
+        if self.nodes.pop(name, None) is not None:
+            self.generation += 1
+        self._parsed.pop(name, None)
+
+    def cluster(self) -> tuple[list[NodeState], dict]:
+        """Every node's base state and the per-group best holders, recomputed only when something changed."""
+        if self._cluster is None or self._cluster[0] != self.generation:
+            states = [self._parsed[name][1] for name in self.nodes]
+            self._cluster = (self.generation, states, group_best(states))
+        return self._cluster[1], self._cluster[2]
+
+    def base_state(self, node: Mapping[str, Any]) -> NodeState:
+        """The node's NodeState with ``gpu_free`` = allocatable (callers subtract usage)."""
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name", ""))
+        labels = meta.get("labels") or {}
+        annotations = meta.get("annotations") or {}
+        status = node.get("status") or {}
+        alloc_raw = (status.get("allocatable") or {}).get("nvidia.com/gpu", 0) if isinstance(status, Mapping) else 0
+        version = meta.get("resourceVersion") or (labels, annotations, alloc_raw)
+        hit = self._parsed.get(name)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        try:
+            alloc = max(0, int(str(alloc_raw)))
+        except ValueError:
+            alloc = 0
+        state = NodeState(name, read_node(name, labels, annotations), labels, alloc, alloc)
+        self._parsed[name] = (version, state)
+        self.generation += 1
+        return state
 
 
 class Binder:
@@ -112,6 +151,9 @@ class Extender:
             by_name = False
         elif isinstance(names, list):
             items = [self.node_cache.nodes.get(n) or {"metadata": {"name": n}} for n in names if isinstance(n, str)]
+            for n in items:
+                if n["metadata"]["name"] not in self.node_cache.nodes:
+                    self.node_cache.update(n)
             by_name = True
         else:
             raise BadRequest("ExtenderArgs needs Nodes.items (nodeCacheCapable: false) or NodeNames (true)")
@@ -121,19 +163,24 @@ class Extender:
                 del self._pods[k]
         return pod, items, by_name
 
-    def _state(self, node: Mapping[str, Any]) -> NodeState:
-        meta = node.get("metadata") or {}
-        name = str(meta.get("name", ""))
-        status = node.get("status") or {}
-        alloc_raw = (status.get("allocatable") or {}).get("nvidia.com/gpu", 0) if isinstance(status, Mapping) else 0
-        try:
-            alloc = int(str(alloc_raw))
-        except ValueError:
-            alloc = 0
-        labels = meta.get("labels") or {}
-        used = sum(g for n, g in self.bound_pods.values() if n == name)
-        free = max(0, alloc - used - self.gangs.reserved_gpus(name))
-        return NodeState(name, read_node(name, labels, meta.get("annotations") or {}), labels, alloc, free)
+    def _held(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for n, g in self.bound_pods.values():
+            held[n] = held.get(n, 0) + g
+        for n, g in self.gangs.reservations():
+            held[n] = held.get(n, 0) + g
+        return held
+
+    def _states(self, nodes, held: dict[str, int] | None = None) -> list[NodeState]:
+        """NodeStates with ``gpu_free`` net of pods we bound and gang members waiting in bind."""
+        held = self._held() if held is None else held
+        return [self._net(self.node_cache.base_state(node), held) for node in nodes]
+
+    @staticmethod
+    def _net(base: NodeState, held: dict[str, int]) -> NodeState:
+        if held.get(base.name):
+            return replace(base, gpu_free=max(0, base.gpu_allocatable - held[base.name]))
+        return base
 
     def _needs(self, pod: Mapping[str, Any], states: list[NodeState]) -> PodNeeds:
         ids = pod_datasets(pod, self.volumes)
@@ -152,8 +199,8 @@ class Extender:
         failed: dict[str, str] = {}
         passed = items
         if gang is not None and gang.min_member > 1 and gpus > 0 and not self.gangs.admitted(gang):
-            cluster = [self._state(n) for n in self.node_cache.nodes.values()]
-            free = sum(n.gpu_free for n in cluster)
+            held = self._held()
+            free = sum(self._net(n, held).gpu_free for n in self.node_cache.cluster()[0])
             if not self.gangs.admit(gang, gpus, free):
                 reason = (f"gang {gang.key} ({gang.min_member} pods × {gpus} GPUs) is waiting until the whole "
                           "gang fits")
@@ -170,8 +217,10 @@ class Extender:
 
     def prioritize(self, body: Any) -> list[dict[str, Any]]:
         pod, items, _ = self._args(body)
-        states = [self._state(n) for n in items]
-        cluster = [self._state(n) for n in self.node_cache.nodes.values()] or states
+        held = self._held()
+        states = self._states(items, held)
+        base_cluster, groups = self.node_cache.cluster()
+        cluster = [self._net(n, held) for n in base_cluster] if gang_needed(pod, self.min_members) else base_cluster
         needs = self._needs(pod, states)
         gang = pod_gang(pod, self.min_members)
         placed: list[NodeState] = []
@@ -181,7 +230,7 @@ class Extender:
         out = []
         for s in states:
             parts = {
-                "locality": locality(needs, s, cluster, self.weights),
+                "locality": locality(needs, s, groups, self.weights),
                 "packing": gpu_packing(needs, s),
                 "topology": topology_affinity(s, placed, cluster=cluster,
                                               gang_gpus=gang.min_member * needs.gpus if gang else 0,
@@ -227,6 +276,10 @@ class Extender:
         """A pod was deleted or finished: its GPUs are free again."""
         self.bound_pods.pop(key, None)
         self._pods.pop(key, None)
+
+
+def gang_needed(pod: Mapping[str, Any], min_members: Mapping[str, int]) -> bool:
+    return pod_gang(pod, min_members) is not None
 
 
 def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:

@@ -79,10 +79,9 @@ class GangManager:
         self._gangs[gang.key] = _Gang(gang, need, now, now)
         return True
 
-    def reserved_gpus(self, node: str) -> int:
-        """GPUs held on ``node`` by members waiting for their gang."""
-        return sum(g for gang in self._gangs.values() if not gang.complete.is_set()
-                   for n, g in gang.members.values() if n == node)
+    def reservations(self) -> list[tuple[str, int]]:
+        """(node, GPUs) held by members waiting for their gang."""
+        return [(n, g) for gang in self._gangs.values() if not gang.complete.is_set() for n, g in gang.members.values()]
 
     async def wait_for_gang(self, gang: GangRef, pod: str, node: str, gpus: int) -> bool:
         """Called by the bind verb: place ``pod`` on ``node`` and wait until the whole gang is placed.

@@ -57,20 +57,40 @@ class NodeState:
     gpu_free: int = 0
 
 
-def locality(needs: PodNeeds, node: NodeState, group_peers: Sequence[NodeState] = (), w: Weights = Weights()
+def group_best(nodes: Sequence[NodeState]) -> dict[str, dict[str, list[tuple[float, str]]]]:
+    """Per cache group and dataset, the two best (fraction, node) pairs: what :func:`locality` needs to give
+    a node credit for its best *peer* in O(1)."""
+    out: dict[str, dict[str, list[tuple[float, str]]]] = {}
+    for n in nodes:
+        g = n.cache.cache_group
+        if not g:
+            continue
+        per = out.setdefault(g, {})
+        for ds, frac in n.cache.fractions.items():
+            top = per.setdefault(ds, [])
+            top.append((frac, n.name))
+            top.sort(reverse=True)
+            del top[2:]
+    return out
+
+
+def locality(needs: PodNeeds, node: NodeState,
+             groups: Mapping[str, Mapping[str, list[tuple[float, str]]]] | None = None, w: Weights = Weights()
              ) -> float | None:
-    """Fraction of the pod's bytes cached on the node, plus ``w.domain`` × the fraction cached on the best
-    peer of its cache group (capped at 1). None when the pod reads no known dataset."""
+    """Fraction of the pod's bytes cached on the node, plus ``w.domain`` × the extra fraction cached on the best
+    peer of its cache group (``groups`` from :func:`group_best`; capped at 1). None when the pod reads no
+    known dataset."""
     if not needs.datasets:
         return None
     weights = {d: (b if b > 0 else 1) for d, b in needs.datasets.items()}
     total = sum(weights.values())
-    local = sum(weights[d] * node.cache.fractions.get(d, 0.0) for d in weights) / total
+    fractions = node.cache.fractions
+    local = sum(weights[d] * fractions.get(d, 0.0) for d in weights) / total if fractions else 0.0
     domain = 0.0
-    if node.cache.cache_group and w.domain > 0:
-        peers = [p for p in group_peers if p.name != node.name and p.cache.cache_group == node.cache.cache_group]
+    group = groups.get(node.cache.cache_group) if groups and node.cache.cache_group else None
+    if group and w.domain > 0:
         for d in weights:
-            best = max((p.cache.fractions.get(d, 0.0) for p in peers), default=0.0)
+            best = next((f for f, name in group.get(d, ()) if name != node.name), 0.0)
             domain += weights[d] * max(0.0, best - node.cache.fractions.get(d, 0.0))
         domain /= total
     return min(1.0, local + w.domain * domain)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from scheduler_hints.labels import NodeCacheView
-from scheduler_hints.scoring import NodeState, PodNeeds, Weights, combine, gpu_packing, locality, topology_affinity
+from scheduler_hints.scoring import (
+    NodeState,
+    PodNeeds,
+    Weights,
+    combine,
+    gpu_packing,
+    group_best,
+    locality,
+    topology_affinity,
+)
 
 A, B = "a" * 16, "b" * 16
 
@@ -33,9 +42,12 @@ def test_locality_domain_credit_is_smaller_than_local():
     holder = node("h", {A: 1.0}, group="rack-1")
     needs = PodNeeds({A: 0})
     peers = [peer, same_group, other_group, holder]
-    assert locality(needs, holder, peers) == 1.0
-    assert locality(needs, same_group, peers) == pytest.approx(Weights().domain)
-    assert locality(needs, other_group, peers) == 0.0
+    groups = group_best(peers)
+    assert locality(needs, holder, groups) == 1.0
+    assert locality(needs, same_group, groups) == pytest.approx(Weights().domain)
+    assert locality(needs, other_group, groups) == 0.0
+    alone = node("solo", {A: 1.0}, group="rack-9")
+    assert locality(needs, alone, group_best([alone])) == 1.0  # its own copy is not peer credit
 
 
 @pytest.mark.parametrize(("gpus", "alloc", "free", "want"), [

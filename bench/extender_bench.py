@@ -1,0 +1,88 @@
+"""Extender latency with 5,000 nodes: filter + prioritize round trips over HTTP, p50/p99, in both
+``nodeCacheCapable`` modes, against kube-scheduler's 5 s extender timeout and our 50 ms target.
+
+    python -m bench.extender_bench [--nodes 5000] [--rounds 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import aiohttp
+from aiohttp import web
+
+from cachefs.types import dataset_id
+from scheduler_hints.extender import Extender, make_app
+from scheduler_hints.labels import dataset_key
+
+
+def make_nodes(n: int, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    ds = [dataset_id(f"s3://bucket/ds{i}") for i in range(20)]
+    nodes = []
+    for i in range(n):
+        labels = {"kubernetes.io/hostname": f"node-{i}", "nvidia.com/gpu.clique": f"c{i // 18}",
+                  "network.topology.nvidia.com/block": f"leaf-{i // 64}", "topology.kubernetes.io/rack": f"r{i // 16}",
+                  "cachefs.io/cache-group": f"r{i // 16}"}
+        ann = {}
+        for d in rng.sample(ds, 3):
+            c = rng.randint(0, 1000)
+            labels[dataset_key(d)] = str(c // 50 * 5)
+            ann[dataset_key(d)] = json.dumps({"url": "s3://x", "cachedBytes": c, "totalBytes": 1000,
+                                              "manifestVersion": 1, "updatedAt": "2026-11-29T00:00:00Z"})
+        nodes.append({"metadata": {"name": f"node-{i}", "labels": labels, "annotations": ann},
+                      "status": {"allocatable": {"cpu": "128", "memory": "2Ti", "nvidia.com/gpu": "8"}}})
+    return nodes
+
+
+POD = {"metadata": {"name": "trainer-0", "namespace": "ml", "uid": "u1",
+                    "annotations": {"cachefs.io/datasets": "s3://bucket/ds3,s3://bucket/ds7"}},
+       "spec": {"containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}
+
+
+async def run(nodes: list[dict], rounds: int) -> None:
+    ext = Extender()
+    runner = web.AppRunner(make_app(ext), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    for n in nodes:
+        ext.node_cache.update(n)
+    names = [n["metadata"]["name"] for n in nodes]
+    full = json.dumps({"Pod": POD, "Nodes": {"items": nodes}}).encode()
+    by_name = json.dumps({"Pod": POD, "NodeNames": names}).encode()
+    async with aiohttp.ClientSession() as s:
+        for label, body in (("nodeCacheCapable=false (full Node objects)", full),
+                            ("nodeCacheCapable=true (names)", by_name)):
+            times = []
+            for _ in range(rounds):
+                t = time.perf_counter()
+                for verb in ("filter", "prioritize"):
+                    async with s.post(f"{base}/{verb}", data=body) as r:
+                        assert r.status == 200
+                        await r.read()
+                times.append((time.perf_counter() - t) * 1000)
+            times.sort()
+            p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+            print(f"{len(nodes)} nodes, {label}: filter+prioritize p50 {statistics.median(times):.1f} ms, "
+                  f"p99 {p99:.1f} ms (request {len(body) / 1e6:.1f} MB) → p99 vs 50 ms target {p99 / 50:.2f}×, "
+                  f"vs 5 s timeout {p99 / 5000:.3f}×")
+    await runner.cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--nodes", type=int, default=5000)
+    p.add_argument("--rounds", type=int, default=100)
+    args = p.parse_args()
+    asyncio.run(run(make_nodes(args.nodes), args.rounds))
+
+
+if __name__ == "__main__":
+    main()
