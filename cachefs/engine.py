@@ -131,6 +131,10 @@ class Engine:
         self.capacity = resolve_size(c.capacity, disk_total, "cache.capacity")
         self.min_free = resolve_size(c.min_free, disk_total, "cache.min_free")
         self.budget = MemoryBudget(config.engine.memory_budget)
+        # Limits are checked (an index read and a statvfs) every this many stored bytes rather than per block:
+        # half the room between the high watermark and the capacity, so usage still never passes capacity.
+        self._check_every = max(1, min(64 * 1024 * 1024, int(self.capacity * (1 - c.high_watermark) / 2)))
+        self._stored_since_check = 0
         if config.engine.bound_allocator:
             bound_allocator(min(c.block_size, 4 * 1024 * 1024))
         self._window = MemoryBudget(config.engine.fetch_window)  # bytes on the wire
@@ -337,9 +341,7 @@ class Engine:
         if idx is None:
             return
         ob.present.pop(idx, None)
-        forget = getattr(ob.stored, "forget_verified", None)
-        if forget:
-            forget(idx)
+        ob.stored.forget_verified(idx)
         self.index.drop_block(ob.stored.key, idx)
 
     def _advance(self, stream: ReadStream, start: int, end: int) -> None:
@@ -417,7 +419,10 @@ class Engine:
                 return False
         self.index.put_block(ob.stored.key, idx, checksum, len(data), ob.record)
         ob.present[idx] = (checksum, len(data))
-        self._maybe_evict()
+        self._stored_since_check += len(data)
+        if self._stored_since_check >= self._check_every:
+            self._stored_since_check = 0
+            self._maybe_evict()
         return True
 
     async def ensure_cached(self, ds: Dataset, entry: Entry) -> int:
@@ -579,13 +584,3 @@ def get_engine(config: Config) -> Engine:
         if eng is None:
             eng = _engines[key] = Engine(config)
         return eng
-
-
-def drop_engine(config: Config) -> None:
-    """Forget the process's engine for a cache dir (tests that restart the engine)."""
-    import os
-
-    with _engines_lock:
-        eng = _engines.pop(os.path.realpath(config.cache.dir), None)
-    if eng is not None:
-        eng.close()

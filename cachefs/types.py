@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from .errors import InvalidURLError
 
-__all__ = ["ByteRange", "DatasetRef", "Entry", "canonical_url", "dataset_id", "object_key"]
+__all__ = ["DatasetRef", "Entry", "canonical_url", "dataset_id", "object_key"]
 
 #: Schemes whose URLs name a bucket-like root; anything fsspec knows is accepted, these are just common.
 _OBJECT_STORE_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "r2", "oss"}
@@ -93,20 +93,6 @@ class Entry:
     @property
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
-
-
-@dataclass(frozen=True, slots=True)
-class ByteRange:
-    start: int
-    end: int  # exclusive
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or self.end < self.start:
-            raise ValueError(f"bad byte range [{self.start}, {self.end})")
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
 
 
 def object_key(dataset: str, path: str, version: str) -> bytes:

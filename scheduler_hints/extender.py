@@ -220,13 +220,14 @@ class Extender:
         held = self._held()
         states = self._states(items, held)
         base_cluster, groups = self.node_cache.cluster()
-        cluster = [self._net(n, held) for n in base_cluster] if gang_needed(pod, self.min_members) else base_cluster
         needs = self._needs(pod, states)
         gang = pod_gang(pod, self.min_members)
+        cluster = base_cluster
         placed: list[NodeState] = []
-        if gang is not None:
+        if gang is not None:  # only gang topology needs the cluster's free GPUs
+            cluster = [self._net(n, held) for n in base_cluster]
             by_name = {s.name: s for s in cluster}
-            placed = [by_name[n] for n, _ in self._gang_nodes(gang) if n in by_name]
+            placed = [by_name[n] for n, _ in self.gangs.placed(gang) if n in by_name]
         out = []
         for s in states:
             parts = {
@@ -238,10 +239,6 @@ class Extender:
             }
             out.append({"Host": s.name, "Score": combine(parts, self.weights)})
         return out
-
-    def _gang_nodes(self, gang) -> list[tuple[str, int]]:
-        g = self.gangs._gangs.get(gang.key)
-        return list(g.members.values()) if g else []
 
     async def bind(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, Mapping):
@@ -276,10 +273,6 @@ class Extender:
         """A pod was deleted or finished: its GPUs are free again."""
         self.bound_pods.pop(key, None)
         self._pods.pop(key, None)
-
-
-def gang_needed(pod: Mapping[str, Any], min_members: Mapping[str, int]) -> bool:
-    return pod_gang(pod, min_members) is not None
 
 
 def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:

@@ -79,6 +79,11 @@ class GangManager:
         self._gangs[gang.key] = _Gang(gang, need, now, now)
         return True
 
+    def placed(self, gang: GangRef) -> list[tuple[str, int]]:
+        """(node, GPUs) of the gang's members placed so far (waiting in bind)."""
+        g = self._gangs.get(gang.key)
+        return list(g.members.values()) if g else []
+
     def reservations(self) -> list[tuple[str, int]]:
         """(node, GPUs) held by members waiting for their gang."""
         return [(n, g) for gang in self._gangs.values() if not gang.complete.is_set() for n, g in gang.members.values()]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from ..errors import CacheFSError
@@ -87,11 +87,8 @@ class Index:
             raw = txn.get(ds_id.encode(), db=self._datasets)
         return DatasetRecord.from_json(raw) if raw else None
 
-    def put_dataset(self, rec: DatasetRecord, txn=None) -> None:
-        if txn is None:
-            with self.env.begin(write=True) as t:
-                t.put(rec.id.encode(), rec.to_json(), db=self._datasets)
-        else:
+    def put_dataset(self, rec: DatasetRecord) -> None:
+        with self.env.begin(write=True) as txn:
             txn.put(rec.id.encode(), rec.to_json(), db=self._datasets)
 
     def datasets(self) -> list[DatasetRecord]:
@@ -213,8 +210,3 @@ class Index:
         key = ds.encode()
         c, h, m = DS_STATS.unpack(txn.get(key, db=self._ds_stats) or DS_STATS.pack(0, 0, 0))
         txn.put(key, DS_STATS.pack(max(0, c + cached), h + hit, m + miss), db=self._ds_stats)
-
-    def forget_dataset(self, ds_id: str, keys: Iterable[bytes] = ()) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.delete(ds_id.encode(), db=self._datasets)
-            txn.delete(ds_id.encode(), db=self._ds_stats)

@@ -16,7 +16,7 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from ..errors import CacheFSError, translate_origin_error
+from ..errors import CacheFSError, TruncatedBodyError, translate_origin_error
 from ..types import Entry
 
 __all__ = ["RetryPolicy", "RetryingSource", "Source", "with_retries"]
@@ -112,8 +112,6 @@ class RetryingSource(Source):
         async def attempt() -> bytes:
             data = await self.inner.read(url, version, start, end)
             if len(data) != end - start:
-                from ..errors import TruncatedBodyError
-
                 raise TruncatedBodyError(f"{url} [{start}, {end}): got {len(data)} of {end - start} bytes")
             return data
 

@@ -34,6 +34,10 @@ class StoredObject(abc.ABC):
         CorruptBlockError naming the block (``err.block``)."""
 
     @abc.abstractmethod
+    def forget_verified(self, idx: int) -> None:
+        """Verify block ``idx`` again on its next read (it was dropped and will be rewritten)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Release the file (and its lock)."""
 

@@ -78,9 +78,6 @@ class DiskObject(StoredObject):
     def forget_verified(self, idx: int) -> None:
         self._verified.discard(idx)
 
-    def fileno(self) -> int:
-        return self._fd
-
     def close(self) -> None:
         fd, self._fd = self._fd, -1
         if fd >= 0:
