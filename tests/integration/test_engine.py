@@ -199,16 +199,21 @@ def test_sequential_reader_gets_read_ahead(config, dataset):
     run(engine, scenario, src)
 
 
-def test_eviction_keeps_usage_under_capacity_and_spares_open_objects(config, s3):
+def small_cache(config, s3, prefix: str, files: dict[str, bytes], capacity: str = "1MB"):
+    """Upload ``files`` under ``prefix``; an engine whose cache holds only ``capacity``; (engine, source, url)."""
     _, client, bucket = s3
-    files = {f"f{i}.bin": bytes([i]) * 200_000 for i in range(12)}
-    put_tree(client, bucket, "ev", files)
-    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, capacity="1MB"))
-    engine = Engine(config)
+    put_tree(client, bucket, prefix, files)
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, capacity=capacity))
     src, _ = sources(config)
+    return Engine(config), src, f"s3://{bucket}/{prefix}"
+
+
+def test_eviction_keeps_usage_under_capacity_and_spares_open_objects(config, s3):
+    files = {f"f{i}.bin": bytes([i]) * 200_000 for i in range(12)}
+    engine, src, url = small_cache(config, s3, "ev", files)
 
     async def scenario():
-        ds = await engine.open_dataset(f"s3://{bucket}/ev", source=src)
+        ds = await engine.open_dataset(url, source=src)
         pinned = ds.file("f0.bin")
         ob = engine._acquire(ds, pinned)  # a reader holds f0 open throughout
         try:
@@ -250,15 +255,11 @@ def test_memory_budget_holds_with_64_readers(config, s3):
 
 def test_eviction_prefers_objects_read_once(config, s3):
     """Two-touch LRU: a file read twice survives a scan of once-read files that overflows the cache."""
-    _, client, bucket = s3
     files = {f"s{i}.bin": bytes([i]) * 150_000 for i in range(10)}
-    put_tree(client, bucket, "tt", files)
-    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, capacity="1MB"))
-    engine = Engine(config)
-    src, _ = sources(config)
+    engine, src, url = small_cache(config, s3, "tt", files)
 
     async def scenario():
-        ds = await engine.open_dataset(f"s3://{bucket}/tt", source=src)
+        ds = await engine.open_dataset(url, source=src)
         hot = ds.file("s0.bin")
         for _ in range(2):  # two accesses (two opens), each reading in several calls
             stream = ReadStream()

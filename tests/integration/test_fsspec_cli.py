@@ -12,6 +12,7 @@ import time
 import fsspec
 import pytest
 
+from cachefs.index import Index
 from tests.conftest import make_files, put_tree
 
 
@@ -150,22 +151,30 @@ def test_empty_dataset_and_zero_byte_and_odd_names(s3, cache_dir):
     assert r.returncode == 0 and "0/0 files" in r.stdout, r.stderr
 
 
+def start_prefetch(url, cache_dir, env, workers, **popen):
+    """``cachefs prefetch`` in the background."""
+    return subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--cache-dir", cache_dir,
+                             "--workers", str(workers), "-q"], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def wait_cached(cache_dir, min_bytes, timeout=60):
+    """Wait until the cache's index records more than ``min_bytes``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        time.sleep(0.05)
+        if os.path.exists(os.path.join(cache_dir, "index")) and Index(cache_dir).totals()[0] > min_bytes:
+            return
+
+
 def test_kill_9_mid_prefetch_then_resume(s3, cache_dir):
     _, client, bucket = s3
     files = {f"k/f{i:03d}.bin": os.urandom(200_000) for i in range(120)}
     put_tree(client, bucket, "crash", files)
     url = f"s3://{bucket}/crash"
     env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "2"}
-    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--cache-dir", cache_dir,
-                             "--workers", "2", "-q"], env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    from cachefs.index import Index
-
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        time.sleep(0.1)
-        if os.path.exists(os.path.join(cache_dir, "index")) and 2_000_000 < Index(cache_dir).totals()[0]:
-            break
+    proc = start_prefetch(url, cache_dir, env, workers=2)
+    wait_cached(cache_dir, 2_000_000)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
@@ -235,16 +244,8 @@ def test_ctrl_c_mid_prefetch_exits_130_and_keeps_what_was_cached(s3, cache_dir):
     put_tree(client, bucket, "intr", files)
     url = f"s3://{bucket}/intr"
     env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--cache-dir", cache_dir,
-                             "--workers", "1", "-q"], env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    from cachefs.index import Index
-
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        time.sleep(0.05)
-        if os.path.exists(os.path.join(cache_dir, "index")) and Index(cache_dir).totals()[0] > 1_000_000:
-            break
+    proc = start_prefetch(url, cache_dir, env, workers=1, text=True)
+    wait_cached(cache_dir, 1_000_000)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
