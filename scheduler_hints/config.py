@@ -18,6 +18,8 @@ class ExtenderConfig:
     bind_timeout: float = 30.0
     #: Seconds an admitted gang may make no progress before its admission lapses.
     gang_ttl: float = 300.0
+    #: Seconds a gang that one topology domain could hold waits for room there before it may span domains.
+    topology_wait: float = 60.0
 
 
 def load_extender_config(path: str | None) -> ExtenderConfig:
@@ -50,6 +52,6 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
         raise ConfigError(f"{path}: {exc}") from None
     if min(cfg.weights.local, cfg.weights.domain, cfg.weights.packing, cfg.weights.topology) < 0:
         raise ConfigError(f"{path}: weights must not be negative")
-    if cfg.bind_timeout <= 0 or cfg.gang_ttl <= 0:
-        raise ConfigError(f"{path}: bind_timeout and gang_ttl must be positive")
+    if cfg.bind_timeout <= 0 or cfg.gang_ttl <= 0 or cfg.topology_wait < 0:
+        raise ConfigError(f"{path}: bind_timeout and gang_ttl must be positive, topology_wait not negative")
     return cfg

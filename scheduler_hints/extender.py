@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,7 +28,17 @@ from aiohttp import web
 from .gang import GangManager
 from .labels import read_node
 from .pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
-from .scoring import NodeState, PodNeeds, Weights, combine, gpu_packing, group_best, locality, topology_affinity
+from .scoring import (
+    NodeState,
+    PodNeeds,
+    Weights,
+    combine,
+    domain_free,
+    gpu_packing,
+    group_best,
+    locality,
+    topology_affinity,
+)
 
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
 
@@ -133,7 +144,10 @@ class Extender:
     min_members: dict[str, int] = field(default_factory=dict)
     #: Pods this extender bound: pod key -> (node, GPUs). A pod watch calls :meth:`pod_gone` on deletion.
     bound_pods: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: Seconds a gang that fits one topology domain waits for room there before being admitted across domains.
+    topology_wait: float = 60.0
     _pods: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    _gang_first_seen: dict[str, float] = field(default_factory=dict)
 
     # -- parsing --------------------------------------------------------------------------------------------
     def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
@@ -199,11 +213,8 @@ class Extender:
         failed: dict[str, str] = {}
         passed = items
         if gang is not None and gang.min_member > 1 and gpus > 0 and not self.gangs.admitted(gang):
-            held = self._held()
-            free = sum(self._net(n, held).gpu_free for n in self.node_cache.cluster()[0])
-            if not self.gangs.admit(gang, gpus, free):
-                reason = (f"gang {gang.key} ({gang.min_member} pods × {gpus} GPUs) is waiting until the whole "
-                          "gang fits")
+            reason = self._admission_refusal(gang, gpus)
+            if reason:
                 failed = {str((n.get("metadata") or {}).get("name", "")): reason for n in items}
                 passed = []
         names = [str((n.get("metadata") or {}).get("name", "")) for n in passed]
@@ -215,6 +226,34 @@ class Extender:
             "Error": "",
         }
 
+    def _admission_refusal(self, gang, gpus: int) -> str | None:
+        """Admit ``gang`` (every member ``gpus`` GPUs) or say why it waits. Capacity is counted in whole pod
+        slots per node. A gang that one topology domain (clique, leaf …) could hold waits up to
+        ``topology_wait`` seconds for such a domain to have room before it is admitted anywhere it fits."""
+        held = self._held()
+        cluster = [self._net(n, held) for n in self.node_cache.cluster()[0]]
+        slots = sum(n.gpu_free // gpus for n in cluster)
+        need = gang.min_member
+        first = self._gang_first_seen.setdefault(gang.key, time.monotonic())
+        if len(self._gang_first_seen) > 10_000:
+            self._gang_first_seen.pop(next(iter(self._gang_first_seen)))
+        if time.monotonic() - first < self.topology_wait:
+            free: dict[tuple[str, str], int] = {}
+            cap: dict[tuple[str, str], int] = {}
+            for n in cluster:
+                for key in self.weights.topology_levels:
+                    value = n.labels.get(key)
+                    if value is not None:
+                        free[(key, value)] = free.get((key, value), 0) + n.gpu_free // gpus
+                        cap[(key, value)] = cap.get((key, value), 0) + n.gpu_allocatable // gpus
+            if any(c >= need for c in cap.values()) and not any(f >= need for f in free.values()):
+                return (f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting for one topology domain to "
+                        "have room for the whole gang")
+        if self.gangs.admit(gang, gpus, slots * gpus):
+            self._gang_first_seen.pop(gang.key, None)
+            return None
+        return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
+
     def prioritize(self, body: Any) -> list[dict[str, Any]]:
         pod, items, _ = self._args(body)
         held = self._held()
@@ -224,10 +263,12 @@ class Extender:
         gang = pod_gang(pod, self.min_members)
         cluster = base_cluster
         placed: list[NodeState] = []
+        free_by_domain = None
         if gang is not None:  # only gang topology needs the cluster's free GPUs
             cluster = [self._net(n, held) for n in base_cluster]
             by_name = {s.name: s for s in cluster}
             placed = [by_name[n] for n, _ in self.gangs.placed(gang) if n in by_name]
+            free_by_domain = domain_free(cluster, self.weights.topology_levels)
         out = []
         for s in states:
             parts = {
@@ -235,7 +276,7 @@ class Extender:
                 "packing": gpu_packing(needs, s),
                 "topology": topology_affinity(s, placed, cluster=cluster,
                                               gang_gpus=gang.min_member * needs.gpus if gang else 0,
-                                              w=self.weights) if gang else None,
+                                              w=self.weights, free_by_domain=free_by_domain) if gang else None,
             }
             out.append({"Host": s.name, "Score": combine(parts, self.weights)})
         return out

@@ -20,6 +20,7 @@ __all__ = [
     "PodNeeds",
     "Weights",
     "combine",
+    "domain_free",
     "gpu_packing",
     "locality",
     "topology_affinity",
@@ -107,21 +108,38 @@ def gpu_packing(needs: PodNeeds, node: NodeState) -> float | None:
     return 1.0 - left / node.gpu_allocatable
 
 
+def domain_free(cluster: Sequence[NodeState], levels: Sequence[str]) -> dict[tuple[str, str], int]:
+    """Free GPUs per topology domain ``(level label, value)``: computed once per request so that scoring the
+    first gang member stays O(nodes), not O(nodes²)."""
+    out: dict[tuple[str, str], int] = {}
+    for n in cluster:
+        if n.gpu_free <= 0:
+            continue
+        for key in levels:
+            value = n.labels.get(key)
+            if value is not None:
+                out[(key, value)] = out.get((key, value), 0) + n.gpu_free
+    return out
+
+
 def topology_affinity(node: NodeState, placed: Sequence[NodeState], *, cluster: Sequence[NodeState] = (),
-                      gang_gpus: int = 0, w: Weights = Weights()) -> float | None:
+                      gang_gpus: int = 0, w: Weights = Weights(),
+                      free_by_domain: Mapping[tuple[str, str], int] | None = None) -> float | None:
     """For gang members: how close the node is to where the gang's other members are placed — full credit
     for the innermost shared topology level, less for outer ones. For the first member, how small a
-    topology domain around the node could hold the whole gang (``gang_gpus`` free GPUs in ``cluster``).
-    None for pods outside a gang."""
+    topology domain around the node could hold the whole gang (``gang_gpus`` free GPUs in ``cluster``, or
+    ``free_by_domain`` from :func:`domain_free`). None for pods outside a gang."""
     levels = w.topology_levels
     if not placed:
         if gang_gpus <= 0:
             return None
+        if free_by_domain is None:
+            free_by_domain = domain_free(cluster, levels)
         for depth, key in enumerate(levels):
             value = node.labels.get(key)
             if value is None:
                 continue
-            free = sum(n.gpu_free for n in cluster if n.labels.get(key) == value)
+            free = free_by_domain.get((key, value), 0)
             if free >= gang_gpus:
                 return 1.0 - depth / (len(levels) + 1)
         return 0.0

@@ -7,13 +7,13 @@ import sys
 
 from ..config import Config
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import CacheFSError, ConfigError
 from ..prefetch import warm
 from ..status import status_report
 from ..types import DatasetRef
 from .progress import ProgressPrinter, human_bytes
 
-__all__ = ["demo", "evict", "labels", "prefetch", "refresh", "scheduler_extender", "status"]
+__all__ = ["demo", "evict", "labels", "prefetch", "publish_labels", "refresh", "scheduler_extender", "status"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -140,6 +140,59 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
     cfg = load_extender_config(args.extender_config)
-    ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout))
-    await serve(ext, host.strip("[]"), int(port))
+    ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout),
+                   topology_wait=cfg.topology_wait)
+    if args.standalone:
+        await serve(ext, host.strip("[]"), int(port))
+        return 0
+    from scheduler_hints.kube import KubeClient, load_kube_config
+    from scheduler_hints.watch import ClusterWatch, KubeBinder
+
+    client = KubeClient(load_kube_config(args.kubeconfig))
+    ext.binder = KubeBinder(client)
+    watch = ClusterWatch(client, ext)
+    try:
+        await watch.start()
+        await serve(ext, host.strip("[]"), int(port))
+    finally:
+        await watch.aclose()
+        await client.aclose()
+    return 0
+
+
+async def publish_labels(args: argparse.Namespace, config: Config) -> int:
+    import os
+
+    from scheduler_hints.kube import ApiError, KubeClient, load_kube_config
+    from scheduler_hints.labels import validate_label_value
+    from scheduler_hints.publisher import Publisher
+    from scheduler_hints.summary import IndexSummary
+
+    node = args.node or os.environ.get("NODE_NAME")
+    if not node:
+        raise ConfigError("publish-labels: no node name (--node or env NODE_NAME from the downward API)")
+    if args.cache_group:
+        try:
+            validate_label_value(args.cache_group)
+        except ValueError as exc:
+            raise ConfigError(f"--cache-group: {exc}") from None
+    if args.interval <= 0 or args.min_interval < 0:
+        raise ConfigError("--interval must be positive and --min-interval not negative")
+    client = KubeClient(load_kube_config(args.kubeconfig))
+    pub = Publisher(client, node, IndexSummary(config, args.cache_group), min_interval=args.min_interval)
+    try:
+        if args.once:
+            try:
+                result = await pub.publish_once(force=True)
+            except ApiError as exc:
+                hint = " (the node agent needs get and patch on nodes)" if exc.status == 403 else ""
+                raise CacheFSError(f"node {node}: {exc}{hint}") from None
+            from .main import print_json
+
+            print_json({"node": node, "patched": result.patched, "labels_set": list(result.labels_changed),
+                        "labels_removed": list(result.labels_removed)})
+        else:
+            await pub.run(args.interval)
+    finally:
+        await client.aclose()
     return 0

@@ -83,6 +83,18 @@ def _parser() -> argparse.ArgumentParser:
     se = sub.add_parser("scheduler-extender", parents=[common], help="run the kube-scheduler extender")
     se.add_argument("--listen", default="127.0.0.1:8888", help="HOST:PORT (default 127.0.0.1:8888)")
     se.add_argument("--extender-config", dest="extender_config", help="YAML: weights, bind_timeout, gang_ttl")
+    se.add_argument("--kubeconfig", help="kubeconfig for the watches and bindings (default: in-cluster, $KUBECONFIG)")
+    se.add_argument("--standalone", action="store_true",
+                    help="no API server: node details only from requests, bindings only recorded (testing)")
+
+    pl = sub.add_parser("publish-labels", parents=[common],
+                        help="keep this node's cache-locality labels current (node agent loop)")
+    pl.add_argument("--node", help="Node name (default: env NODE_NAME, set from the downward API)")
+    pl.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster service account, then $KUBECONFIG)")
+    pl.add_argument("--cache-group", help="this node's cache group label value (rack, cell)")
+    pl.add_argument("--interval", type=float, default=10.0, help="seconds between checks (default 10)")
+    pl.add_argument("--min-interval", type=float, default=30.0, help="at most one PATCH per this many seconds")
+    pl.add_argument("--once", action="store_true", help="publish once and exit")
 
     dm = sub.add_parser("demo", parents=[common],
                         help="start a local S3 server with a sample dataset, prefetch it and read it back")

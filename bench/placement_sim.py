@@ -1,0 +1,359 @@
+"""Placement simulator: one seeded GPU cluster and job stream, placed by three policies.
+
+    python -m bench.placement_sim [--nodes 1024] [--jobs 1500] [--seed 7]
+
+Cluster: ``nodes`` × 8 GPUs; NVLink cliques of 8 nodes, leaves (network blocks, also the cache groups) of 32.
+Each node has ``cache_tib`` of NVMe. Datasets (10 GB–10 TB, log-uniform, Zipf popularity) start cached on a
+few leaves. Jobs (1–64 pods, Poisson arrivals, exponential run times) read their dataset, sharded over their
+pods; whatever a pod reads is then cached on its node (LRU by dataset). Policies:
+
+(a) ``default``  kube-scheduler's least-allocated spreading, pods placed one by one (no gang support);
+(b) ``fluid``    (a) plus Fluid-style boolean dataset affinity: prefer nodes labelled as holding any of it;
+(a+g) ``default+gang`` (a) with the same all-or-nothing gang admission as ours (like coscheduling), to compare
+                 fragmentation with placement alone changed;
+(c) ``cachefs``  our extender's scoring functions (byte-weighted locality with cache-group credit, GPU
+                 packing, gang topology) plus its gang admission (a gang is placed whole or not at all).
+
+Reported: fraction of bytes read from the pod's own node, bytes pulled from object storage, mean and p95
+gang wait, partial-gang deadlocks (no job running, partial gangs holding GPUs, nothing placeable; broken by
+releasing the newest partial gang, as a permit timeout would), GPUs stranded on fragmented nodes (time-mean
+of free GPUs on partly used nodes while an 8-GPU pod waits), and gangs spread over more than one leaf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import random
+import statistics
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+from scheduler_hints.labels import NodeCacheView
+from scheduler_hints.scoring import (
+    NodeState,
+    PodNeeds,
+    Weights,
+    combine,
+    domain_free,
+    gpu_packing,
+    group_best,
+    locality,
+    topology_affinity,
+)
+
+GPUS = 8
+CLIQUE = 8
+LEAF = 32
+TB = 10**12
+POLICIES = ("default", "default+gang", "fluid", "cachefs")
+
+
+@dataclass
+class Node:
+    name: str
+    clique: str
+    leaf: str
+    capacity: int
+    free: int = GPUS
+    cache: OrderedDict = field(default_factory=OrderedDict)  # dataset -> cached bytes, LRU order
+
+    def used_bytes(self) -> int:
+        return sum(self.cache.values())
+
+    def add(self, ds: str, nbytes: int, size: int) -> None:
+        have = self.cache.pop(ds, 0)
+        self.cache[ds] = min(size, have + nbytes, self.capacity)
+        while self.used_bytes() > self.capacity and len(self.cache) > 1:
+            self.cache.popitem(last=False)
+
+
+@dataclass
+class Job:
+    id: int
+    arrival: float
+    pods: int
+    gpus: int
+    dataset: str
+    duration: float
+    placed: list[str] = field(default_factory=list)
+    start: float | None = None
+
+
+@dataclass
+class Result:
+    policy: str
+    local_bytes: int = 0
+    peer_bytes: int = 0
+    origin_bytes: int = 0
+    waits: list[float] = field(default_factory=list)
+    deadlocks: int = 0
+    stranded_area: float = 0.0
+    span: float = 0.0
+    partial_gpu_hours: float = 0.0
+    multi_leaf: int = 0
+    gangs: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.local_bytes + self.peer_bytes + self.origin_bytes
+
+    @property
+    def local_fraction(self) -> float:
+        return self.local_bytes / self.total if self.total else 0.0
+
+
+def make_world(n_nodes: int, n_jobs: int, seed: int, cache_tib: float = 15.0, n_datasets: int = 60,
+               load: float = 0.9):
+    rng = random.Random(seed)
+    nodes = [Node(f"n{i}", f"c{i // CLIQUE}", f"l{i // LEAF}", int(cache_tib * 2**40)) for i in range(n_nodes)]
+    sizes = {f"ds{i}": int(10 ** rng.uniform(10, 13)) for i in range(n_datasets)}  # 10 GB .. 10 TB
+    leaves = sorted({n.leaf for n in nodes})
+    for ds, size in sizes.items():  # warm start: each dataset sits on the nodes of one or two leaves
+        for leaf in rng.sample(leaves, min(len(leaves), rng.choice((1, 1, 2)))):
+            members = [n for n in nodes if n.leaf == leaf]
+            for n in rng.sample(members, max(1, len(members) // 2)):
+                n.add(ds, min(size, n.capacity // 4), size)
+    names = list(sizes)
+    popularity = [1 / (i + 1) ** 1.1 for i in range(len(names))]
+    shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (8, 8), (16, 8), (32, 8), (64, 8)]
+    shape_w = [10, 8, 8, 12, 10, 10, 6, 3, 2, 1]
+    mean_gpus = sum(p * g * w for (p, g), w in zip(shapes, shape_w, strict=True)) / sum(shape_w)
+    mean_duration = 8.0
+    rate = load * n_nodes * GPUS / (mean_gpus * mean_duration)  # arrivals per hour for the target load
+    jobs, t = [], 0.0
+    burst_every = max(50, n_jobs // 4)
+    while len(jobs) < n_jobs:
+        t += rng.expovariate(rate)
+        if len(jobs) % burst_every == burst_every - 1:
+            # A burst: several big gangs submitted together (a sweep), more than the free GPUs can hold.
+            for _ in range(6):
+                jobs.append(Job(len(jobs), t, max(1, n_nodes // 8), GPUS, rng.choices(names, popularity)[0],
+                                rng.expovariate(1 / mean_duration)))
+            continue
+        pods, gpus = rng.choices(shapes, shape_w)[0]
+        pods = min(pods, n_nodes // 2)
+        jobs.append(Job(len(jobs), t, pods, gpus, rng.choices(names, popularity)[0], rng.expovariate(1 / mean_duration)))
+    return nodes, sizes, jobs
+
+
+class Simulation:
+    def __init__(self, policy: str, nodes: list[Node], sizes: dict[str, int], jobs: list[Job], seed: int) -> None:
+        self.policy, self.sizes = policy, sizes
+        self.nodes = {n.name: n for n in nodes}
+        self.jobs = jobs
+        self.rng = random.Random(seed)
+        self.result = Result(policy)
+        self.weights = Weights(topology_levels=("clique", "leaf"))
+        self._states: dict[str, NodeState] = {}
+
+    # -- node views for the cachefs scorer --------------------------------------------------------------
+    def state(self, n: Node) -> NodeState:
+        s = self._states.get(n.name)
+        if s is None:
+            fr = {ds: b / self.sizes[ds] for ds, b in n.cache.items()}
+            view = NodeCacheView(n.name, fr, dict(n.cache), n.leaf)
+            s = NodeState(n.name, view, {"clique": n.clique, "leaf": n.leaf}, GPUS, n.free)
+            self._states[n.name] = s
+        elif s.gpu_free != n.free:
+            s = replace(s, gpu_free=n.free)
+            self._states[n.name] = s
+        return s
+
+    def touch(self, n: Node) -> None:
+        self._states.pop(n.name, None)
+
+    # -- placement --------------------------------------------------------------------------------------
+    def pick(self, job: Job, placed: list[str], groups) -> str | None:
+        feasible = [n for n in self.nodes.values() if n.free >= job.gpus]
+        if not feasible:
+            return None
+        if self.policy.startswith("default"):
+            best = max(n.free for n in feasible)
+            return self.rng.choice([n.name for n in feasible if n.free == best])
+        if self.policy == "fluid":
+            holders = [n for n in feasible if n.cache.get(job.dataset)]
+            pool = holders or feasible
+            best = max(n.free for n in pool)
+            return self.rng.choice([n.name for n in pool if n.free == best])
+        needs = PodNeeds({job.dataset: self.sizes[job.dataset]}, job.gpus)
+        gang = job.pods > 1
+        states = [self.state(n) for n in feasible]
+        cluster = [self.state(n) for n in self.nodes.values()] if gang and not placed else []
+        free_by_domain = domain_free(cluster, self.weights.topology_levels) if cluster else None
+        placed_states = [self.state(self.nodes[p]) for p in placed]
+        best_score, best = -1, []
+        for s in states:
+            score = combine({
+                "locality": locality(needs, s, groups, self.weights),
+                "packing": gpu_packing(needs, s),
+                "topology": topology_affinity(s, placed_states, gang_gpus=job.pods * job.gpus, w=self.weights,
+                                              free_by_domain=free_by_domain) if gang else None,
+            }, self.weights)
+            if score > best_score:
+                best_score, best = score, [s.name]
+            elif score == best_score:
+                best.append(s.name)
+        return self.rng.choice(best)
+
+    def take(self, job: Job, name: str) -> None:
+        self.nodes[name].free -= job.gpus
+        job.placed.append(name)
+
+    def release(self, job: Job) -> None:
+        for name in job.placed:
+            self.nodes[name].free += job.gpus
+        job.placed = []
+
+    def place_whole(self, job: Job, groups) -> bool:
+        """Gang admission: place every pod of ``job`` or none."""
+        if sum(n.free // job.gpus for n in self.nodes.values()) < job.pods:
+            return False
+        for _ in range(job.pods):
+            name = self.pick(job, job.placed, groups)
+            if name is None:  # cannot happen after the admission check, but never leave a partial gang
+                self.release(job)
+                return False
+            self.take(job, name)
+        return True
+
+    def account(self, job: Job) -> None:
+        size = self.sizes[job.dataset]
+        shard = size // job.pods
+        for name in job.placed:
+            n = self.nodes[name]
+            local = min(shard, int(shard * n.cache.get(job.dataset, 0) / size))
+            peers = max((m.cache.get(job.dataset, 0) for m in self.nodes.values()
+                         if m.leaf == n.leaf and m.name != name), default=0)
+            peer = max(0, min(shard - local, int(shard * peers / size) - local))
+            self.result.local_bytes += local
+            self.result.peer_bytes += peer
+            self.result.origin_bytes += shard - local - peer
+            n.add(job.dataset, shard, size)
+            self.touch(n)
+
+    def run(self) -> Result:
+        r = self.result
+        events: list[tuple[float, int, int]] = [(j.arrival, 0, j.id) for j in self.jobs]  # (time, kind, job)
+        heapq.heapify(events)
+        queue: list[Job] = []
+        running = 0
+        last_t = 0.0
+
+        def start(q: Job, now: float) -> None:
+            nonlocal running
+            queue.remove(q)
+            q.start = now
+            running += 1
+            r.waits.append(now - q.arrival)
+            self.account(q)
+            if q.pods > 1:
+                r.gangs += 1
+                r.multi_leaf += len({self.nodes[n].leaf for n in q.placed}) > 1
+            heapq.heappush(events, (now + q.duration, 1, q.id))
+
+        while events:
+            t, kind, jid = heapq.heappop(events)
+            self.sample_stranded(queue, last_t, t)
+            last_t = t
+            job = self.jobs[jid]
+            if kind == 0:  # arrival
+                queue.append(job)
+            elif kind == 1:  # completion (kind 2 is a retry tick: just another scheduling pass)
+                running -= 1
+                self.release(job)
+            groups = group_best([self.state(n) for n in self.nodes.values()]) if self.policy == "cachefs" else None
+            if self.policy in ("cachefs", "default+gang"):  # gang admission: whole or nothing, in queue order
+                for q in list(queue):
+                    if self.place_whole(q, groups):
+                        start(q, t)
+                        groups = group_best([self.state(n) for n in self.nodes.values()])
+            else:  # kube-scheduler without gangs: one pod at a time, pods of queued jobs interleaved
+                progress = True
+                while progress:
+                    progress = False
+                    for q in list(queue):
+                        name = self.pick(q, q.placed, groups)
+                        if name is None:
+                            continue
+                        self.take(q, name)
+                        progress = True
+                        if len(q.placed) == q.pods:
+                            start(q, t)
+            if self.deadlocked(queue):
+                # Partial gangs hold GPUs such that none of them could complete even after every running job
+                # ends. Count it and break it as a permit timeout would: release the newest partial gang.
+                r.deadlocks += 1
+                victim = max((q for q in queue if q.placed), key=lambda q: q.arrival)
+                self.release(victim)
+                heapq.heappush(events, (t + 0.25, 2, victim.id))  # a retry tick
+                queue.remove(victim)
+                queue.append(victim)
+        r.span = last_t
+        return r
+
+    def deadlocked(self, queue: list[Job]) -> bool:
+        partial = [q for q in queue if q.placed]
+        if not partial:
+            return False
+        total = len(self.nodes) * GPUS
+        held = {q.id: len(q.placed) * q.gpus for q in partial}
+        all_held = sum(held.values())
+        return all((q.pods - len(q.placed)) * q.gpus > total - all_held for q in partial)
+
+    def sample_stranded(self, queue: list[Job], t0: float, t1: float) -> None:
+        if t1 <= t0:
+            return
+        self.result.partial_gpu_hours += sum(len(q.placed) * q.gpus for q in queue) * (t1 - t0)
+        if not any(q.gpus == GPUS and len(q.placed) < q.pods for q in queue):
+            return
+        stranded = sum(n.free for n in self.nodes.values() if 0 < n.free < GPUS)
+        self.result.stranded_area += stranded * (t1 - t0)
+
+
+def simulate(policy: str, *, nodes: int = 1024, jobs: int = 1500, seed: int = 7) -> Result:
+    world = make_world(nodes, jobs, seed)
+    return Simulation(policy, *world, seed=seed).run()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)]
+
+
+def table(results: list[Result]) -> str:
+    head = (f"{'policy':<12} {'local':>7} {'origin TB':>10} {'peer TB':>8} {'wait mean h':>12} {'wait p95 h':>11} "
+            f"{'deadlocks':>10} {'idle partial GPU-h':>19} {'stranded GPUs':>14} {'multi-leaf gangs':>17}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        stranded = r.stranded_area / r.span if r.span else 0.0
+        lines.append(f"{r.policy:<12} {r.local_fraction:>7.3f} {r.origin_bytes / TB:>10.1f} {r.peer_bytes / TB:>8.1f} "
+                     f"{statistics.fmean(r.waits) if r.waits else 0:>12.2f} {pct(r.waits, 0.95):>11.2f} "
+                     f"{r.deadlocks:>10} {r.partial_gpu_hours:>19.0f} {stranded:>14.1f} "
+                     f"{f'{r.multi_leaf}/{r.gangs}':>17}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=1024)
+    ap.add_argument("--jobs", type=int, default=1500)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    results = [simulate(p, nodes=args.nodes, jobs=args.jobs, seed=args.seed) for p in POLICIES]
+    print(f"placement simulation: {args.nodes} nodes × {GPUS} GPUs, {args.jobs} jobs, seed {args.seed}")
+    print(table(results))
+    by = {r.policy: r for r in results}
+    a, ag, b, c = by["default"], by["default+gang"], by["fluid"], by["cachefs"]
+    print(f"local fraction: cachefs/default = {c.local_fraction / max(a.local_fraction, 1e-9):.2f}× (target ≥ 1.5), "
+          f"cachefs/fluid = {c.local_fraction / max(b.local_fraction, 1e-9):.2f}× (target ≥ 1.0)")
+    frag = [r.stranded_area / r.span if r.span else 0.0 for r in (a, ag, c)]
+    print(f"stranded GPUs: cachefs {frag[2]:.1f} vs default {frag[0]:.1f} / default+gang {frag[1]:.1f}; "
+          f"deadlocks: cachefs {c.deadlocks}, default {a.deadlocks}, fluid {b.deadlocks}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Watch-fed caches for the extender: nodes, PVs/PVCs, pods and PodGroups, each kept current by list + watch
+(never an API call per scheduling request).
+
+:class:`Reflector` is the one list/watch loop: list (remember ``resourceVersion``), watch from there, resume
+after a dropped stream from the last version seen, relist on 410 Gone. :class:`ClusterWatch` runs one
+reflector per resource and feeds the :class:`~scheduler_hints.extender.Extender`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .extender import Binder, Extender
+from .kube import ApiError, KubeClient
+from .pods import CSI_DRIVER, URL_ATTRIBUTES, VolumeIndex, pod_gpus, pod_key
+
+__all__ = ["ClusterWatch", "KubeBinder", "Reflector", "WatchedVolumes"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, Mapping[str, Any]], None]
+
+
+class Reflector:
+    """Keeps ``handler(event_type, object)`` informed about every object at ``path``; ``handler("SYNC", {})``
+    after each (re)list, once every listed object was delivered as ``ADDED``. Objects gone during a relist
+    are delivered as ``DELETED``."""
+
+    def __init__(self, client: KubeClient, path: str, handler: Handler, *, optional: bool = False) -> None:
+        self.client, self.path, self.handler, self.optional = client, path, handler, optional
+        self.synced = asyncio.Event()
+        self._known: dict[str, Mapping[str, Any]] = {}
+
+    @staticmethod
+    def _key(obj: Mapping[str, Any]) -> str:
+        meta = obj.get("metadata") or {}
+        return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+    async def _list(self) -> str:
+        doc = await self.client.get(self.path)
+        seen = {}
+        for obj in doc.get("items") or []:
+            seen[self._key(obj)] = obj
+            self.handler("ADDED", obj)
+        for key in set(self._known) - set(seen):
+            self.handler("DELETED", self._known[key])
+        self._known = seen
+        self.handler("SYNC", {})
+        self.synced.set()
+        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
+
+    async def run(self) -> None:
+        delay = 0.5
+        rv = ""
+        while True:
+            try:
+                if not rv:
+                    rv = await self._list()
+                async for event in self.client.watch(self.path, rv):
+                    obj = event.get("object") or {}
+                    rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+                    if event["type"] == "BOOKMARK":
+                        continue
+                    if event["type"] == "DELETED":
+                        self._known.pop(self._key(obj), None)
+                    else:
+                        self._known[self._key(obj)] = obj
+                    self.handler(event["type"], obj)
+                delay = 0.5
+            except ApiError as exc:
+                if exc.status == 410:
+                    rv = ""
+                    continue
+                if exc.status == 404 and self.optional:
+                    log.info("%s not served (its CRD is not installed); not watching it", self.path)
+                    self.synced.set()
+                    return
+                log.warning("watching %s: %s", self.path, exc)
+                rv = "" if exc.status >= 400 else rv
+            except (TimeoutError, OSError, ValueError) as exc:
+                log.warning("watching %s: %s; resuming", self.path, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+
+class WatchedVolumes(VolumeIndex):
+    """PVC → dataset URL from watched PVCs and PVs of the cachefs CSI driver."""
+
+    def __init__(self) -> None:
+        self.pv_url: dict[str, str] = {}
+        self.claim_pv: dict[tuple[str, str], str] = {}
+
+    def claim_dataset(self, namespace: str, claim: str) -> str | None:
+        pv = self.claim_pv.get((namespace, claim))
+        return self.pv_url.get(pv) if pv else None
+
+    def on_pv(self, kind: str, pv: Mapping[str, Any]) -> None:
+        name = (pv.get("metadata") or {}).get("name")
+        if not name:
+            return
+        csi = (pv.get("spec") or {}).get("csi") or {}
+        attrs = csi.get("volumeAttributes") or {}
+        url = next((attrs[k] for k in URL_ATTRIBUTES if attrs.get(k)), None)
+        if kind == "DELETED" or csi.get("driver") != CSI_DRIVER or not url:
+            self.pv_url.pop(name, None)
+        else:
+            self.pv_url[name] = str(url)
+
+    def on_pvc(self, kind: str, pvc: Mapping[str, Any]) -> None:
+        meta = pvc.get("metadata") or {}
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        volume = (pvc.get("spec") or {}).get("volumeName")
+        if kind == "DELETED" or not volume:
+            self.claim_pv.pop(key, None)
+        else:
+            self.claim_pv[key] = str(volume)
+
+
+class KubeBinder(Binder):
+    """Binds by creating the pod's ``binding`` subresource, as kube-scheduler itself does."""
+
+    def __init__(self, client: KubeClient) -> None:
+        self.client = client
+
+    async def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        meta: dict[str, str] = {"name": name, "namespace": namespace}
+        if uid:
+            meta["uid"] = uid
+        await self.client.post(f"/api/v1/namespaces/{namespace}/pods/{name}/binding", {
+            "apiVersion": "v1", "kind": "Binding", "metadata": meta,
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node}})
+
+
+class ClusterWatch:
+    """Runs the reflectors that keep an :class:`Extender`'s view of the cluster current."""
+
+    PODGROUPS = "/apis/scheduling.x-k8s.io/v1alpha1/podgroups"
+
+    def __init__(self, client: KubeClient, ext: Extender) -> None:
+        self.client, self.ext = client, ext
+        self.volumes = WatchedVolumes()
+        ext.volumes = self.volumes
+        self.reflectors = [
+            Reflector(client, "/api/v1/nodes", self._on_node),
+            Reflector(client, "/api/v1/persistentvolumes", self.volumes.on_pv),
+            Reflector(client, "/api/v1/persistentvolumeclaims", self.volumes.on_pvc),
+            Reflector(client, "/api/v1/pods", self._on_pod),
+            Reflector(client, self.PODGROUPS, self._on_podgroup, optional=True),
+        ]
+        self._tasks: list[asyncio.Task] = []
+
+    def _on_node(self, kind: str, node: Mapping[str, Any]) -> None:
+        if kind == "DELETED":
+            self.ext.node_cache.remove(str((node.get("metadata") or {}).get("name", "")))
+        elif kind in ("ADDED", "MODIFIED"):
+            self.ext.node_cache.update(node)
+
+    def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            return
+        key = pod_key(pod)
+        node = (pod.get("spec") or {}).get("nodeName")
+        phase = (pod.get("status") or {}).get("phase")
+        if kind == "DELETED" or phase in ("Succeeded", "Failed"):
+            self.ext.pod_gone(key)
+        elif node:
+            self.ext.bound_pods[key] = (str(node), pod_gpus(pod))
+
+    def _on_podgroup(self, kind: str, pg: Mapping[str, Any]) -> None:
+        meta = pg.get("metadata") or {}
+        key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        if kind == "DELETED":
+            self.ext.min_members.pop(key, None)
+        elif kind in ("ADDED", "MODIFIED"):
+            try:
+                self.ext.min_members[key] = int((pg.get("spec") or {}).get("minMember") or 1)
+            except (TypeError, ValueError):
+                pass
+
+    async def start(self, timeout: float = 60.0) -> None:
+        """Start every reflector and wait until each has listed once."""
+        self._tasks = [asyncio.create_task(r.run()) for r in self.reflectors]
+        await asyncio.wait_for(asyncio.gather(*(r.synced.wait() for r in self.reflectors)), timeout)
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
