@@ -275,8 +275,8 @@ def test_scheduler_extender_command_serves_http():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "scheduler-extender", "--listen",
-                             f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "scheduler-extender", "--standalone",
+                             "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 30
         while True:
@@ -294,3 +294,11 @@ def test_scheduler_extender_command_serves_http():
     finally:
         proc.terminate()
         proc.communicate(timeout=10)
+
+
+def test_scheduler_extender_without_cluster_access_says_so(tmp_path):
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    out = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "scheduler-extender", "--listen", "127.0.0.1:18999"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and "no Kubernetes API access" in out.stderr and "Traceback" not in out.stderr
