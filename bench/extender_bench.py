@@ -43,6 +43,11 @@ def make_nodes(n: int, seed: int = 1) -> list[dict]:
 POD = {"metadata": {"name": "trainer-0", "namespace": "ml", "uid": "u1",
                     "annotations": {"cachefs.io/datasets": "s3://bucket/ds3,s3://bucket/ds7"}},
        "spec": {"containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}
+#: The first member of a 16-pod gang: prioritize also scores every topology domain by its data.
+GANG_POD = {"metadata": {"name": "gang-0", "namespace": "ml", "uid": "u2",
+                         "annotations": {"cachefs.io/datasets": "s3://bucket/ds3", "cachefs.io/gang": "g",
+                                         "cachefs.io/gang-size": "16"}},
+            "spec": {"containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}
 
 
 async def run(nodes: list[dict], rounds: int) -> None:
@@ -57,9 +62,11 @@ async def run(nodes: list[dict], rounds: int) -> None:
     names = [n["metadata"]["name"] for n in nodes]
     full = json.dumps({"Pod": POD, "Nodes": {"items": nodes}}).encode()
     by_name = json.dumps({"Pod": POD, "NodeNames": names}).encode()
+    gang = json.dumps({"Pod": GANG_POD, "NodeNames": names}).encode()
     async with aiohttp.ClientSession() as s:
         for label, body in (("nodeCacheCapable=false (full Node objects)", full),
-                            ("nodeCacheCapable=true (names)", by_name)):
+                            ("nodeCacheCapable=true (names)", by_name),
+                            ("nodeCacheCapable=true, first member of a 16-pod gang", gang)):
             times = []
             for _ in range(rounds):
                 t = time.perf_counter()

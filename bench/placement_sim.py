@@ -37,6 +37,8 @@ from scheduler_hints.scoring import (
     Weights,
     combine,
     domain_free,
+    first_member_locality,
+    gang_domain_locality,
     gpu_packing,
     group_best,
     locality,
@@ -182,11 +184,15 @@ class Simulation:
         states = [self.state(n) for n in feasible]
         cluster = [self.state(n) for n in self.nodes.values()] if gang and not placed else []
         free_by_domain = domain_free(cluster, self.weights.topology_levels) if cluster else None
+        dom_loc = gang_domain_locality(needs, cluster, job.pods, groups, self.weights) if cluster else {}
         placed_states = [self.state(self.nodes[p]) for p in placed]
         best_score, best = -1, []
         for s in states:
+            loc = locality(needs, s, groups, self.weights)
+            if dom_loc:
+                loc = first_member_locality(loc, s, dom_loc, self.weights)
             score = combine({
-                "locality": locality(needs, s, groups, self.weights),
+                "locality": loc,
                 "packing": gpu_packing(needs, s),
                 "topology": topology_affinity(s, placed_states, gang_gpus=job.pods * job.gpus, w=self.weights,
                                               free_by_domain=free_by_domain) if gang else None,

@@ -34,6 +34,8 @@ from .scoring import (
     Weights,
     combine,
     domain_free,
+    first_member_locality,
+    gang_domain_locality,
     gpu_packing,
     group_best,
     locality,
@@ -264,15 +266,21 @@ class Extender:
         cluster = base_cluster
         placed: list[NodeState] = []
         free_by_domain = None
+        dom_loc: dict = {}
         if gang is not None:  # only gang topology needs the cluster's free GPUs
             cluster = [self._net(n, held) for n in base_cluster]
             by_name = {s.name: s for s in cluster}
             placed = [by_name[n] for n, _ in self.gangs.placed(gang) if n in by_name]
             free_by_domain = domain_free(cluster, self.weights.topology_levels)
+            if not placed:
+                dom_loc = gang_domain_locality(needs, cluster, gang.min_member, groups, self.weights)
         out = []
         for s in states:
+            loc = locality(needs, s, groups, self.weights)
+            if dom_loc:
+                loc = first_member_locality(loc, s, dom_loc, self.weights)
             parts = {
-                "locality": locality(needs, s, groups, self.weights),
+                "locality": loc,
                 "packing": gpu_packing(needs, s),
                 "topology": topology_affinity(s, placed, cluster=cluster,
                                               gang_gpus=gang.min_member * needs.gpus if gang else 0,

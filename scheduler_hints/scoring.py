@@ -21,6 +21,8 @@ __all__ = [
     "Weights",
     "combine",
     "domain_free",
+    "first_member_locality",
+    "gang_domain_locality",
     "gpu_packing",
     "locality",
     "topology_affinity",
@@ -120,6 +122,45 @@ def domain_free(cluster: Sequence[NodeState], levels: Sequence[str]) -> dict[tup
             if value is not None:
                 out[(key, value)] = out.get((key, value), 0) + n.gpu_free
     return out
+
+
+def gang_domain_locality(needs: PodNeeds, cluster: Sequence[NodeState], gang_size: int,
+                         groups: Mapping[str, Mapping[str, list[tuple[float, str]]]] | None = None,
+                         w: Weights = Weights()) -> dict[tuple[str, str], float]:
+    """Per topology domain that can hold the whole gang: the mean locality of the ``gang_size`` best free pod
+    slots in it — how much of its data the gang would read locally if placed there. Lets the first member
+    of a gang pick a domain by where the data is, not only by where there is room."""
+    if not needs.datasets or needs.gpus <= 0 or gang_size <= 0:
+        return {}
+    slots: dict[tuple[str, str], list[float]] = {}
+    for n in cluster:
+        k = n.gpu_free // needs.gpus
+        if k <= 0:
+            continue
+        loc = locality(needs, n, groups, w) or 0.0
+        for key in w.topology_levels:
+            value = n.labels.get(key)
+            if value is not None:
+                slots.setdefault((key, value), []).extend([loc] * min(k, gang_size))
+    out = {}
+    for dom, values in slots.items():
+        if len(values) >= gang_size:
+            values.sort(reverse=True)
+            out[dom] = sum(values[:gang_size]) / gang_size
+    return out
+
+
+def first_member_locality(own: float | None, node: NodeState, by_domain: Mapping[tuple[str, str], float],
+                          w: Weights = Weights()) -> float | None:
+    """The locality score of a gang's first member: its own node's, averaged with that of the innermost domain
+    around it that can hold the whole gang (:func:`gang_domain_locality`)."""
+    if own is None:
+        return None
+    for key in w.topology_levels:
+        value = node.labels.get(key)
+        if value is not None and (key, value) in by_domain:
+            return (own + by_domain[(key, value)]) / 2
+    return own
 
 
 def topology_affinity(node: NodeState, placed: Sequence[NodeState], *, cluster: Sequence[NodeState] = (),

@@ -85,3 +85,26 @@ def test_first_gang_member_prefers_a_domain_that_fits_the_whole_gang():
 ])
 def test_combine(parts, want):
     assert combine(parts) == want
+
+
+def test_gang_first_member_prefers_the_domain_holding_the_data():
+    from scheduler_hints.labels import NodeCacheView
+    from scheduler_hints.scoring import NodeState, PodNeeds, Weights, first_member_locality, gang_domain_locality
+
+    w = Weights(topology_levels=("clique",))
+
+    def node(name, clique, frac, free=8):
+        return NodeState(name, NodeCacheView(name, {"d": frac} if frac else {}), {"clique": clique}, 8, free)
+
+    # Clique a: two nodes full of data; clique b: nothing cached. Both can hold a 2-pod gang.
+    cluster = [node("a1", "a", 1.0), node("a2", "a", 0.8), node("b1", "b", 0.0), node("b2", "b", 0.0),
+               node("c1", "c", 1.0, free=0)]  # c holds data but has no room: not a candidate domain
+    needs = PodNeeds({"d": 100}, 8)
+    by_domain = gang_domain_locality(needs, cluster, 2, None, w)
+    assert by_domain == {("clique", "a"): 0.9, ("clique", "b"): 0.0}
+    # A data-less node in the data-rich clique beats a data-less node in the empty clique.
+    a_empty = node("a3", "a", 0.0)
+    assert first_member_locality(0.0, a_empty, by_domain, w) == 0.45
+    assert first_member_locality(0.0, cluster[2], by_domain, w) == 0.0
+    assert first_member_locality(None, a_empty, by_domain, w) is None  # no data needs: no signal
+    assert gang_domain_locality(PodNeeds({}, 8), cluster, 2, None, w) == {}
