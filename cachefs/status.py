@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .engine import Engine
+from .fuse.registry import list_mounts
 
 __all__ = ["status_report"]
 
@@ -41,4 +42,5 @@ def status_report(engine: Engine) -> dict:
         "disk_free_bytes": disk_free,
         "min_free_bytes": engine.min_free,
         "datasets": datasets,
+        "mounts": list_mounts(engine.config.cache.dir),
     }

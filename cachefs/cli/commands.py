@@ -13,7 +13,8 @@ from ..status import status_report
 from ..types import DatasetRef
 from .progress import ProgressPrinter, human_bytes
 
-__all__ = ["demo", "evict", "labels", "prefetch", "publish_labels", "refresh", "scheduler_extender", "status"]
+__all__ = ["demo", "evict", "labels", "mount", "prefetch", "publish_labels", "refresh", "scheduler_extender", "status",
+           "umount"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -63,6 +64,8 @@ async def status(args: argparse.Namespace, config: Config) -> int:
     print(f"cache dir  {rep['cache_dir']}")
     print(f"used       {human_bytes(rep['used_bytes'])} of {human_bytes(rep['capacity_bytes'])} "
           f"in {rep['objects']} objects; disk free {human_bytes(rep['disk_free_bytes'])}")
+    for m in rep["mounts"]:
+        print(f"mount      {m['mountpoint']}  {m['url']}  mode {m['mode']}  pid {m['pid']}")
     if not rep["datasets"]:
         print("no datasets cached")
         return 0
@@ -195,4 +198,70 @@ async def publish_labels(args: argparse.Namespace, config: Config) -> int:
             await pub.run(args.interval)
     finally:
         await client.aclose()
+    return 0
+
+
+async def mount(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+    import os
+    import subprocess
+    import time
+
+    from ..fuse import serve_mount
+    from ..fuse.mount import is_stale_mount
+
+    mnt = os.path.abspath(args.mountpoint)
+    if is_stale_mount(mnt):
+        pass  # serve_mount cleans it up
+    elif not os.path.isdir(mnt):
+        raise ConfigError(f"mount point {args.mountpoint!r} is not a directory")
+    if args.workers < 1:
+        raise ConfigError("--workers must be at least 1")
+    if args.foreground:
+        await asyncio.to_thread(serve_mount, config, args.url, mnt, workers=args.workers,
+                                passthrough=not args.no_passthrough)
+        return 0
+    # Background: the same command in the foreground, in its own session; return once it is mounted.
+    argv = [sys.executable, "-m", "cachefs.cli.main", "mount", "--foreground", args.url, mnt,
+            "--workers", str(args.workers), "--cache-dir", config.cache.dir]
+    if args.no_passthrough:
+        argv.append("--no-passthrough")
+    if args.config:
+        argv += ["--config", args.config]
+    log_path = os.path.join(config.cache.dir, "mounts", os.path.basename(mnt) + ".log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, errors="replace") as f:
+                tail = f.read().strip().splitlines()[-1:] or ["(no output)"]
+            raise CacheFSError(f"mount {mnt} failed: {tail[0]}")
+        if _is_fuse_mount(mnt):
+            print(f"mounted {args.url} at {mnt} (pid {proc.pid}, log {log_path})")
+            return 0
+        await asyncio.sleep(0.1)
+    proc.kill()
+    raise CacheFSError(f"mount {mnt}: not mounted after 120 s (log {log_path})")
+
+
+def _is_fuse_mount(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == path and " - fuse.cachefs " in line:
+                return True
+    return False
+
+
+async def umount(args: argparse.Namespace, config: Config) -> int:
+    import os
+
+    from ..fuse.mount import unmount
+
+    mnt = os.path.abspath(args.mountpoint)
+    if not _is_fuse_mount(mnt):
+        raise ConfigError(f"{args.mountpoint}: not a cachefs mount")
+    unmount(mnt)
     return 0

@@ -96,6 +96,17 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--min-interval", type=float, default=30.0, help="at most one PATCH per this many seconds")
     pl.add_argument("--once", action="store_true", help="publish once and exit")
 
+    mt = sub.add_parser("mount", parents=[common], help="mount a dataset read-only (FUSE)")
+    mt.add_argument("url", help="dataset URL")
+    mt.add_argument("mountpoint", help="an existing directory")
+    mt.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    mt.add_argument("--workers", type=int, default=4, help="FUSE request threads (default 4)")
+    mt.add_argument("--no-passthrough", action="store_true",
+                    help="serve every read from userspace, even for fully cached files")
+
+    um = sub.add_parser("umount", parents=[common], help="unmount a cachefs mount")
+    um.add_argument("mountpoint")
+
     dm = sub.add_parser("demo", parents=[common],
                         help="start a local S3 server with a sample dataset, prefetch it and read it back")
     dm.add_argument("--small-files", type=int, default=3000)

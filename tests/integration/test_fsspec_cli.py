@@ -240,7 +240,7 @@ def test_several_processes_share_one_cache(dataset, cache_dir):
 
 def test_ctrl_c_mid_prefetch_exits_130_and_keeps_what_was_cached(s3, cache_dir):
     _, client, bucket = s3
-    files = {f"i/f{i:03d}.bin": os.urandom(200_000) for i in range(100)}
+    files = {f"i/f{i:03d}.bin": os.urandom(200_000) for i in range(500)}  # ~10 s at one fetch at a time
     put_tree(client, bucket, "intr", files)
     url = f"s3://{bucket}/intr"
     env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "1"}

@@ -1,0 +1,193 @@
+"""The read-only file system a mount serves: a dataset's frozen manifest as a tree, file bytes from the
+engine. Nothing here knows the wire format; :mod:`.session` decodes requests and calls these methods,
+which return plain values or raise (translated to errno by :mod:`.errno_map`).
+
+Inodes: the root is 1; every other path gets a number on first LOOKUP and keeps it while the kernel holds a
+reference (lookup count > 0). Opens of a complete cached object are answered with passthrough (the kernel
+reads the local file itself) when the kernel and our privileges allow it; otherwise reads come through
+userspace from the engine, which fetches what is missing. Once an inode has a passthrough open, all its
+opens are passthrough until the last one is released (the kernel requires this).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+
+from .._aio import run_sync
+from ..engine import Dataset, Engine, ReadStream
+from ..types import Entry
+
+__all__ = ["CacheFS", "Handle"]
+
+ROOT = 1
+
+
+@dataclass
+class Node:
+    path: str
+    entry: Entry
+    lookups: int = 0
+    backing_id: int = 0
+    passthrough_opens: int = 0
+
+
+@dataclass
+class Handle:
+    node: Node
+    stream: ReadStream = field(default_factory=ReadStream)
+    passthrough: bool = False
+
+
+class CacheFS:
+    """Read-only view of one dataset (``ds``) through ``engine``; thread-safe."""
+
+    def __init__(self, engine: Engine, ds: Dataset, *, uid: int = 0, gid: int = 0) -> None:
+        self.engine, self.ds = engine, ds
+        self.uid, self.gid = uid, gid
+        info = ds.record.manifest(ds.version)
+        root = Entry("", 0, "", info.created if info else 0.0, is_dir=True)
+        self._nodes: dict[int, Node] = {ROOT: Node("", root, lookups=1)}
+        self._by_path: dict[str, int] = {"": ROOT}
+        self._next_ino = 2
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._lock = threading.Lock()
+        #: Set by the session once INIT said passthrough is on; ``backing_open/close`` are its ioctls.
+        self.passthrough = False
+        self.backing_open = None
+        self.backing_close = None
+        self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "userspace_read_bytes": 0}
+
+    # -- inodes ---------------------------------------------------------------------------------------------
+    def node(self, ino: int) -> Node:
+        n = self._nodes.get(ino)
+        if n is None:
+            raise OSError(errno.ESTALE, f"inode {ino} is not known")
+        return n
+
+    def lookup(self, parent: int, name: str) -> tuple[int, Entry]:
+        p = self.node(parent)
+        if not p.entry.is_dir:
+            raise NotADirectoryError(errno.ENOTDIR, p.path)
+        path = f"{p.path}/{name}" if p.path else name
+        entry = self.ds.stat(path)  # FileNotFoundError → ENOENT
+        with self._lock:
+            ino = self._by_path.get(path)
+            if ino is None:
+                ino = self._next_ino
+                self._next_ino += 1
+                self._nodes[ino] = Node(path, entry)
+                self._by_path[path] = ino
+            self._nodes[ino].lookups += 1
+        return ino, entry
+
+    def forget(self, ino: int, nlookup: int) -> None:
+        if ino == ROOT:
+            return
+        with self._lock:
+            n = self._nodes.get(ino)
+            if n is None:
+                return
+            n.lookups -= nlookup
+            if n.lookups <= 0 and not n.passthrough_opens and not any(h.node is n for h in self._handles.values()):
+                del self._nodes[ino]
+                self._by_path.pop(n.path, None)
+
+    def attr(self, ino: int) -> tuple[int, int, int, int]:
+        """(mode, size, mtime_ns, nlink)"""
+        e = self.node(ino).entry
+        mtime_ns = int(e.mtime * 1e9)
+        if e.is_dir:
+            return stat.S_IFDIR | 0o555, 0, mtime_ns, 2
+        return stat.S_IFREG | 0o444, e.size, mtime_ns, 1
+
+    def listdir(self, ino: int) -> list[Entry]:
+        n = self.node(ino)
+        if not n.entry.is_dir:
+            raise NotADirectoryError(errno.ENOTDIR, n.path)
+        return self.ds.listdir(n.path)
+
+    # -- files ----------------------------------------------------------------------------------------------
+    def open(self, ino: int, flags: int) -> tuple[int, Handle]:
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_CREAT):
+            raise OSError(errno.EROFS, "read-only file system")
+        n = self.node(ino)
+        if n.entry.is_dir:
+            raise IsADirectoryError(errno.EISDIR, n.path)
+        h = Handle(n)
+        if self.passthrough:
+            self._try_passthrough(h)
+        with self._lock:
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = h
+        self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
+        return fh, h
+
+    def _try_passthrough(self, h: Handle) -> None:
+        n = h.node
+        with self._lock:
+            if n.passthrough_opens:  # share the inode's backing file among concurrent opens
+                n.passthrough_opens += 1
+                h.passthrough = True
+                return
+        path = self.engine.local_path(self.ds, n.entry)
+        if path is None:
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # evicted between the check and the open: serve from userspace
+        try:
+            backing = self.backing_open(fd)
+        except OSError:
+            self.passthrough = False  # e.g. EPERM without CAP_SYS_ADMIN: userspace from now on
+            return
+        finally:
+            os.close(fd)  # the kernel keeps its own reference to the backing file
+        with self._lock:
+            if n.passthrough_opens:  # lost a race with another open: use its id, drop ours
+                self.backing_close(backing)
+            else:
+                n.backing_id = backing
+            n.passthrough_opens += 1
+            h.passthrough = True
+
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        h = self._handles.get(fh)
+        if h is None:
+            raise OSError(errno.EBADF, f"handle {fh}")
+        entry = h.node.entry
+        data = self.engine.read_local(self.ds, entry, offset, offset + size, h.stream)
+        if data is None:
+            data = run_sync(self.engine.read(self.ds, entry, offset, offset + size, h.stream))
+        self.stats["userspace_read_bytes"] += len(data)
+        return data
+
+    def release(self, fh: int) -> None:
+        with self._lock:
+            h = self._handles.pop(fh, None)
+            if h is None or not h.passthrough:
+                return
+            n = h.node
+            n.passthrough_opens -= 1
+            close_id = n.backing_id if n.passthrough_opens == 0 else 0
+            if close_id:
+                n.backing_id = 0
+        if close_id:
+            try:
+                self.backing_close(close_id)
+            except OSError:
+                pass
+
+    def backing_id(self, h: Handle) -> int:
+        return h.node.backing_id if h.passthrough else 0
+
+    def statfs(self) -> tuple[int, int, int]:
+        """(total bytes, files, block size) of the dataset as the manifest describes it."""
+        info = self.ds.record.manifest(self.ds.version)
+        return (info.bytes, info.files, 4096) if info else (0, 0, 4096)

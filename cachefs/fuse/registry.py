@@ -1,0 +1,55 @@
+"""Which mounts this cache directory serves, and in which mode: one small JSON file per mount under
+``<cache dir>/mounts/``, written once mounted and removed at exit; ``cachefs status`` reads them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+__all__ = ["forget_mount", "list_mounts", "record_mount"]
+
+
+def _dir(cache_dir: str) -> str:
+    return os.path.join(cache_dir, "mounts")
+
+
+def _file(cache_dir: str, mountpoint: str) -> str:
+    return os.path.join(_dir(cache_dir), hashlib.blake2b(os.path.abspath(mountpoint).encode(), digest_size=8).hexdigest()
+                        + ".json")
+
+
+def record_mount(cache_dir: str, mountpoint: str, url: str, mode: str, stats: dict | None = None) -> None:
+    os.makedirs(_dir(cache_dir), exist_ok=True)
+    tmp = _file(cache_dir, mountpoint) + f".{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"mountpoint": os.path.abspath(mountpoint), "url": url, "pid": os.getpid(), "mode": mode,
+                   "stats": stats or {}}, f)
+    os.replace(tmp, _file(cache_dir, mountpoint))
+
+
+def forget_mount(cache_dir: str, mountpoint: str) -> None:
+    try:
+        os.unlink(_file(cache_dir, mountpoint))
+    except FileNotFoundError:
+        pass
+
+
+def list_mounts(cache_dir: str) -> list[dict]:
+    """Live mounts (records of daemons that are gone are dropped)."""
+    out = []
+    try:
+        names = sorted(os.listdir(_dir(cache_dir)))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(_dir(cache_dir), name)) as f:
+                rec = json.load(f)
+            os.kill(int(rec["pid"]), 0)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out.append(rec)
+    return out

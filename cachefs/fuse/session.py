@@ -1,0 +1,266 @@
+"""The FUSE request loop: worker threads read requests from ``/dev/fuse``, decode them (:mod:`.wire`), call
+the file system (:mod:`.fs`) and write replies. Errors become errno once, here (:mod:`.errno_map`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from . import wire
+from .errno_map import to_errno
+from .fs import CacheFS
+from .wire import InitFlag, Op, OpenFlag
+
+__all__ = ["FuseSession"]
+
+log = logging.getLogger("cachefs.fuse")
+
+MAX_WRITE = 1 << 20
+MAX_PAGES = 256
+DIRECT_IO_ALLOW_MMAP = 1 << 36
+
+
+class FuseSession:
+    """Serves ``fs`` on the mounted ``/dev/fuse`` descriptor ``fd`` with ``workers`` threads."""
+
+    def __init__(self, fs: CacheFS, fd: int, *, workers: int = 4, timeout: float = 3600.0,
+                 passthrough: bool = True) -> None:
+        self.fs, self.fd = fs, fd
+        self.workers = max(1, workers)
+        self.timeout = timeout
+        self.want_passthrough = passthrough
+        self.mode = "starting"
+        self.stopped = threading.Event()
+        #: Called with the session once INIT is answered (the mount is usable, ``mode`` is known).
+        self.on_init: Callable[[FuseSession], None] | None = None
+        self._dirs: dict[int, list] = {}
+        self._next_dir = 1
+        self._lock = threading.Lock()
+        self.ops: dict[int, Callable[[int, int, memoryview], bytes | None]] = {
+            Op.INIT: self._init, Op.LOOKUP: self._lookup, Op.GETATTR: self._getattr, Op.OPEN: self._open,
+            Op.READ: self._read, Op.RELEASE: self._release, Op.OPENDIR: self._opendir,
+            Op.READDIR: self._readdir, Op.READDIRPLUS: self._readdirplus, Op.RELEASEDIR: self._releasedir,
+            Op.STATFS: self._statfs, Op.FLUSH: self._empty, Op.ACCESS: self._access,
+            Op.GETXATTR: self._getxattr, Op.LISTXATTR: self._listxattr, Op.DESTROY: self._destroy,
+            Op.FSYNC: self._empty, Op.FSYNCDIR: self._empty,
+        }
+
+    # -- loop -----------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run until the file system is unmounted (the device answers ENODEV)."""
+        threads = [threading.Thread(target=self._worker, name=f"cachefs-fuse-{i}", daemon=True)
+                   for i in range(self.workers)]
+        for t in threads:
+            t.start()
+        self.stopped.wait()
+        for t in threads:
+            t.join(timeout=0.1)
+
+    def _worker(self) -> None:
+        buf = bytearray(MAX_WRITE + 4096 + 8192)
+        view = memoryview(buf)
+        while not self.stopped.is_set():
+            try:
+                n = os.readv(self.fd, [buf])
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue
+                if exc.errno != errno.ENODEV:
+                    log.error("reading /dev/fuse: %s", exc)
+                self.stopped.set()
+                return
+            if n < wire.IN_HEADER.size:
+                continue
+            self._handle(view[:n])
+
+    def _handle(self, req: memoryview) -> None:
+        length, opcode, unique, nodeid, _uid, _gid, _pid, extlen, _ = wire.IN_HEADER.unpack_from(req)
+        body = req[wire.IN_HEADER.size:length - 8 * extlen]  # extension headers (8-byte units) sit at the end
+        if opcode == Op.FORGET:
+            self.fs.forget(nodeid, wire.FORGET_IN.unpack_from(body)[0])
+            return
+        if opcode == Op.BATCH_FORGET:
+            count, _ = wire.BATCH_FORGET_IN.unpack_from(body)
+            for i in range(count):
+                ino, nlookup = wire.FORGET_ONE.unpack_from(body, wire.BATCH_FORGET_IN.size + i * wire.FORGET_ONE.size)
+                self.fs.forget(ino, nlookup)
+            return
+        if opcode == Op.INTERRUPT:
+            return  # requests finish quickly or fail on their own timeouts; nothing to cancel mid-copy
+        handler = self.ops.get(opcode)
+        if handler is None:
+            self._reply(unique, errno.EROFS if opcode in wire.WRITE_OPS else errno.ENOSYS)
+            return
+        try:
+            payload = handler(nodeid, unique, body)
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
+            self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
+            return
+        if payload is not None:
+            self._reply(unique, 0, payload)
+        if opcode == Op.INIT and self.on_init is not None:
+            self.on_init(self)
+
+    def _reply(self, unique: int, err: int, payload: bytes = b"") -> None:
+        try:
+            os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size + len(payload), -err, unique) + payload)
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                self.stopped.set()
+            elif exc.errno != errno.ENOENT:  # ENOENT: the request was interrupted meanwhile
+                log.warning("replying to request %d: %s", unique, exc)
+
+    # -- handlers -------------------------------------------------------------------------------------------
+    def _init(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        major, minor, max_readahead, flags = wire.INIT_IN_OLD.unpack_from(body)
+        if major != wire.KERNEL_VERSION:
+            raise OSError(errno.EPROTO, f"kernel FUSE protocol {major}.{minor}, need 7.x")
+        offered = flags
+        if flags & InitFlag.INIT_EXT and len(body) >= wire.INIT_IN.size:
+            offered |= wire.INIT_IN.unpack_from(body)[4] << 32
+        want = (InitFlag.ASYNC_READ | InitFlag.BIG_WRITES | InitFlag.PARALLEL_DIROPS | InitFlag.MAX_PAGES
+                | InitFlag.DO_READDIRPLUS | InitFlag.READDIRPLUS_AUTO | InitFlag.INIT_EXT | DIRECT_IO_ALLOW_MMAP)
+        if self.want_passthrough and os.geteuid() == 0:
+            want |= InitFlag.PASSTHROUGH
+        agreed = int(want) & offered
+        passthrough = bool(agreed & InitFlag.PASSTHROUGH)
+        self.fs.passthrough = passthrough
+        self.fs.backing_open = self._backing_open
+        self.fs.backing_close = self._backing_close
+        self.mode = "passthrough" if passthrough else "userspace"
+        log.info("FUSE %d.%d, flags 0x%x, mode %s", major, minor, agreed, self.mode)
+        return wire.INIT_OUT.pack(wire.KERNEL_VERSION, wire.KERNEL_MINOR_VERSION, max_readahead,
+                                  agreed & 0xFFFFFFFF, 64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
+                                  wire.MAX_STACK_DEPTH if passthrough else 0)
+
+    def _entry(self, ino: int) -> bytes:
+        mode, size, mtime_ns, nlink = self.fs.attr(ino)
+        attr = wire.pack_attr(ino, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid)
+        return wire.pack_entry(ino, attr, self.timeout, self.timeout)
+
+    def _lookup(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        name = bytes(body).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        ino, _ = self.fs.lookup(nodeid, name)
+        return self._entry(ino)
+
+    def _getattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        mode, size, mtime_ns, nlink = self.fs.attr(nodeid)
+        return wire.pack_attr_out(wire.pack_attr(nodeid, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid),
+                                  self.timeout)
+
+    def _open(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        flags, _ = wire.OPEN_IN.unpack_from(body)
+        fh, h = self.fs.open(nodeid, flags)
+        if h.passthrough:
+            return wire.OPEN_OUT.pack(fh, OpenFlag.PASSTHROUGH, self.fs.backing_id(h))
+        # Before passthrough, opens must not use the page cache (the kernel refuses to mix the two on an inode);
+        # without passthrough the manifest is frozen, so the page cache is kept across opens.
+        return wire.OPEN_OUT.pack(fh, OpenFlag.DIRECT_IO if self.fs.passthrough else OpenFlag.KEEP_CACHE, 0)
+
+    def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
+        return self.fs.read(fh, offset, size)
+
+    def _release(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        self.fs.release(wire.RELEASE_IN.unpack_from(body)[0])
+        return b""
+
+    def _opendir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        entries = self.fs.listdir(nodeid)
+        with self._lock:
+            fh = self._next_dir
+            self._next_dir += 1
+            self._dirs[fh] = entries
+        return wire.OPEN_OUT.pack(fh, OpenFlag.CACHE_DIR | OpenFlag.KEEP_CACHE, 0)
+
+    def _dir_entries(self, nodeid: int, body: memoryview, plus: bool) -> bytes:
+        fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
+        entries = self._dirs.get(fh)
+        if entries is None:
+            raise OSError(errno.EBADF, "directory handle")
+        out = bytearray()
+        names = [(b".", nodeid, True), (b"..", nodeid, True)]
+        total = len(entries) + 2
+        i = offset
+        while i < total:
+            if i < 2:
+                name, is_dir, ino = names[i][0], True, nodeid
+                child = None
+            else:
+                e = entries[i - 2]
+                name, is_dir = e.name.encode("utf-8", "surrogateescape"), e.is_dir
+                child = e
+            need = wire.dirent_size(name, plus)
+            if len(out) + need > size:
+                break
+            dtype = wire.DT_DIR if is_dir else wire.DT_REG
+            if plus:
+                if child is None:
+                    out += wire.pack_entry(0, bytes(wire.ATTR.size), 0, 0)
+                    out += wire.pack_dirent(ino, i + 1, name, dtype)
+                else:
+                    ino, _ = self.fs.lookup(nodeid, child.name)
+                    out += self._entry(ino)
+                    out += wire.pack_dirent(ino, i + 1, name, dtype)
+            else:
+                out += wire.pack_dirent(ino if child is None else 0xFFFFFFFF, i + 1, name, dtype)
+            i += 1
+        return bytes(out)
+
+    def _readdir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return self._dir_entries(nodeid, body, plus=False)
+
+    def _readdirplus(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return self._dir_entries(nodeid, body, plus=True)
+
+    def _releasedir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        with self._lock:
+            self._dirs.pop(wire.RELEASE_IN.unpack_from(body)[0], None)
+        return b""
+
+    def _statfs(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        total, files, bsize = self.fs.statfs()
+        blocks = (total + bsize - 1) // bsize
+        return wire.KSTATFS.pack(blocks, 0, 0, files, 0, bsize, 255, bsize)
+
+    def _empty(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return b""
+
+    def _access(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        mask, _ = wire.ACCESS_IN.unpack_from(body)
+        if mask & os.W_OK:
+            raise OSError(errno.EROFS, "read-only file system")
+        self.fs.node(nodeid)
+        return b""
+
+    def _getxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        raise OSError(errno.ENOTSUP, "no extended attributes")
+
+    def _listxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        size, _ = wire.GETXATTR_IN.unpack_from(body)
+        return wire.GETXATTR_OUT.pack(0, 0) if size == 0 else b""
+
+    def _destroy(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        self.stopped.set()
+        return b""
+
+    # -- passthrough ioctls ---------------------------------------------------------------------------------
+    def _backing_open(self, fd: int) -> int:
+        arg = bytearray(wire.BACKING_MAP.pack(fd, 0, 0))
+        return fcntl.ioctl(self.fd, wire.FUSE_DEV_IOC_BACKING_OPEN, arg, True)
+
+    def _backing_close(self, backing_id: int) -> None:
+        arg = bytearray(backing_id.to_bytes(4, "little"))
+        fcntl.ioctl(self.fd, wire.FUSE_DEV_IOC_BACKING_CLOSE, arg, True)
+
+
+def _op_name(opcode: int) -> str:
+    try:
+        return Op(opcode).name
+    except ValueError:
+        return f"opcode {opcode}"

@@ -1,0 +1,219 @@
+"""The FUSE mount, for real: /dev/fuse, mount(2), the kernel as the client (root tier)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cachefs.fuse import unmount
+from cachefs.fuse.registry import list_mounts
+from cachefs.testing.s3server import S3Server
+from tests.conftest import CREDS, make_files, put_tree
+
+pytestmark = pytest.mark.root
+
+if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+    pytest.skip("needs root and /dev/fuse (CI runs as root)", allow_module_level=True)
+
+
+class Mounted:
+    """``cachefs mount --foreground`` in its own process, as users run it (a server sharing a process with
+    its clients can deadlock on mmap faults, as every FUSE server can)."""
+
+    def __init__(self, cache_dir: str, url: str, mountpoint: str, *extra: str) -> None:
+        self.mountpoint, self.cache_dir = mountpoint, cache_dir
+        env = {**os.environ, "CACHEFS_ORIGIN_REQUEST_TIMEOUT": "3", "CACHEFS_ORIGIN_BACKOFF_MAX": "0.05"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "mount", "--foreground", url,
+                                      mountpoint, "--cache-dir", cache_dir, *extra], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while not self.record():
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert time.monotonic() < deadline, "mount did not come up"
+            time.sleep(0.1)
+
+    def record(self) -> dict | None:
+        return next((m for m in list_mounts(self.cache_dir) if m["mountpoint"] == self.mountpoint), None)
+
+    def stats(self) -> dict:
+        time.sleep(1.2)  # the daemon refreshes its record every second
+        return self.record()["stats"]
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.mountpoint, rel)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            unmount(self.mountpoint)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                raise AssertionError("FUSE daemon did not exit after unmount") from None
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def mounted(s3, cache_dir, tmp_path):
+    _, client, bucket = s3
+    files = make_files(n_small=60, big_sizes=(3_000_000, 700_001))
+    put_tree(client, bucket, "ds", files)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache_dir, f"s3://{bucket}/ds", str(mnt))
+    try:
+        yield m, files
+    finally:
+        m.close()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_every_file_reads_back_byte_for_byte_and_cached_ones_by_passthrough(mounted):
+    m, files = mounted
+    for rel, data in files.items():
+        with open(m.path(rel), "rb") as f:
+            assert f.read() == data, rel
+    assert m.record()["mode"] == "passthrough"
+    before = m.stats()
+    for rel, data in files.items():  # complete now: the kernel reads the local files itself
+        with open(m.path(rel), "rb") as f:
+            assert f.read() == data, rel
+    stats = m.stats()
+    assert stats["passthrough_opens"] - before["passthrough_opens"] == len(files)
+    assert stats["userspace_read_bytes"] == before["userspace_read_bytes"]  # no byte went through Python
+
+
+def test_tree_metadata_walk_ls_find_stat(mounted):
+    m, files = mounted
+    seen = set()
+    for root, _dirs, names in os.walk(m.mountpoint):
+        for n in names:
+            seen.add(os.path.relpath(os.path.join(root, n), m.mountpoint))
+    assert seen == set(files)
+    for rel, data in files.items():
+        st = os.stat(m.path(rel))
+        assert st.st_size == len(data) and st.st_mode & 0o777 == 0o444
+    out = subprocess.run(["ls", "-l", m.path("big")], capture_output=True, text=True, check=True).stdout
+    assert "3000000" in out and "700001" in out
+    found = subprocess.run(["find", m.mountpoint, "-type", "f"], capture_output=True, text=True, check=True).stdout
+    assert len(found.split()) == len(files)
+    with pytest.raises(FileNotFoundError):
+        os.stat(m.path("nope"))
+    assert os.statvfs(m.mountpoint).f_files == len(files)
+
+
+def test_odd_offsets_mmap_and_many_readers_on_one_file(mounted):
+    m, files = mounted
+    data = files["big/0.bin"]
+    rng = random.Random(5)
+    fd = os.open(m.path("big/0.bin"), os.O_RDONLY)  # first open: not cached yet, userspace reads
+    try:
+        for _ in range(300):
+            off = rng.randrange(0, len(data) + 200)
+            n = rng.choice([1, 7, 511, 4095, 4097, 65537, rng.randrange(1, 300_000)])
+            assert os.pread(fd, n, off) == data[off:off + n]
+    finally:
+        os.close(fd)
+
+    def reader(i: int) -> bool:
+        with open(m.path("big/0.bin"), "rb") as f:
+            f.seek(i * 1000)
+            return f.read() == data[i * 1000:]
+
+    with ThreadPoolExecutor(12) as pool:
+        assert all(pool.map(reader, range(24)))
+    with open(m.path("big/1.bin"), "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert sha(mm[:]) == sha(files["big/1.bin"])
+
+
+def test_writes_are_refused_with_erofs(mounted):
+    m, _ = mounted
+    for action in (lambda: open(m.path("new"), "w"), lambda: os.mkdir(m.path("d")),
+                   lambda: os.unlink(m.path("big/0.bin")), lambda: open(m.path("big/0.bin"), "r+b")):
+        with pytest.raises(OSError) as exc:
+            action()
+        assert exc.value.errno == errno.EROFS
+
+
+def test_fio_sequential_and_random_reads(mounted):
+    if shutil.which("fio") is None:
+        pytest.skip("fio not installed (.ci/run installs it)")
+    m, _ = mounted
+    for rw in ("read", "randread"):
+        out = subprocess.run(["fio", "--name=t", f"--filename={m.path('big/0.bin')}", f"--rw={rw}", "--bs=64k",
+                              "--size=3000000", "--readonly", "--verify=0", "--output-format=terse"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        fields = out.stdout.strip().split(";")
+        assert int(fields[5]) > 0  # read KiB transferred
+
+
+def test_origin_down_cached_files_read_uncached_fail_fast(cache_dir, tmp_path, monkeypatch):
+    with S3Server() as server:
+        for k, v in CREDS.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+        client = server.client()
+        client.create_bucket(Bucket="down")
+        files = make_files(n_small=10, big_sizes=(200_000,))
+        put_tree(client, "down", "ds", files)
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        m = Mounted(cache_dir, "s3://down/ds", str(mnt))
+        try:
+            cached = "big/0.bin"
+            with open(m.path(cached), "rb") as f:
+                assert f.read() == files[cached]
+            server.stop()
+            with open(m.path(cached), "rb") as f:
+                assert f.read() == files[cached]
+            uncached = next(p for p, d in files.items() if p.startswith("small/") and d)
+            t = time.monotonic()
+            with pytest.raises(OSError) as exc, open(m.path(uncached), "rb") as f:
+                f.read()
+            assert exc.value.errno == errno.EIO and time.monotonic() - t < 60
+        finally:
+            m.close()
+
+
+def test_unmount_while_readers_are_busy(mounted):
+    m, files = mounted
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader():
+        while not stop.is_set():
+            try:
+                with open(m.path("big/0.bin"), "rb") as f:
+                    assert f.read() == files["big/0.bin"]
+            except OSError:
+                return  # the mount went away under us: an error, never wrong bytes or a hang
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    unmount(m.mountpoint)
+    stop.set()
+    for t in threads:
+        t.join(20)
+        assert not t.is_alive()
+    assert not errors
+    m.proc.wait(15)  # the daemon exits once the kernel lets go
