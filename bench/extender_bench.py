@@ -68,6 +68,7 @@ async def run(nodes: list[dict], rounds: int) -> None:
                             ("nodeCacheCapable=true (names)", by_name),
                             ("nodeCacheCapable=true, first member of a 16-pod gang", gang)):
             times = []
+            ext._locality_memo.clear()  # the first round pays for scoring every node; later ones reuse it
             for _ in range(rounds):
                 t = time.perf_counter()
                 for verb in ("filter", "prioritize"):
@@ -75,11 +76,12 @@ async def run(nodes: list[dict], rounds: int) -> None:
                         assert r.status == 200
                         await r.read()
                 times.append((time.perf_counter() - t) * 1000)
+            first = times[0]
             times.sort()
             p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
             print(f"{len(nodes)} nodes, {label}: filter+prioritize p50 {statistics.median(times):.1f} ms, "
                   f"p99 {p99:.1f} ms (request {len(body) / 1e6:.1f} MB) → p99 vs 50 ms target {p99 / 50:.2f}×, "
-                  f"vs 5 s timeout {p99 / 5000:.3f}×")
+                  f"vs 5 s timeout {p99 / 5000:.3f}×; first call {first:.1f} ms")
     await runner.cleanup()
 
 

@@ -41,7 +41,7 @@ from scheduler_hints.scoring import (
     gang_domain_locality,
     gpu_packing,
     group_best,
-    locality,
+    locality_scorer,
     topology_affinity,
 )
 
@@ -187,8 +187,9 @@ class Simulation:
         dom_loc = gang_domain_locality(needs, cluster, job.pods, groups, self.weights) if cluster else {}
         placed_states = [self.state(self.nodes[p]) for p in placed]
         best_score, best = -1, []
+        score_locality = locality_scorer(needs, groups, self.weights)
         for s in states:
-            loc = locality(needs, s, groups, self.weights)
+            loc = score_locality(s)
             if dom_loc:
                 loc = first_member_locality(loc, s, dom_loc, self.weights)
             score = combine({

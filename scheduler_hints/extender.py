@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,7 +38,7 @@ from .scoring import (
     gang_domain_locality,
     gpu_packing,
     group_best,
-    locality,
+    locality_scorer,
     topology_affinity,
 )
 
@@ -150,6 +150,7 @@ class Extender:
     topology_wait: float = 60.0
     _pods: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     _gang_first_seen: dict[str, float] = field(default_factory=dict)
+    _locality_memo: dict[tuple, dict[str, float | None]] = field(default_factory=dict)
 
     # -- parsing --------------------------------------------------------------------------------------------
     def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
@@ -256,6 +257,27 @@ class Extender:
             return None
         return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
 
+    def _locality_cache(self, needs: PodNeeds, groups) -> Callable[[NodeState], float | None]:
+        """Locality depends only on the pod's datasets and the nodes' labels, so scores are kept per (datasets,
+        node-cache generation): filter, prioritize and every pod of a job with the same data reuse them."""
+        if not needs.datasets:
+            return lambda node: None
+        key = (tuple(sorted(needs.datasets.items())), self.node_cache.generation)
+        memo = self._locality_memo.get(key)
+        if memo is None:
+            if len(self._locality_memo) >= 64:
+                self._locality_memo.pop(next(iter(self._locality_memo)))
+            memo = self._locality_memo[key] = {}
+        score = locality_scorer(needs, groups, self.weights)
+
+        def cached(node: NodeState) -> float | None:
+            v = memo.get(node.name)
+            if v is None:
+                v = memo[node.name] = score(node)
+            return v
+
+        return cached
+
     def prioritize(self, body: Any) -> list[dict[str, Any]]:
         pod, items, _ = self._args(body)
         held = self._held()
@@ -275,8 +297,9 @@ class Extender:
             if not placed:
                 dom_loc = gang_domain_locality(needs, cluster, gang.min_member, groups, self.weights)
         out = []
+        score_locality = self._locality_cache(needs, groups)
         for s in states:
-            loc = locality(needs, s, groups, self.weights)
+            loc = score_locality(s)
             if dom_loc:
                 loc = first_member_locality(loc, s, dom_loc, self.weights)
             parts = {

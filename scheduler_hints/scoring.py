@@ -9,7 +9,7 @@ plugins', so inflating small differences would override them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .labels import NodeCacheView
@@ -25,6 +25,7 @@ __all__ = [
     "gang_domain_locality",
     "gpu_packing",
     "locality",
+    "locality_scorer",
     "topology_affinity",
 ]
 
@@ -83,20 +84,35 @@ def locality(needs: PodNeeds, node: NodeState,
     """Fraction of the pod's bytes cached on the node, plus ``w.domain`` × the extra fraction cached on the best
     peer of its cache group (``groups`` from :func:`group_best`; capped at 1). None when the pod reads no
     known dataset."""
+    return locality_scorer(needs, groups, w)(node)
+
+
+def locality_scorer(needs: PodNeeds, groups: Mapping[str, Mapping[str, list[tuple[float, str]]]] | None = None,
+                    w: Weights = Weights()) -> Callable[[NodeState], float | None]:
+    """:func:`locality` for one pod, with the per-pod work done once: score thousands of nodes with it."""
     if not needs.datasets:
-        return None
-    weights = {d: (b if b > 0 else 1) for d, b in needs.datasets.items()}
-    total = sum(weights.values())
-    fractions = node.cache.fractions
-    local = sum(weights[d] * fractions.get(d, 0.0) for d in weights) / total if fractions else 0.0
-    domain = 0.0
-    group = groups.get(node.cache.cache_group) if groups and node.cache.cache_group else None
-    if group and w.domain > 0:
-        for d in weights:
-            best = next((f for f, name in group.get(d, ()) if name != node.name), 0.0)
-            domain += weights[d] * max(0.0, best - node.cache.fractions.get(d, 0.0))
-        domain /= total
-    return min(1.0, local + w.domain * domain)
+        return lambda node: None
+    raw = {d: (b if b > 0 else 1) for d, b in needs.datasets.items()}
+    total = sum(raw.values())
+    items = [(d, b / total) for d, b in raw.items()]
+    use_domain = bool(groups) and w.domain > 0
+
+    def score(node: NodeState) -> float:
+        fractions = node.cache.fractions
+        local = sum(wt * fractions.get(d, 0.0) for d, wt in items) if fractions else 0.0
+        group = groups.get(node.cache.cache_group) if use_domain and node.cache.cache_group else None
+        if not group:
+            return min(1.0, local)
+        domain = 0.0
+        for d, wt in items:
+            top = group.get(d)
+            if not top:
+                continue
+            best = top[0][0] if top[0][1] != node.name else (top[1][0] if len(top) > 1 else 0.0)
+            domain += wt * max(0.0, best - fractions.get(d, 0.0))
+        return min(1.0, local + w.domain * domain)
+
+    return score
 
 
 def gpu_packing(needs: PodNeeds, node: NodeState) -> float | None:
@@ -133,11 +149,12 @@ def gang_domain_locality(needs: PodNeeds, cluster: Sequence[NodeState], gang_siz
     if not needs.datasets or needs.gpus <= 0 or gang_size <= 0:
         return {}
     slots: dict[tuple[str, str], list[float]] = {}
+    score = locality_scorer(needs, groups, w)
     for n in cluster:
         k = n.gpu_free // needs.gpus
         if k <= 0:
             continue
-        loc = locality(needs, n, groups, w) or 0.0
+        loc = score(n) or 0.0
         for key in w.topology_levels:
             value = n.labels.get(key)
             if value is not None:
