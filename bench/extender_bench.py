@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from cachefs.types import dataset_id
-from scheduler_hints.extender import Extender, make_app
+from scheduler_hints.extender import Extender, make_app, tune_gc
 from scheduler_hints.labels import dataset_key
 
 
@@ -59,6 +59,7 @@ async def run(nodes: list[dict], rounds: int) -> None:
     base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     for n in nodes:
         ext.node_cache.update(n)
+    tune_gc()  # as `cachefs scheduler-extender` does once its caches are loaded
     names = [n["metadata"]["name"] for n in nodes]
     full = json.dumps({"Pod": POD, "Nodes": {"items": nodes}}).encode()
     by_name = json.dumps({"Pod": POD, "NodeNames": names}).encode()

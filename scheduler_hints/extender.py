@@ -16,6 +16,7 @@ scores.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -82,7 +83,7 @@ class NodeCache:
             if name not in self.nodes:
                 self.generation += 1
             self.nodes[name] = node
-            self.base_state(node)  # parse now (bumps the generation if it changed)
+            self._parse(node)  # parse now (bumps the generation if it changed)
 
     def remove(self, name: str) -> None:
         if self.nodes.pop(name, None) is not None:
@@ -98,6 +99,13 @@ class NodeCache:
 
     def base_state(self, node: Mapping[str, Any]) -> NodeState:
         """The node's NodeState with ``gpu_free`` = allocatable (callers subtract usage)."""
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name", ""))
+        if self.nodes.get(name) is node and name in self._parsed:  # the cached object itself: parsed on update
+            return self._parsed[name][1]
+        return self._parse(node)
+
+    def _parse(self, node: Mapping[str, Any]) -> NodeState:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
         labels = meta.get("labels") or {}
@@ -380,7 +388,16 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
     return app
 
 
+def tune_gc() -> None:
+    """Move what is alive now (the node cache) out of the collector's view and collect less often: with
+    5,000 nodes, full collections were the p99 of filter + prioritize (81 → 48 ms measured, bench/)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
+
+
 async def serve(ext: Extender, host: str, port: int) -> None:  # pragma: no cover - thin CLI glue
+    tune_gc()
     runner = web.AppRunner(make_app(ext), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
