@@ -217,3 +217,28 @@ def test_unmount_while_readers_are_busy(mounted):
         assert not t.is_alive()
     assert not errors
     m.proc.wait(15)  # the daemon exits once the kernel lets go
+
+
+def test_walk_of_a_20000_file_tree_matches_the_origin(tmp_path, cache_dir):
+    src = tmp_path / "src"
+    expected = set()
+    for d in range(40):
+        (src / f"class{d:02d}").mkdir(parents=True)
+        for i in range(500):
+            rel = f"class{d:02d}/img{i:04d}.jpg"
+            (src / rel).write_bytes(b"x" * (i % 7))
+            expected.add(rel)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache_dir, f"file://{src}", str(mnt))
+    try:
+        seen, sizes = set(), 0
+        for root, _dirs, names in os.walk(m.mountpoint):
+            for n in names:
+                p = os.path.join(root, n)
+                seen.add(os.path.relpath(p, m.mountpoint))
+                sizes += os.stat(p).st_size
+        assert seen == expected
+        assert sizes == sum(i % 7 for i in range(500)) * 40
+    finally:
+        m.close()
