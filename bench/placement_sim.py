@@ -80,7 +80,6 @@ class Job:
     dataset: str
     duration: float
     placed: list[str] = field(default_factory=list)
-    start: float | None = None
 
 
 @dataclass
@@ -183,11 +182,12 @@ class Simulation:
         gang = job.pods > 1
         states = [self.state(n) for n in feasible]
         cluster = [self.state(n) for n in self.nodes.values()] if gang and not placed else []
+        score_locality = locality_scorer(needs, groups, self.weights)
         free_by_domain = domain_free(cluster, self.weights.topology_levels) if cluster else None
-        dom_loc = gang_domain_locality(needs, cluster, job.pods, groups, self.weights) if cluster else {}
+        dom_loc = gang_domain_locality(needs, cluster, job.pods, groups, self.weights,
+                                       score=score_locality) if cluster else {}
         placed_states = [self.state(self.nodes[p]) for p in placed]
         best_score, best = -1, []
-        score_locality = locality_scorer(needs, groups, self.weights)
         for s in states:
             loc = score_locality(s)
             if dom_loc:
@@ -251,7 +251,6 @@ class Simulation:
         def start(q: Job, now: float) -> None:
             nonlocal running
             queue.remove(q)
-            q.start = now
             running += 1
             r.waits.append(now - q.arrival)
             self.account(q)

@@ -249,14 +249,9 @@ class Extender:
         if len(self._gang_first_seen) > 10_000:
             self._gang_first_seen.pop(next(iter(self._gang_first_seen)))
         if time.monotonic() - first < self.topology_wait:
-            free: dict[tuple[str, str], int] = {}
-            cap: dict[tuple[str, str], int] = {}
-            for n in cluster:
-                for key in self.weights.topology_levels:
-                    value = n.labels.get(key)
-                    if value is not None:
-                        free[(key, value)] = free.get((key, value), 0) + n.gpu_free // gpus
-                        cap[(key, value)] = cap.get((key, value), 0) + n.gpu_allocatable // gpus
+            levels = self.weights.topology_levels
+            cap = domain_free(cluster, levels, gpus, capacity=True)
+            free = domain_free(cluster, levels, gpus)
             if any(c >= need for c in cap.values()) and not any(f >= need for f in free.values()):
                 return (f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting for one topology domain to "
                         "have room for the whole gang")
@@ -297,15 +292,16 @@ class Extender:
         placed: list[NodeState] = []
         free_by_domain = None
         dom_loc: dict = {}
+        score_locality = self._locality_cache(needs, groups)
         if gang is not None:  # only gang topology needs the cluster's free GPUs
             cluster = [self._net(n, held) for n in base_cluster]
             by_name = {s.name: s for s in cluster}
             placed = [by_name[n] for n, _ in self.gangs.placed(gang) if n in by_name]
             free_by_domain = domain_free(cluster, self.weights.topology_levels)
             if not placed:
-                dom_loc = gang_domain_locality(needs, cluster, gang.min_member, groups, self.weights)
+                dom_loc = gang_domain_locality(needs, cluster, gang.min_member, groups, self.weights,
+                                               score=score_locality)
         out = []
-        score_locality = self._locality_cache(needs, groups)
         for s in states:
             loc = score_locality(s)
             if dom_loc:

@@ -6,6 +6,7 @@ client certificate, CA file or inline data).
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
@@ -53,7 +54,15 @@ def _data_file(data_b64: str, suffix: str) -> str:
     fd, path = tempfile.mkstemp(prefix="cachefs-kube-", suffix=suffix)
     with os.fdopen(fd, "wb") as f:
         f.write(base64.b64decode(data_b64))
+    atexit.register(_remove, path)  # keys must not outlive the process
     return path
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def load_kube_config(kubeconfig: str | None = None, *, env: Mapping[str, str] | None = None) -> KubeConfig:

@@ -14,6 +14,7 @@ one PATCH is sent per ``min_interval`` seconds. Labels of datasets no longer hel
 from __future__ import annotations
 
 import asyncio
+import calendar
 import json
 import logging
 import random
@@ -26,7 +27,7 @@ from .kube import ApiError, KubeClient
 from .labels import DATASET_PREFIX, NODE_ANNOTATION, desired_metadata, is_ours
 from .summary import SummarySource
 
-__all__ = ["PublishResult", "Publisher", "metadata_patch"]
+__all__ = ["PublishResult", "Publisher", "metadata_patch", "rbac_hint"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def _figures(annotation: str | None) -> tuple[int, int] | None:
 def _updated_at(annotation: str | None) -> float | None:
     try:
         ts = json.loads(annotation or "")["updatedAt"]
-        return time.mktime(time.strptime(ts, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+        return float(calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%SZ")))
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -88,6 +89,12 @@ def metadata_patch(current_labels: Mapping[str, str], current_annotations: Mappi
     if out_ann:
         patch["annotations"] = out_ann
     return patch
+
+
+def rbac_hint(exc: ApiError) -> str:
+    """What to add to a refused PATCH's message."""
+    return (" (the node agent needs get and patch on nodes, and may change only the Node it runs on)"
+            if exc.status == 403 else "")
 
 
 class Publisher:
@@ -158,8 +165,7 @@ class Publisher:
             try:
                 await self.publish_once()
             except ApiError as exc:
-                hint = " (RBAC: the node agent needs get and patch on nodes)" if exc.status == 403 else ""
-                log.warning("publishing labels on node %s failed: %s%s", self.node_name, exc, hint)
+                log.warning("publishing labels on node %s failed: %s%s", self.node_name, exc, rbac_hint(exc))
             except (TimeoutError, OSError) as exc:
                 log.warning("publishing labels on node %s failed: %s", self.node_name, exc)
             try:

@@ -126,30 +126,35 @@ def gpu_packing(needs: PodNeeds, node: NodeState) -> float | None:
     return 1.0 - left / node.gpu_allocatable
 
 
-def domain_free(cluster: Sequence[NodeState], levels: Sequence[str]) -> dict[tuple[str, str], int]:
-    """Free GPUs per topology domain ``(level label, value)``: computed once per request so that scoring the
-    first gang member stays O(nodes), not O(nodes²)."""
+def domain_free(cluster: Sequence[NodeState], levels: Sequence[str], pod_gpus: int = 1, *,
+                capacity: bool = False) -> dict[tuple[str, str], int]:
+    """Free GPUs per topology domain ``(level label, value)`` — or, with ``pod_gpus``, free pod slots (whole
+    pods per node); with ``capacity``, what the domain holds when empty. Computed once per request so that
+    scoring the first gang member stays O(nodes), not O(nodes²)."""
     out: dict[tuple[str, str], int] = {}
     for n in cluster:
-        if n.gpu_free <= 0:
+        units = (n.gpu_allocatable if capacity else n.gpu_free) // pod_gpus
+        if units <= 0:
             continue
         for key in levels:
             value = n.labels.get(key)
             if value is not None:
-                out[(key, value)] = out.get((key, value), 0) + n.gpu_free
+                out[(key, value)] = out.get((key, value), 0) + units
     return out
 
 
 def gang_domain_locality(needs: PodNeeds, cluster: Sequence[NodeState], gang_size: int,
                          groups: Mapping[str, Mapping[str, list[tuple[float, str]]]] | None = None,
-                         w: Weights = Weights()) -> dict[tuple[str, str], float]:
+                         w: Weights = Weights(), score: Callable[[NodeState], float | None] | None = None
+                         ) -> dict[tuple[str, str], float]:
     """Per topology domain that can hold the whole gang: the mean locality of the ``gang_size`` best free pod
     slots in it — how much of its data the gang would read locally if placed there. Lets the first member
-    of a gang pick a domain by where the data is, not only by where there is room."""
+    of a gang pick a domain by where the data is, not only by where there is room. ``score`` is the pod's
+    :func:`locality_scorer` when the caller already has one."""
     if not needs.datasets or needs.gpus <= 0 or gang_size <= 0:
         return {}
     slots: dict[tuple[str, str], list[float]] = {}
-    score = locality_scorer(needs, groups, w)
+    score = score or locality_scorer(needs, groups, w)
     for n in cluster:
         k = n.gpu_free // needs.gpus
         if k <= 0:

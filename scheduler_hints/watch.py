@@ -78,8 +78,8 @@ class Reflector:
                     log.info("%s not served (its CRD is not installed); not watching it", self.path)
                     self.synced.set()
                     return
-                log.warning("watching %s: %s", self.path, exc)
-                rv = "" if exc.status >= 400 else rv
+                log.warning("watching %s: %s; relisting", self.path, exc)
+                rv = ""
             except (TimeoutError, OSError, ValueError) as exc:
                 log.warning("watching %s: %s; resuming", self.path, exc)
             await asyncio.sleep(delay)

@@ -168,7 +168,7 @@ async def publish_labels(args: argparse.Namespace, config: Config) -> int:
 
     from scheduler_hints.kube import ApiError, KubeClient, load_kube_config
     from scheduler_hints.labels import validate_label_value
-    from scheduler_hints.publisher import Publisher
+    from scheduler_hints.publisher import Publisher, rbac_hint
     from scheduler_hints.summary import IndexSummary
 
     node = args.node or os.environ.get("NODE_NAME")
@@ -188,8 +188,7 @@ async def publish_labels(args: argparse.Namespace, config: Config) -> int:
             try:
                 result = await pub.publish_once(force=True)
             except ApiError as exc:
-                hint = " (the node agent needs get and patch on nodes)" if exc.status == 403 else ""
-                raise CacheFSError(f"node {node}: {exc}{hint}") from None
+                raise CacheFSError(f"node {node}: {exc}{rbac_hint(exc)}") from None
             from .main import print_json
 
             print_json({"node": node, "patched": result.patched, "labels_set": list(result.labels_changed),
@@ -208,12 +207,10 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     import time
 
     from ..fuse import serve_mount
-    from ..fuse.mount import is_stale_mount
+    from ..fuse.mount import is_fuse_mount, is_stale_mount
 
     mnt = os.path.abspath(args.mountpoint)
-    if is_stale_mount(mnt):
-        pass  # serve_mount cleans it up
-    elif not os.path.isdir(mnt):
+    if not is_stale_mount(mnt) and not os.path.isdir(mnt):  # a stale mount is cleaned up by serve_mount
         raise ConfigError(f"mount point {args.mountpoint!r} is not a directory")
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
@@ -238,7 +235,7 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
             with open(log_path, errors="replace") as f:
                 tail = f.read().strip().splitlines()[-1:] or ["(no output)"]
             raise CacheFSError(f"mount {mnt} failed: {tail[0]}")
-        if _is_fuse_mount(mnt):
+        if is_fuse_mount(mnt):
             print(f"mounted {args.url} at {mnt} (pid {proc.pid}, log {log_path})")
             return 0
         await asyncio.sleep(0.1)
@@ -246,22 +243,13 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     raise CacheFSError(f"mount {mnt}: not mounted after 120 s (log {log_path})")
 
 
-def _is_fuse_mount(path: str) -> bool:
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == path and " - fuse.cachefs " in line:
-                return True
-    return False
-
-
 async def umount(args: argparse.Namespace, config: Config) -> int:
     import os
 
-    from ..fuse.mount import unmount
+    from ..fuse.mount import is_fuse_mount, unmount
 
     mnt = os.path.abspath(args.mountpoint)
-    if not _is_fuse_mount(mnt):
+    if not is_fuse_mount(mnt):
         raise ConfigError(f"{args.mountpoint}: not a cachefs mount")
     unmount(mnt)
     return 0

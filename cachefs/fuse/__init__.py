@@ -46,8 +46,12 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, workers: int = 4, 
                 ready(s)
 
         def publish_stats(s: FuseSession) -> None:  # what `cachefs status` shows about this mount, every second
+            last = dict(s.fs.stats)
             while not s.stopped.wait(1.0):
-                record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, dict(s.fs.stats))
+                now = dict(s.fs.stats)
+                if now != last:
+                    record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now)
+                    last = now
 
         session.on_init = on_init
         session.serve()

@@ -31,6 +31,7 @@ class Node:
     path: str
     entry: Entry
     lookups: int = 0
+    opens: int = 0
     backing_id: int = 0
     passthrough_opens: int = 0
 
@@ -93,7 +94,7 @@ class CacheFS:
             if n is None:
                 return
             n.lookups -= nlookup
-            if n.lookups <= 0 and not n.passthrough_opens and not any(h.node is n for h in self._handles.values()):
+            if n.lookups <= 0 and not n.opens:
                 del self._nodes[ino]
                 self._by_path.pop(n.path, None)
 
@@ -125,6 +126,7 @@ class CacheFS:
             fh = self._next_fh
             self._next_fh += 1
             self._handles[fh] = h
+            n.opens += 1
         self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
         return fh, h
 
@@ -171,9 +173,12 @@ class CacheFS:
     def release(self, fh: int) -> None:
         with self._lock:
             h = self._handles.pop(fh, None)
-            if h is None or not h.passthrough:
+            if h is None:
                 return
             n = h.node
+            n.opens -= 1
+            if not h.passthrough:
+                return
             n.passthrough_opens -= 1
             close_id = n.backing_id if n.passthrough_opens == 0 else 0
             if close_id:

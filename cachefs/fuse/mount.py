@@ -13,7 +13,7 @@ import os
 
 from ..errors import CacheFSError
 
-__all__ = ["is_stale_mount", "mount_fuse", "open_fuse_device", "unmount"]
+__all__ = ["is_fuse_mount", "is_stale_mount", "mount_fuse", "open_fuse_device", "unmount"]
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -63,4 +63,14 @@ def is_stale_mount(mountpoint: str) -> bool:
         os.stat(mountpoint)
     except OSError as exc:
         return exc.errno == errno.ENOTCONN
+    return False
+
+
+def is_fuse_mount(path: str) -> bool:
+    """Whether ``path`` is a cachefs FUSE mount point (in this mount namespace)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == path and " - fuse.cachefs " in line:
+                return True
     return False

@@ -22,7 +22,6 @@ log = logging.getLogger("cachefs.fuse")
 
 MAX_WRITE = 1 << 20
 MAX_PAGES = 256
-DIRECT_IO_ALLOW_MMAP = 1 << 36
 
 
 class FuseSession:
@@ -124,7 +123,7 @@ class FuseSession:
         if flags & InitFlag.INIT_EXT and len(body) >= wire.INIT_IN.size:
             offered |= wire.INIT_IN.unpack_from(body)[4] << 32
         want = (InitFlag.ASYNC_READ | InitFlag.BIG_WRITES | InitFlag.PARALLEL_DIROPS | InitFlag.MAX_PAGES
-                | InitFlag.DO_READDIRPLUS | InitFlag.READDIRPLUS_AUTO | InitFlag.INIT_EXT | DIRECT_IO_ALLOW_MMAP)
+                | InitFlag.DO_READDIRPLUS | InitFlag.READDIRPLUS_AUTO | InitFlag.INIT_EXT | InitFlag.DIRECT_IO_ALLOW_MMAP)
         if self.want_passthrough and os.geteuid() == 0:
             want |= InitFlag.PASSTHROUGH
         agreed = int(want) & offered
@@ -179,37 +178,29 @@ class FuseSession:
         return wire.OPEN_OUT.pack(fh, OpenFlag.CACHE_DIR | OpenFlag.KEEP_CACHE, 0)
 
     def _dir_entries(self, nodeid: int, body: memoryview, plus: bool) -> bytes:
+        """Entries from ``offset`` on ("." and ".." first), as many as fit in ``size``. With ``plus`` each
+        carries its entry (a lookup the kernel will FORGET); "." and ".." carry none (nodeid 0)."""
         fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
         entries = self._dirs.get(fh)
         if entries is None:
             raise OSError(errno.EBADF, "directory handle")
         out = bytearray()
-        names = [(b".", nodeid, True), (b"..", nodeid, True)]
-        total = len(entries) + 2
-        i = offset
-        while i < total:
-            if i < 2:
-                name, is_dir, ino = names[i][0], True, nodeid
-                child = None
-            else:
-                e = entries[i - 2]
-                name, is_dir = e.name.encode("utf-8", "surrogateescape"), e.is_dir
-                child = e
-            need = wire.dirent_size(name, plus)
-            if len(out) + need > size:
+        for i in range(offset, len(entries) + 2):
+            child = entries[i - 2] if i >= 2 else None
+            name = child.name.encode("utf-8", "surrogateescape") if child else b"." * (i + 1)
+            if len(out) + wire.dirent_size(name, plus) > size:
                 break
-            dtype = wire.DT_DIR if is_dir else wire.DT_REG
-            if plus:
-                if child is None:
+            dtype = wire.DT_REG if child and not child.is_dir else wire.DT_DIR
+            if child is None:
+                ino = nodeid
+                if plus:
                     out += wire.pack_entry(0, bytes(wire.ATTR.size), 0, 0)
-                    out += wire.pack_dirent(ino, i + 1, name, dtype)
-                else:
-                    ino, _ = self.fs.lookup(nodeid, child.name)
-                    out += self._entry(ino)
-                    out += wire.pack_dirent(ino, i + 1, name, dtype)
+            elif plus:
+                ino, _ = self.fs.lookup(nodeid, child.name)
+                out += self._entry(ino)
             else:
-                out += wire.pack_dirent(ino if child is None else 0xFFFFFFFF, i + 1, name, dtype)
-            i += 1
+                ino = 0xFFFFFFFF  # not looked up yet; readers must not rely on d_ino (stat gives the inode)
+            out += wire.pack_dirent(ino, i + 1, name, dtype)
         return bytes(out)
 
     def _readdir(self, nodeid: int, unique: int, body: memoryview) -> bytes:

@@ -88,6 +88,7 @@ class InitFlag(enum.IntFlag):
     NO_OPENDIR_SUPPORT = 1 << 24
     EXPLICIT_INVAL_DATA = 1 << 25
     INIT_EXT = 1 << 30
+    DIRECT_IO_ALLOW_MMAP = 1 << 36
     PASSTHROUGH = 1 << 37
 
 
