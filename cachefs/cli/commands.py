@@ -206,25 +206,25 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     import subprocess
     import time
 
-    from ..fuse import serve_mount
+    from ..fuse import hold_mount, serve_mount
     from ..fuse.mount import is_fuse_mount, is_stale_mount
 
     mnt = os.path.abspath(args.mountpoint)
-    if not is_stale_mount(mnt) and not os.path.isdir(mnt):  # a stale mount is cleaned up by serve_mount
-        raise ConfigError(f"mount point {args.mountpoint!r} is not a directory")
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
-    if args.foreground:
-        await asyncio.to_thread(serve_mount, config, args.url, mnt, workers=args.workers,
+    if args.attach:  # the serving daemon, started (and restarted) by the holder below
+        await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 passthrough=not args.no_passthrough)
         return 0
+    if not is_stale_mount(mnt) and not os.path.isdir(mnt):  # a stale mount is cleaned up by the holder
+        raise ConfigError(f"mount point {args.mountpoint!r} is not a directory")
+    if is_fuse_mount(mnt) and not is_stale_mount(mnt):
+        raise ConfigError(f"{mnt} is already a cachefs mount (cachefs umount it first)")
+    argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
+            *_mount_options(args, config)]
+    if args.foreground:  # this process holds the mount; the daemon serving it is its child
+        return hold_mount(config, mnt, argv)
     # Background: the same command in the foreground, in its own session; return once it is mounted.
-    argv = [sys.executable, "-m", "cachefs.cli.main", "mount", "--foreground", args.url, mnt,
-            "--workers", str(args.workers), "--cache-dir", config.cache.dir]
-    if args.no_passthrough:
-        argv.append("--no-passthrough")
-    if args.config:
-        argv += ["--config", args.config]
     log_path = os.path.join(config.cache.dir, "mounts", os.path.basename(mnt) + ".log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "ab") as log:
@@ -241,6 +241,21 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
         await asyncio.sleep(0.1)
     proc.kill()
     raise CacheFSError(f"mount {mnt}: not mounted after 120 s (log {log_path})")
+
+
+def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
+    """The options of this ``cachefs mount`` for the processes it starts (same cache, config and origin)."""
+    out = ["--workers", str(args.workers), "--cache-dir", config.cache.dir]
+    for flag, value in (("--config", args.config), ("--capacity", args.capacity),
+                        ("--memory-budget", args.memory_budget), ("--endpoint-url", args.endpoint_url),
+                        ("--region", args.region), ("--profile", args.profile)):
+        if value:
+            out += [flag, value]
+    if args.no_passthrough:
+        out.append("--no-passthrough")
+    if args.verbose:
+        out.append("-" + "v" * args.verbose)
+    return out
 
 
 async def umount(args: argparse.Namespace, config: Config) -> int:

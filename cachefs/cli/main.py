@@ -99,10 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     mt = sub.add_parser("mount", parents=[common], help="mount a dataset read-only (FUSE)")
     mt.add_argument("url", help="dataset URL")
     mt.add_argument("mountpoint", help="an existing directory")
-    mt.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    mt.add_argument("--foreground", action="store_true",
+                    help="stay in the foreground until unmounted (this process holds the mount and restarts "
+                         "the serving daemon if it dies)")
     mt.add_argument("--workers", type=int, default=4, help="FUSE request threads (default 4)")
     mt.add_argument("--no-passthrough", action="store_true",
                     help="serve every read from userspace, even for fully cached files")
+    mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
 
     um = sub.add_parser("umount", parents=[common], help="unmount a cachefs mount")
     um.add_argument("mountpoint")

@@ -1,7 +1,8 @@
 """The FUSE front door: our own implementation of the kernel's FUSE protocol (no libfuse), serving a
 dataset's manifest as a read-only tree, cached objects by passthrough, everything else from the engine.
 
-:func:`serve_mount` mounts and serves until unmounted.
+:func:`hold_mount` mounts and keeps the ``/dev/fuse`` descriptor (:mod:`.holder`); :func:`serve_mount` is the
+daemon it runs, which serves the mount until it is unmounted and can be killed and restarted at any time.
 """
 
 from __future__ import annotations
@@ -14,31 +15,41 @@ from .._aio import run_sync
 from ..config import Config
 from ..engine import get_engine
 from .fs import CacheFS
-from .mount import is_stale_mount, mount_fuse, open_fuse_device, unmount
-from .registry import forget_mount, record_mount
+from .holder import MountHolder, receive_fd, socket_path_for
+from .journal import MountJournal
+from .mount import is_stale_mount, unmount
+from .registry import forget_mount, mount_record_path, record_mount
 from .session import FuseSession
 
-__all__ = ["CacheFS", "FuseSession", "is_stale_mount", "serve_mount", "unmount"]
+__all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_mount", "unmount"]
 
 log = logging.getLogger("cachefs.fuse")
 
 
-def serve_mount(config: Config, url: str, mountpoint: str, *, workers: int = 4, passthrough: bool = True,
-                ready=None) -> FuseSession:
-    """Mount ``url`` at ``mountpoint`` and serve it until unmounted. ``ready(session)`` is called once the
-    kernel's INIT is answered (the mount is usable and ``session.mode`` known).
-    A stale mount left by a dead daemon is cleaned up first."""
-    engine = get_engine(config)
-    ds = run_sync(engine.open_dataset(url))
-    if is_stale_mount(mountpoint):
-        log.warning("%s: cleaning up a stale mount (its daemon is gone)", mountpoint)
-        unmount(mountpoint)
-    fd = open_fuse_device()
-    session = FuseSession(CacheFS(engine, ds), fd, workers=workers, passthrough=passthrough)
-    cache_dir = config.cache.dir
-    try:
-        mount_fuse(fd, mountpoint)
+def hold_mount(config: Config, mountpoint: str, daemon_argv: list[str]) -> int:
+    """Mount ``mountpoint`` and keep it mounted until unmounted, serving it by running ``daemon_argv`` (plus
+    ``--attach SOCKET``) and restarting that daemon whenever it dies: readers wait, they never see ENOTCONN."""
+    holder = MountHolder(mountpoint, socket_path_for(_state_dir(config), mountpoint))
+    holder.mount()
+    return holder.run([*daemon_argv, "--attach", holder.socket_path])
 
+
+def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,
+                passthrough: bool = True, ready=None) -> FuseSession:
+    """Serve ``url`` on the mount whose descriptor the holder at socket ``attach`` owns, until unmounted.
+    The first daemon of a mount answers the kernel's INIT; a later one resumes from the mount journal.
+    ``ready(session)`` is called once the mount is usable (``session.mode`` known)."""
+    fd, info = receive_fd(attach)
+    cache_dir = config.cache.dir
+    journal_path = os.path.join(_state_dir(config), os.path.basename(mount_record_path(cache_dir, mountpoint))
+                                .replace(".json", ".journal"))
+    resume = info.get("generation", 0) > 0
+    journal = MountJournal.resume(journal_path) if resume else MountJournal.start(journal_path)
+    engine = get_engine(config)
+    init = journal.state.init
+    ds = run_sync(engine.open_dataset(url, manifest_version=init["manifest_version"] if init else None))
+    session = FuseSession(CacheFS(engine, ds, journal=journal), fd, workers=workers, passthrough=passthrough)
+    try:
         def on_init(s: FuseSession) -> None:
             record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats)
             threading.Thread(target=publish_stats, args=(s,), name="cachefs-fuse-stats", daemon=True).start()
@@ -54,8 +65,13 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, workers: int = 4, 
                     last = now
 
         session.on_init = on_init
-        session.serve()
+        session.serve(resume=resume)
     finally:
         forget_mount(cache_dir, mountpoint)
+        journal.close()
         os.close(fd)
     return session
+
+
+def _state_dir(config: Config) -> str:
+    return os.path.join(config.cache.dir, "mounts")

@@ -2,16 +2,21 @@
 engine. Nothing here knows the wire format; :mod:`.session` decodes requests and calls these methods,
 which return plain values or raise (translated to errno by :mod:`.errno_map`).
 
-Inodes: the root is 1; every other path gets a number on first LOOKUP and keeps it while the kernel holds a
-reference (lookup count > 0). Opens of a complete cached object are answered with passthrough (the kernel
-reads the local file itself) when the kernel and our privileges allow it; otherwise reads come through
-userspace from the engine, which fetches what is missing. Once an inode has a passthrough open, all its
-opens are passthrough until the last one is released (the kernel requires this).
+Inodes: the root is 1; every other path gets a number derived from a hash of its path (so the same path keeps
+its number across forgets and daemon restarts) and a node while the kernel holds a reference (lookup count
+> 0). With a :class:`.journal.MountJournal`, what the kernel holds (inodes, passthrough opens, backing ids)
+is written down, and a restarted daemon picks it up (see :meth:`CacheFS.restore`).
+
+Opens of a complete cached object are answered with passthrough (the kernel reads the local file itself)
+when the kernel and our privileges allow it; otherwise reads come through userspace from the engine, which
+fetches what is missing. Once an inode has a passthrough open, all its opens are passthrough until the last
+one is released (the kernel requires this).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 import threading
@@ -20,10 +25,19 @@ from dataclasses import dataclass, field
 from .._aio import run_sync
 from ..engine import Dataset, Engine, ReadStream
 from ..types import Entry
+from .journal import MountJournal
 
 __all__ = ["CacheFS", "Handle"]
 
 ROOT = 1
+#: Lookup count of nodes restored from a journal: the kernel's real count is unknown, so they are never dropped.
+PINNED = 1 << 60
+
+
+def path_ino(path: str) -> int:
+    """The inode number a path asks for (a collision moves it to the next free number)."""
+    h = int.from_bytes(hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
+    return max(h >> 1, ROOT + 1)
 
 
 @dataclass
@@ -34,6 +48,7 @@ class Node:
     opens: int = 0
     backing_id: int = 0
     passthrough_opens: int = 0
+    ino: int = 0
 
 
 @dataclass
@@ -46,16 +61,19 @@ class Handle:
 class CacheFS:
     """Read-only view of one dataset (``ds``) through ``engine``; thread-safe."""
 
-    def __init__(self, engine: Engine, ds: Dataset, *, uid: int = 0, gid: int = 0) -> None:
+    def __init__(self, engine: Engine, ds: Dataset, *, uid: int = 0, gid: int = 0,
+                 journal: MountJournal | None = None) -> None:
         self.engine, self.ds = engine, ds
+        self.journal = journal
         self.uid, self.gid = uid, gid
         info = ds.record.manifest(ds.version)
         root = Entry("", 0, "", info.created if info else 0.0, is_dir=True)
-        self._nodes: dict[int, Node] = {ROOT: Node("", root, lookups=1)}
+        self._nodes: dict[int, Node] = {ROOT: Node("", root, lookups=1, ino=ROOT)}
         self._by_path: dict[str, int] = {"": ROOT}
-        self._next_ino = 2
+        self._restored: dict[int, str] = {}  # ino → path the previous daemon handed out, not yet looked at
         self._handles: dict[int, Handle] = {}
-        self._next_fh = 1
+        # File handles carry the daemon generation, so a restarted daemon never reuses an old handle's number.
+        self._next_fh = ((journal.state.generation if journal else 0) << 40) + 1
         self._lock = threading.Lock()
         #: Set by the session once INIT said passthrough is on; ``backing_open/close`` are its ioctls.
         self.passthrough = False
@@ -67,8 +85,40 @@ class CacheFS:
     def node(self, ino: int) -> Node:
         n = self._nodes.get(ino)
         if n is None:
-            raise OSError(errno.ESTALE, f"inode {ino} is not known")
+            n = self._restore_node(ino)
         return n
+
+    def _restore_node(self, ino: int) -> Node:
+        path = self._restored.get(ino)
+        if path is None:
+            raise OSError(errno.ESTALE, f"inode {ino} is not known")
+        entry = self.ds.stat(path)
+        with self._lock:
+            n = self._nodes.get(ino)
+            if n is None:
+                n = self._nodes[ino] = Node(path, entry, lookups=PINNED, ino=ino)
+                self._by_path[path] = ino
+            self._restored.pop(ino, None)
+        return n
+
+    def restore(self) -> None:
+        """Take over from a previous daemon: the inodes, passthrough opens and backing ids its journal lists."""
+        state = self.journal.state
+        self._restored = dict(state.inodes)
+        for fh, ino in state.passthrough_opens.items():
+            try:
+                n = self.node(ino)
+            except OSError:
+                continue
+            self._handles[fh] = Handle(n, passthrough=True)
+            n.opens += 1
+            n.passthrough_opens += 1
+        for ino, backing in state.backing.items():
+            n = self._nodes.get(ino)
+            if n is not None and n.passthrough_opens:
+                n.backing_id = backing
+            else:  # registered, but its open never reached the kernel (the daemon died in between)
+                self._close_backing(ino, backing)
 
     def lookup(self, parent: int, name: str) -> tuple[int, Entry]:
         p = self.node(parent)
@@ -79,10 +129,14 @@ class CacheFS:
         with self._lock:
             ino = self._by_path.get(path)
             if ino is None:
-                ino = self._next_ino
-                self._next_ino += 1
-                self._nodes[ino] = Node(path, entry)
+                ino = path_ino(path)
+                while ino in self._nodes or self._restored.get(ino, path) != path:
+                    ino += 1
+                self._restored.pop(ino, None)
+                self._nodes[ino] = Node(path, entry, ino=ino)
                 self._by_path[path] = ino
+                if self.journal is not None:
+                    self.journal.inode(ino, path)
             self._nodes[ino].lookups += 1
         return ino, entry
 
@@ -97,6 +151,8 @@ class CacheFS:
             if n.lookups <= 0 and not n.opens:
                 del self._nodes[ino]
                 self._by_path.pop(n.path, None)
+                if self.journal is not None:
+                    self.journal.forget(ino)
 
     def attr(self, ino: int) -> tuple[int, int, int, int]:
         """(mode, size, mtime_ns, nlink)"""
@@ -120,22 +176,25 @@ class CacheFS:
         if n.entry.is_dir:
             raise IsADirectoryError(errno.EISDIR, n.path)
         h = Handle(n)
-        if self.passthrough:
-            self._try_passthrough(h)
         with self._lock:
             fh = self._next_fh
             self._next_fh += 1
             self._handles[fh] = h
             n.opens += 1
+        if self.passthrough:
+            self._try_passthrough(fh, h)
         self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
         return fh, h
 
-    def _try_passthrough(self, h: Handle) -> None:
+    def _try_passthrough(self, fh: int, h: Handle) -> None:
         n = h.node
+        ino = n.ino
         with self._lock:
             if n.passthrough_opens:  # share the inode's backing file among concurrent opens
                 n.passthrough_opens += 1
                 h.passthrough = True
+                if self.journal is not None:
+                    self.journal.open_passthrough(fh, ino)
                 return
         path = self.engine.local_path(self.ds, n.entry)
         if path is None:
@@ -156,13 +215,19 @@ class CacheFS:
                 self.backing_close(backing)
             else:
                 n.backing_id = backing
+                if self.journal is not None:
+                    self.journal.backing(ino, backing)
             n.passthrough_opens += 1
             h.passthrough = True
+            if self.journal is not None:
+                self.journal.open_passthrough(fh, ino)
 
-    def read(self, fh: int, offset: int, size: int) -> bytes:
+    def read(self, ino: int, fh: int, offset: int, size: int) -> bytes:
         h = self._handles.get(fh)
-        if h is None:
-            raise OSError(errno.EBADF, f"handle {fh}")
+        if h is None:  # opened under a previous daemon: the request names the inode, which is all we need
+            h = Handle(self.node(ino))
+            with self._lock:
+                h = self._handles.setdefault(fh, h)
         entry = h.node.entry
         data = self.engine.read_local(self.ds, entry, offset, offset + size, h.stream)
         if data is None:
@@ -170,24 +235,31 @@ class CacheFS:
         self.stats["userspace_read_bytes"] += len(data)
         return data
 
-    def release(self, fh: int) -> None:
+    def release(self, ino: int, fh: int) -> None:
         with self._lock:
             h = self._handles.pop(fh, None)
             if h is None:
                 return
             n = h.node
-            n.opens -= 1
+            n.opens = max(0, n.opens - 1)
             if not h.passthrough:
                 return
+            if self.journal is not None:
+                self.journal.release(fh)
             n.passthrough_opens -= 1
             close_id = n.backing_id if n.passthrough_opens == 0 else 0
             if close_id:
                 n.backing_id = 0
         if close_id:
-            try:
-                self.backing_close(close_id)
-            except OSError:
-                pass
+            self._close_backing(ino, close_id)
+
+    def _close_backing(self, ino: int, backing_id: int) -> None:
+        try:
+            self.backing_close(backing_id)
+        except OSError:
+            pass
+        if self.journal is not None:
+            self.journal.backing_closed(ino)
 
     def backing_id(self, h: Handle) -> int:
         return h.node.backing_id if h.passthrough else 0

@@ -58,11 +58,12 @@ def unmount(mountpoint: str, *, lazy: bool = True) -> None:
 
 
 def is_stale_mount(mountpoint: str) -> bool:
-    """A FUSE mount whose daemon is gone: any access fails with ENOTCONN."""
+    """A FUSE mount whose daemon is gone: any access fails with ENOTCONN (or ECONNABORTED). STATFS is
+    asked, because the kernel answers it from no cache (a cached ``stat`` can succeed on a dead mount)."""
     try:
-        os.stat(mountpoint)
+        os.statvfs(mountpoint)
     except OSError as exc:
-        return exc.errno == errno.ENOTCONN
+        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     return False
 
 

@@ -7,30 +7,30 @@ import hashlib
 import json
 import os
 
-__all__ = ["forget_mount", "list_mounts", "record_mount"]
+__all__ = ["forget_mount", "list_mounts", "mount_record_path", "record_mount"]
 
 
 def _dir(cache_dir: str) -> str:
     return os.path.join(cache_dir, "mounts")
 
 
-def _file(cache_dir: str, mountpoint: str) -> str:
+def mount_record_path(cache_dir: str, mountpoint: str) -> str:
     return os.path.join(_dir(cache_dir), hashlib.blake2b(os.path.abspath(mountpoint).encode(), digest_size=8).hexdigest()
                         + ".json")
 
 
 def record_mount(cache_dir: str, mountpoint: str, url: str, mode: str, stats: dict | None = None) -> None:
     os.makedirs(_dir(cache_dir), exist_ok=True)
-    tmp = _file(cache_dir, mountpoint) + f".{os.getpid()}.tmp"
+    tmp = mount_record_path(cache_dir, mountpoint) + f".{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump({"mountpoint": os.path.abspath(mountpoint), "url": url, "pid": os.getpid(), "mode": mode,
                    "stats": stats or {}}, f)
-    os.replace(tmp, _file(cache_dir, mountpoint))
+    os.replace(tmp, mount_record_path(cache_dir, mountpoint))
 
 
 def forget_mount(cache_dir: str, mountpoint: str) -> None:
     try:
-        os.unlink(_file(cache_dir, mountpoint))
+        os.unlink(mount_record_path(cache_dir, mountpoint))
     except FileNotFoundError:
         pass
 

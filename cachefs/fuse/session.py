@@ -22,6 +22,8 @@ log = logging.getLogger("cachefs.fuse")
 
 MAX_WRITE = 1 << 20
 MAX_PAGES = 256
+#: Set in ``unique`` of requests the kernel sends again after FUSE_NOTIFY_RESEND.
+UNIQUE_RESEND = 1 << 63
 
 
 class FuseSession:
@@ -38,8 +40,9 @@ class FuseSession:
         #: Called with the session once INIT is answered (the mount is usable, ``mode`` is known).
         self.on_init: Callable[[FuseSession], None] | None = None
         self._dirs: dict[int, list] = {}
-        self._next_dir = 1
+        self._next_dir = ((fs.journal.state.generation if fs.journal else 0) << 40) + 1
         self._lock = threading.Lock()
+        self._inflight: set[int] = set()  # uniques being answered (an INTERRUPT answers them EINTR)
         self.ops: dict[int, Callable[[int, int, memoryview], bytes | None]] = {
             Op.INIT: self._init, Op.LOOKUP: self._lookup, Op.GETATTR: self._getattr, Op.OPEN: self._open,
             Op.READ: self._read, Op.RELEASE: self._release, Op.OPENDIR: self._opendir,
@@ -50,8 +53,12 @@ class FuseSession:
         }
 
     # -- loop -----------------------------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Run until the file system is unmounted (the device answers ENODEV)."""
+    def serve(self, *, resume: bool = False) -> None:
+        """Run until the file system is unmounted (the device answers ENODEV). With ``resume``, take over a
+        mount whose previous daemon died: its state comes from the journal, and the kernel is asked to send
+        again every request the dead daemon had read but not answered."""
+        if resume:
+            self._resume()
         threads = [threading.Thread(target=self._worker, name=f"cachefs-fuse-{i}", daemon=True)
                    for i in range(self.workers)]
         for t in threads:
@@ -90,19 +97,56 @@ class FuseSession:
                 self.fs.forget(ino, nlookup)
             return
         if opcode == Op.INTERRUPT:
-            return  # requests finish quickly or fail on their own timeouts; nothing to cancel mid-copy
+            self._interrupt(wire.INTERRUPT_IN.unpack_from(body)[0])
+            return
+        if unique & UNIQUE_RESEND:
+            self.fs.stats["resent_requests"] = self.fs.stats.get("resent_requests", 0) + 1
         handler = self.ops.get(opcode)
         if handler is None:
             self._reply(unique, errno.EROFS if opcode in wire.WRITE_OPS else errno.ENOSYS)
             return
+        with self._lock:
+            self._inflight.add(unique)
         try:
             payload = handler(nodeid, unique, body)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
-            self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
-            return
-        if payload is not None:
+            payload, err = None, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}")
+        else:
+            err = 0
+        with self._lock:
+            if unique not in self._inflight:
+                return  # interrupted: already answered EINTR
+            self._inflight.discard(unique)
+        if err:
+            self._reply(unique, err)
+        elif payload is not None:
             self._reply(unique, 0, payload)
         if opcode == Op.INIT and self.on_init is not None:
+            self.on_init(self)
+
+    def _interrupt(self, unique: int) -> None:
+        """The caller gave up (a signal): answer EINTR now; the handler's late answer is dropped."""
+        with self._lock:
+            if unique not in self._inflight:
+                return  # already answered
+            self._inflight.discard(unique)
+        self.fs.stats["interrupted"] = self.fs.stats.get("interrupted", 0) + 1
+        self._reply(unique, errno.EINTR)
+
+    def _resume(self) -> None:
+        init = self.fs.journal.state.init
+        self.fs.backing_open = self._backing_open
+        self.fs.backing_close = self._backing_close
+        if init is not None:  # the previous daemon answered INIT; the kernel will not send it again
+            self.fs.passthrough = init["mode"] == "passthrough"
+            self.mode = init["mode"]
+            self.fs.restore()
+        try:
+            os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size, wire.NOTIFY_RESEND, 0))
+        except OSError as exc:  # kernels before 6.9: requests the old daemon had read stay unanswered
+            log.warning("cannot ask the kernel to resend pending requests: %s", exc)
+        log.info("resumed mount (daemon generation %d, mode %s)", self.fs.journal.state.generation, self.mode)
+        if init is not None and self.on_init is not None:
             self.on_init(self)
 
     def _reply(self, unique: int, err: int, payload: bytes = b"") -> None:
@@ -132,6 +176,8 @@ class FuseSession:
         self.fs.backing_open = self._backing_open
         self.fs.backing_close = self._backing_close
         self.mode = "passthrough" if passthrough else "userspace"
+        if self.fs.journal is not None:
+            self.fs.journal.init(self.mode, agreed, self.fs.ds.version)
         log.info("FUSE %d.%d, flags 0x%x, mode %s", major, minor, agreed, self.mode)
         return wire.INIT_OUT.pack(wire.KERNEL_VERSION, wire.KERNEL_MINOR_VERSION, max_readahead,
                                   agreed & 0xFFFFFFFF, 64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
@@ -163,10 +209,10 @@ class FuseSession:
 
     def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
-        return self.fs.read(fh, offset, size)
+        return self.fs.read(nodeid, fh, offset, size)
 
     def _release(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        self.fs.release(wire.RELEASE_IN.unpack_from(body)[0])
+        self.fs.release(nodeid, wire.RELEASE_IN.unpack_from(body)[0])
         return b""
 
     def _opendir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
@@ -182,8 +228,8 @@ class FuseSession:
         carries its entry (a lookup the kernel will FORGET); "." and ".." carry none (nodeid 0)."""
         fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
         entries = self._dirs.get(fh)
-        if entries is None:
-            raise OSError(errno.EBADF, "directory handle")
+        if entries is None:  # opened under a previous daemon
+            entries = self._dirs.setdefault(fh, self.fs.listdir(nodeid))
         out = bytearray()
         for i in range(offset, len(entries) + 2):
             child = entries[i - 2] if i >= 2 else None

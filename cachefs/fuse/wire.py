@@ -133,6 +133,8 @@ ENTRY_OUT_SIZE = ENTRY_OUT_HEAD.size + ATTR.size  # 128
 FUSE_DEV_IOC_CLONE = 0x8004E500
 FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501
 FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502
+#: ``fuse_notify_code`` (sent as the error of an unsolicited message, unique 0): resend unanswered requests.
+NOTIFY_RESEND = 7
 #: Kernel limit for passthrough stacking: 1 = backing files on a plain local file system.
 MAX_STACK_DEPTH = 1
 

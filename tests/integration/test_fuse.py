@@ -8,6 +8,7 @@ import mmap
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -31,9 +32,10 @@ class Mounted:
     """``cachefs mount --foreground`` in its own process, as users run it (a server sharing a process with
     its clients can deadlock on mmap faults, as every FUSE server can)."""
 
-    def __init__(self, cache_dir: str, url: str, mountpoint: str, *extra: str) -> None:
-        self.mountpoint, self.cache_dir = mountpoint, cache_dir
-        env = {**os.environ, "CACHEFS_ORIGIN_REQUEST_TIMEOUT": "3", "CACHEFS_ORIGIN_BACKOFF_MAX": "0.05"}
+    def __init__(self, cache_dir: str, url: str, mountpoint: str, *extra: str, env: dict | None = None) -> None:
+        self.mountpoint, self.cache_dir, self.url = mountpoint, cache_dir, url
+        env = {**os.environ, "CACHEFS_ORIGIN_REQUEST_TIMEOUT": "3", "CACHEFS_ORIGIN_BACKOFF_MAX": "0.05",
+               **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "mount", "--foreground", url,
                                       mountpoint, "--cache-dir", cache_dir, *extra], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -42,6 +44,16 @@ class Mounted:
             assert self.proc.poll() is None, self.proc.stdout.read()
             assert time.monotonic() < deadline, "mount did not come up"
             time.sleep(0.1)
+
+    def wait_for_daemon(self, other_than: int = 0) -> dict:
+        """The mount record of a serving daemon (other than pid ``other_than``)."""
+        deadline = time.monotonic() + 60
+        while True:
+            rec = self.record()
+            if rec and rec["pid"] != other_than:
+                return rec
+            assert time.monotonic() < deadline, "no daemon took over the mount"
+            time.sleep(0.05)
 
     def record(self) -> dict | None:
         return next((m for m in list_mounts(self.cache_dir) if m["mountpoint"] == self.mountpoint), None)
@@ -242,3 +254,126 @@ def test_walk_of_a_20000_file_tree_matches_the_origin(tmp_path, cache_dir):
         assert sizes == sum(i % 7 for i in range(500)) * 40
     finally:
         m.close()
+
+
+@pytest.fixture
+def stopped_origin(s3):
+    """``stop()`` freezes the S3 server (SIGSTOP: connections hang, as with a stalled origin), ``resume()``
+    thaws it; always thawed at the end."""
+    server = s3[0]
+
+    class Origin:
+        def stop(self) -> None:
+            server.proc.send_signal(signal.SIGSTOP)
+
+        def resume(self) -> None:
+            server.proc.send_signal(signal.SIGCONT)
+
+    o = Origin()
+    try:
+        yield o
+    finally:
+        o.resume()
+
+
+def test_daemon_killed_mid_read_is_restarted_and_readers_never_notice(s3, cache_dir, tmp_path, stopped_origin):
+    _, client, bucket = s3
+    rng = random.Random(9)
+    files = {"big/a.bin": rng.randbytes(8 << 20), "big/b.bin": rng.randbytes(4 << 20)}
+    files.update({f"small/f{i}.txt": rng.randbytes(rng.randint(1, 9000)) for i in range(50)})
+    put_tree(client, bucket, "ds", files)
+    url = f"s3://{bucket}/ds"
+    subprocess.run([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--include", "big/b.bin", "-q",
+                    "--cache-dir", cache_dir], check=True, timeout=120)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache_dir, url, str(mnt), env={"CACHEFS_ORIGIN_REQUEST_TIMEOUT": "30"})
+    try:
+        first = m.wait_for_daemon()
+        a, b = files["big/a.bin"], files["big/b.bin"]
+        fd_a = os.open(m.path("big/a.bin"), os.O_RDONLY)  # not cached: userspace reads
+        fd_b = os.open(m.path("big/b.bin"), os.O_RDONLY)  # cached: passthrough
+        assert os.pread(fd_a, 1 << 18, 0) == a[:1 << 18]
+        assert os.pread(fd_b, 1 << 20, 0) == b[:1 << 20]
+        for rel in list(files)[2:20]:  # inodes the kernel keeps (dentry cache) across the restart
+            assert os.stat(m.path(rel)).st_size == len(files[rel])
+
+        # A read the daemon has taken but cannot answer yet (the origin hangs) when it is SIGKILLed.
+        stopped_origin.stop()
+        result: dict = {}
+        blocked = threading.Thread(target=lambda: result.setdefault("data", os.pread(fd_a, 1 << 20, 5 << 20)))
+        blocked.start()
+        time.sleep(1.0)
+        assert blocked.is_alive()
+        os.kill(first["pid"], signal.SIGKILL)
+        stopped_origin.resume()
+        second = m.wait_for_daemon(other_than=first["pid"])
+        blocked.join(60)
+        assert not blocked.is_alive() and result["data"] == a[5 << 20:6 << 20]
+
+        # Both open handles keep working, the rest of the tree too; no ENOTCONN anywhere.
+        assert os.pread(fd_b, len(b), 0) == b
+        assert os.pread(fd_a, len(a), 0) == a
+        for rel, data in files.items():  # old inodes (cached dentries) and new lookups
+            with open(m.path(rel), "rb") as f:
+                assert f.read() == data, rel
+        os.close(fd_a)
+        os.close(fd_b)
+        assert second["mode"] == "passthrough"
+        stats = m.stats()
+        assert stats.get("resent_requests", 0) >= 1  # the kernel sent the dead daemon's read again
+        assert stats["passthrough_opens"] >= 1  # b.bin still by passthrough (backing id taken over)
+        assert m.proc.poll() is None  # the holder lives on
+    finally:
+        m.close()
+    assert m.proc.returncode == 0
+
+
+def test_interrupted_read_gets_eintr(s3, cache_dir, tmp_path, stopped_origin):
+    _, client, bucket = s3
+    put_tree(client, bucket, "ds", {"slow.bin": os.urandom(1 << 20)})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache_dir, f"s3://{bucket}/ds", str(mnt), env={"CACHEFS_ORIGIN_REQUEST_TIMEOUT": "60"})
+    try:
+        os.stat(m.path("slow.bin"))
+        stopped_origin.stop()
+        code = ("import os, signal, sys\n"
+                "class Stop(Exception): pass\n"
+                "def on_usr1(*_): raise Stop\n"
+                "signal.signal(signal.SIGUSR1, on_usr1)\n"
+                "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+                "print('reading', flush=True)\n"
+                "try:\n    os.read(fd, 65536)\nexcept Stop:\n    print('interrupted', flush=True)\n")
+        reader = subprocess.Popen([sys.executable, "-c", code, m.path("slow.bin")], stdout=subprocess.PIPE, text=True)
+        assert reader.stdout.readline().strip() == "reading"
+        time.sleep(0.5)
+        reader.send_signal(signal.SIGUSR1)
+        out, _ = reader.communicate(timeout=20)  # the origin still hangs: only the interrupt can end the read
+        assert out.strip() == "interrupted"
+        assert m.stats().get("interrupted", 0) >= 1
+    finally:
+        stopped_origin.resume()
+        m.close()
+
+
+def test_stale_mount_is_cleaned_up_by_the_next_mount(mounted):
+    m, files = mounted
+    os.kill(m.proc.pid, signal.SIGKILL)  # holder first, so nobody restarts the daemon
+    os.kill(m.wait_for_daemon()["pid"], signal.SIGKILL)
+    m.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.statvfs(m.mountpoint)
+        except OSError as exc:
+            assert exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    again = Mounted(m.cache_dir, m.url, m.mountpoint)
+    try:
+        with open(again.path("big/1.bin"), "rb") as f:
+            assert f.read() == files["big/1.bin"]
+    finally:
+        again.close()

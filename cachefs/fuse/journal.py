@@ -1,0 +1,168 @@
+"""What a restarted FUSE daemon must know about the kernel's view of the mount, kept in an append-only
+journal beside the mount record.
+
+The kernel keeps a mount's state across a daemon restart (the ``/dev/fuse`` descriptor lives on in the
+holder): the INIT it negotiated, the inode numbers it holds, the file handles of open files and the
+passthrough backing ids it registered. A new daemon cannot ask the kernel for any of that, so the daemon
+writes it down as it hands it out: one JSON line per fact, written with one unbuffered ``write`` (it survives
+SIGKILL; only a machine crash loses it, and that loses the mount too).
+
+Only what cannot be rebuilt is written: inode numbers (→ path), passthrough opens and backing ids. Userspace
+file handles and directory handles are rebuilt on first use from the request itself (it carries the inode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["JournalState", "MountJournal"]
+
+#: Rewrite the journal with just the live state once it grows past this.
+COMPACT_BYTES = 32 << 20
+
+
+@dataclass
+class JournalState:
+    """The kernel-visible state a journal replays to."""
+
+    init: dict | None = None  # {"mode": "passthrough"|"userspace", "flags": int, "manifest_version": int}
+    generation: int = 0  # how many daemons served this mount before
+    inodes: dict[int, str] = field(default_factory=dict)  # ino → path
+    passthrough_opens: dict[int, int] = field(default_factory=dict)  # fh → ino (open passthrough handles)
+    backing: dict[int, int] = field(default_factory=dict)  # ino → backing id registered with the kernel
+
+
+class MountJournal:
+    """Append-only journal at ``path``. :meth:`start` truncates it (a new mount); :meth:`resume` replays it
+    (a restarted daemon) and continues it, compacted."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = -1
+        self._lock = threading.Lock()
+        self._size = 0
+        self.state = JournalState()
+
+    @classmethod
+    def start(cls, path: str) -> MountJournal:
+        j = cls(path)
+        j._rewrite()
+        return j
+
+    @classmethod
+    def resume(cls, path: str) -> MountJournal:
+        j = cls(path)
+        j.state = replay(path)
+        j.state.generation += 1
+        j._rewrite()
+        return j
+
+    # -- records --------------------------------------------------------------------------------------------
+    def init(self, mode: str, flags: int, manifest_version: int) -> None:
+        self.state.init = {"mode": mode, "flags": flags, "manifest_version": manifest_version}
+        self._append(["init", self.state.init])
+
+    def inode(self, ino: int, path: str) -> None:
+        if self.state.inodes.get(ino) != path:
+            self.state.inodes[ino] = path
+            self._append(["i", ino, path])
+
+    def forget(self, ino: int) -> None:
+        if self.state.inodes.pop(ino, None) is not None:
+            self._append(["f", ino])
+
+    def open_passthrough(self, fh: int, ino: int) -> None:
+        self.state.passthrough_opens[fh] = ino
+        self._append(["o", fh, ino])
+
+    def release(self, fh: int) -> None:
+        if self.state.passthrough_opens.pop(fh, None) is not None:
+            self._append(["r", fh])
+
+    def backing(self, ino: int, backing_id: int) -> None:
+        self.state.backing[ino] = backing_id
+        self._append(["b", ino, backing_id])
+
+    def backing_closed(self, ino: int) -> None:
+        self.state.backing.pop(ino, None)
+        self._append(["c", ino])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    # -- file -----------------------------------------------------------------------------------------------
+    def _append(self, rec: list) -> None:
+        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            os.write(self._fd, line)
+            self._size += len(line)
+            if self._size > COMPACT_BYTES:
+                self._rewrite_locked()
+
+    def _rewrite(self) -> None:
+        with self._lock:
+            self._rewrite_locked()
+
+    def _rewrite_locked(self) -> None:
+        """Replace the file with the current state (write a temporary file, rename it over)."""
+        s = self.state
+        lines = [["gen", s.generation]]
+        if s.init:
+            lines.append(["init", s.init])
+        lines += [["i", ino, p] for ino, p in s.inodes.items()]
+        lines += [["b", ino, b] for ino, b in s.backing.items()]
+        lines += [["o", fh, ino] for fh, ino in s.passthrough_opens.items()]
+        data = "".join(json.dumps(rec, separators=(",", ":")) + "\n" for rec in lines).encode()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._size = len(data)
+
+
+def replay(path: str) -> JournalState:
+    """The state a journal describes. A torn last line (the writer died mid-write) is ignored."""
+    s = JournalState()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return s
+    for line in raw.split(b"\n"):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, list) or not rec:
+            continue
+        kind = rec[0]
+        if kind == "gen":
+            s.generation = int(rec[1])
+        elif kind == "init":
+            s.init = dict(rec[1])
+        elif kind == "i":
+            s.inodes[int(rec[1])] = rec[2]
+        elif kind == "f":
+            s.inodes.pop(int(rec[1]), None)
+        elif kind == "o":
+            s.passthrough_opens[int(rec[1])] = int(rec[2])
+        elif kind == "r":
+            s.passthrough_opens.pop(int(rec[1]), None)
+        elif kind == "b":
+            s.backing[int(rec[1])] = int(rec[2])
+        elif kind == "c":
+            s.backing.pop(int(rec[1]), None)
+    return s
