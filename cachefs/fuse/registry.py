@@ -48,8 +48,18 @@ def list_mounts(cache_dir: str) -> list[dict]:
         try:
             with open(os.path.join(_dir(cache_dir), name)) as f:
                 rec = json.load(f)
-            os.kill(int(rec["pid"]), 0)
+            if not _alive(int(rec["pid"])):
+                continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
         out.append(rec)
     return out
+
+
+def _alive(pid: int) -> bool:
+    """A running process (a zombie, killed but not yet reaped, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

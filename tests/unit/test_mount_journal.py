@@ -1,0 +1,66 @@
+"""The mount journal: what a restarted FUSE daemon replays."""
+
+from __future__ import annotations
+
+from cachefs.fuse import journal as journal_mod
+from cachefs.fuse.journal import MountJournal, replay
+
+
+def test_replay_gives_back_the_live_state(tmp_path):
+    path = str(tmp_path / "m.journal")
+    j = MountJournal.start(path)
+    j.init("passthrough", 0x1234, 3)
+    j.inode(10, "a/b")
+    j.inode(11, "a/c")
+    j.inode(10, "a/b")  # repeated: written once
+    j.forget(11)
+    j.backing(10, 7)
+    j.open_passthrough(100, 10)
+    j.open_passthrough(101, 10)
+    j.release(100)
+    j.release(555)  # not a passthrough handle: nothing to write
+    j.close()
+    s = replay(path)
+    assert s.init == {"mode": "passthrough", "flags": 0x1234, "manifest_version": 3}
+    assert s.inodes == {10: "a/b"}
+    assert s.backing == {10: 7}
+    assert s.passthrough_opens == {101: 10}
+    assert open(path).read().count('"a/b"') == 1
+
+
+def test_resume_counts_generations_and_compacts(tmp_path):
+    path = str(tmp_path / "m.journal")
+    j = MountJournal.start(path)
+    for i in range(100):
+        j.inode(i + 2, f"f{i}")
+        j.forget(i + 2)
+    j.init("userspace", 1, 0)
+    j.close()
+    size_before = len(open(path).read())
+    r = MountJournal.resume(path)
+    assert r.state.generation == 1 and r.state.inodes == {} and r.state.init["mode"] == "userspace"
+    assert len(open(path).read()) < size_before / 10
+    r.close()
+    assert MountJournal.resume(path).state.generation == 2
+
+
+def test_a_torn_last_line_is_ignored(tmp_path):
+    path = str(tmp_path / "m.journal")
+    j = MountJournal.start(path)
+    j.inode(5, "x")
+    j.close()
+    with open(path, "a") as f:
+        f.write('["i",6,"y')  # the writer died mid-write
+    assert replay(path).inodes == {5: "x"}
+
+
+def test_grows_no_further_than_the_compaction_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_mod, "COMPACT_BYTES", 4096)
+    path = str(tmp_path / "m.journal")
+    j = MountJournal.start(path)
+    for i in range(2000):
+        j.open_passthrough(i, 9)
+        j.release(i)
+    j.close()
+    assert len(open(path).read()) <= 4096 + 100
+    assert replay(path).passthrough_opens == {}
