@@ -25,7 +25,7 @@ def test_replay_gives_back_the_live_state(tmp_path):
     assert s.inodes == {10: "a/b"}
     assert s.backing == {10: 7}
     assert s.passthrough_opens == {101: 10}
-    assert open(path).read().count('"a/b"') == 1
+    assert _read(path).count('"a/b"') == 1
 
 
 def test_resume_counts_generations_and_compacts(tmp_path):
@@ -36,12 +36,14 @@ def test_resume_counts_generations_and_compacts(tmp_path):
         j.forget(i + 2)
     j.init("userspace", 1, 0)
     j.close()
-    size_before = len(open(path).read())
+    size_before = len(_read(path))
     r = MountJournal.resume(path)
     assert r.state.generation == 1 and r.state.inodes == {} and r.state.init["mode"] == "userspace"
-    assert len(open(path).read()) < size_before / 10
+    assert len(_read(path)) < size_before / 10
     r.close()
-    assert MountJournal.resume(path).state.generation == 2
+    again = MountJournal.resume(path)
+    assert again.state.generation == 2
+    again.close()
 
 
 def test_a_torn_last_line_is_ignored(tmp_path):
@@ -62,5 +64,10 @@ def test_grows_no_further_than_the_compaction_bound(tmp_path, monkeypatch):
         j.open_passthrough(i, 9)
         j.release(i)
     j.close()
-    assert len(open(path).read()) <= 4096 + 100
+    assert len(_read(path)) <= 4096 + 100
     assert replay(path).passthrough_opens == {}
+
+
+def _read(path) -> str:
+    with open(path) as f:
+        return f.read()
