@@ -22,7 +22,7 @@ import threading
 import time
 
 from ..errors import CacheFSError
-from .mount import is_fuse_mount, is_stale_mount, mount_fuse, open_fuse_device, unmount
+from .mount import is_fuse_mount, is_stale_mount, open_and_mount, unmount
 
 __all__ = ["MountHolder", "receive_fd", "socket_path_for"]
 
@@ -83,13 +83,7 @@ class MountHolder:
             unmount(self.mountpoint)
         if not os.path.isdir(self.mountpoint):
             raise CacheFSError(f"mount point {self.mountpoint!r} is not a directory")
-        self.fd = open_fuse_device()
-        try:
-            mount_fuse(self.fd, self.mountpoint)
-        except BaseException:
-            os.close(self.fd)
-            self.fd = -1
-            raise
+        self.fd = open_and_mount(self.mountpoint)
         self._listen()
 
     def _listen(self) -> None:

@@ -1,7 +1,9 @@
 """Mounting and unmounting a FUSE file system on a ``/dev/fuse`` descriptor, and finding stale mounts.
 
-As root we call mount(2) ourselves with ``fd=N``. Unprivileged mounting (``fusermount3``) is not supported
-yet: :func:`mount_fuse` says so with a clear error.
+As root we open ``/dev/fuse`` and call mount(2) ourselves with ``fd=N``. Without root, the setuid helper
+``fusermount3`` (Debian package fuse3) mounts for us and passes the descriptor back over a socket pair
+(``_FUSE_COMMFD``, ``SCM_RIGHTS``); such mounts are served in userspace mode (passthrough needs
+CAP_SYS_ADMIN) and ``allow_other`` needs ``user_allow_other`` in ``/etc/fuse.conf``.
 """
 
 from __future__ import annotations
@@ -9,11 +11,17 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import logging
 import os
+import shutil
+import socket
+import subprocess
 
 from ..errors import CacheFSError
 
-__all__ = ["is_fuse_mount", "is_stale_mount", "mount_fuse", "open_fuse_device", "unmount"]
+__all__ = ["is_fuse_mount", "is_stale_mount", "mount_fuse", "open_and_mount", "open_fuse_device", "unmount"]
+
+log = logging.getLogger("cachefs.fuse")
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -33,11 +41,56 @@ def open_fuse_device() -> int:
                            "passed into this container?)", errno_=exc.errno) from None
 
 
-def mount_fuse(fd: int, mountpoint: str, *, fsname: str = "cachefs", allow_other: bool = True) -> None:
-    """Mount the session on ``fd`` at ``mountpoint``, read-only, nosuid, nodev."""
+def open_and_mount(mountpoint: str, *, allow_other: bool = True) -> int:
+    """Mount a new FUSE file system at ``mountpoint`` (read-only, nosuid, nodev) and return its ``/dev/fuse``
+    descriptor: by mount(2) as root, through ``fusermount3`` otherwise."""
     if os.geteuid() != 0:
-        raise CacheFSError("mounting needs root (CAP_SYS_ADMIN); unprivileged mounts via fusermount3 are not "
-                           "supported yet", errno_=errno.EPERM)
+        return _fusermount(mountpoint, allow_other=allow_other)
+    fd = open_fuse_device()
+    try:
+        mount_fuse(fd, mountpoint, allow_other=allow_other)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fusermount(mountpoint: str, *, allow_other: bool) -> int:
+    helper = shutil.which("fusermount3")
+    if helper is None:
+        raise CacheFSError("mounting without root needs fusermount3 (Debian package fuse3), or run as root",
+                           errno_=errno.EPERM)
+    if allow_other and not _user_allow_other():
+        log.warning("mounting without allow_other: /etc/fuse.conf lacks user_allow_other, so only this user "
+                    "can read the mount")
+        allow_other = False
+    opts = "ro,nosuid,nodev,default_permissions,fsname=cachefs,subtype=cachefs" + (",allow_other" if allow_other else "")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        proc = subprocess.run([helper, "-o", opts, "--", mountpoint], env={**os.environ,
+                              "_FUSE_COMMFD": str(theirs.fileno())}, pass_fds=[theirs.fileno()],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise CacheFSError(f"fusermount3 could not mount {mountpoint}: "
+                               f"{proc.stderr.strip() or f'exit code {proc.returncode}'}", errno_=errno.EPERM)
+        ours.settimeout(10)
+        _msg, fds, _flags, _addr = socket.recv_fds(ours, 16, 1)
+    if not fds:
+        raise CacheFSError(f"fusermount3 mounted {mountpoint} but passed no descriptor")
+    os.set_inheritable(fds[0], False)
+    return fds[0]
+
+
+def _user_allow_other() -> bool:
+    try:
+        with open("/etc/fuse.conf") as f:
+            return any(line.split("#", 1)[0].strip() == "user_allow_other" for line in f)
+    except OSError:
+        return False
+
+
+def mount_fuse(fd: int, mountpoint: str, *, fsname: str = "cachefs", allow_other: bool = True) -> None:
+    """Mount the session on ``fd`` at ``mountpoint``, read-only, nosuid, nodev (needs root)."""
     st = os.stat(mountpoint)
     opts = f"fd={fd},rootmode={st.st_mode & 0o170000:o},user_id=0,group_id=0,default_permissions"
     if allow_other:
@@ -50,6 +103,12 @@ def mount_fuse(fd: int, mountpoint: str, *, fsname: str = "cachefs", allow_other
 
 
 def unmount(mountpoint: str, *, lazy: bool = True) -> None:
+    if os.geteuid() != 0 and shutil.which("fusermount3"):
+        proc = subprocess.run(["fusermount3", "-u", *(["-z"] if lazy else []), "--", mountpoint],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0 and "not mounted" not in proc.stderr and "not found" not in proc.stderr:
+            raise CacheFSError(f"fusermount3 -u {mountpoint}: {proc.stderr.strip()}")
+        return
     rc = _libc.umount2(mountpoint.encode(), MNT_DETACH if lazy else 0)
     if rc != 0:
         e = ctypes.get_errno()

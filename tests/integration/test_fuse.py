@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import mmap
 import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -377,3 +379,63 @@ def test_stale_mount_is_cleaned_up_by_the_next_mount(mounted):
             assert f.read() == files["big/1.bin"]
     finally:
         again.close()
+
+
+def test_unprivileged_mount_through_fusermount3_serves_in_userspace_mode():
+    if shutil.which("fusermount3") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs fusermount3 (Debian fuse3; .ci/run installs it) and setpriv")
+    import tempfile
+
+    nobody = 65534
+    base = tempfile.mkdtemp(prefix="cachefs-unpriv-", dir="/tmp")
+    os.chmod(base, 0o755)
+    src, cache, mnt = (os.path.join(base, d) for d in ("src", "cache", "mnt"))
+    rng = random.Random(3)
+    files = {f"d{i % 4}/f{i}.bin": rng.randbytes(rng.randint(0, 300_000)) for i in range(40)}
+    for rel, data in files.items():
+        os.makedirs(os.path.join(src, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(src, rel), "wb") as f:
+            f.write(data)
+    for d in (cache, mnt):
+        os.mkdir(d)
+        os.chown(d, nobody, nobody)
+    # Not root and no CAP_SYS_ADMIN; CAP_DAC_READ_SEARCH only so that a Python installed under /root (pyenv)
+    # can still be started.
+    as_nobody = ["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
+                 "--inh-caps=-all,+dac_read_search", "--ambient-caps=-all,+dac_read_search"]
+    env = {**os.environ, "HOME": base}
+    cli = [sys.executable, "-m", "cachefs.cli.main"]
+    # Distributions make /dev/fuse world-usable (udev: 0666); this VM leaves it 0600. Do as they do, then undo.
+    dev_mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
+    os.chmod("/dev/fuse", 0o666)
+    holder = subprocess.Popen([*as_nobody, *cli, "mount", f"file://{src}", mnt, "--foreground", "--cache-dir", cache],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(r["mountpoint"] == mnt for r in list_mounts(cache)):
+            assert holder.poll() is None, holder.stdout.read()
+            assert time.monotonic() < deadline, "unprivileged mount did not come up"
+            time.sleep(0.1)
+        check = ("import hashlib, os, sys, json\n"
+                 "root = sys.argv[1]\n"
+                 "out = {}\n"
+                 "for d, _, names in os.walk(root):\n"
+                 "    for n in names:\n"
+                 "        p = os.path.join(d, n)\n"
+                 "        out[os.path.relpath(p, root)] = hashlib.sha256(open(p, 'rb').read()).hexdigest()\n"
+                 "print(json.dumps(out))\n")
+        got = subprocess.run([*as_nobody, sys.executable, "-c", check, mnt], env=env, capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        assert json.loads(got) == {rel: sha(data) for rel, data in files.items()}
+        status = subprocess.run([*as_nobody, *cli, "status", "--json", "--cache-dir", cache], env=env,
+                                capture_output=True, text=True, timeout=60, check=True).stdout
+        assert [m["mode"] for m in json.loads(status)["mounts"]] == ["userspace"]  # no CAP_SYS_ADMIN: no passthrough
+        subprocess.run([*as_nobody, *cli, "umount", mnt, "--cache-dir", cache], env=env, check=True, timeout=60)
+        assert holder.wait(30) == 0
+    finally:
+        if holder.poll() is None:
+            unmount(mnt)
+            holder.kill()
+        holder.stdout.close()
+        os.chmod("/dev/fuse", dev_mode)
+        shutil.rmtree(base, ignore_errors=True)
