@@ -58,7 +58,11 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
 
         def publish_stats(s: FuseSession) -> None:  # what `cachefs status` shows about this mount, every second
             last = dict(s.fs.stats)
+            ticks = 0
             while not s.stopped.wait(1.0):
+                ticks += 1
+                if ticks % 30 == 0:  # let go of evicted objects the kernel still holds for idle passthrough
+                    s.fs.sweep()
                 now = dict(s.fs.stats)
                 if now != last:
                     record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now)

@@ -20,6 +20,7 @@ import hashlib
 import os
 import stat
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .._aio import run_sync
@@ -30,8 +31,11 @@ from .journal import MountJournal
 __all__ = ["CacheFS", "Handle"]
 
 ROOT = 1
-#: Lookup count of nodes restored from a journal: the kernel's real count is unknown, so they are never dropped.
-PINNED = 1 << 60
+#: Backing files kept registered after their last close, so reopening a small cached file costs no ioctl: at
+#: most this many, for objects up to RETAIN_BACKING_BYTES. (A registered backing file holds its object's
+#: disk space even after eviction; :meth:`CacheFS.sweep` drops those of evicted objects.)
+RETAIN_BACKING = 32768
+RETAIN_BACKING_BYTES = 4 << 20
 
 
 def path_ino(path: str) -> int:
@@ -46,9 +50,9 @@ class Node:
     entry: Entry
     lookups: int = 0
     opens: int = 0
-    backing_id: int = 0
-    passthrough_opens: int = 0
+    backing_id: int = 0  # registered with the kernel: every open of this inode is passthrough with it
     ino: int = 0
+    inherited: bool = False  # backing id taken over from a previous daemon (its opens are not counted here)
 
 
 @dataclass
@@ -72,6 +76,7 @@ class CacheFS:
         self._by_path: dict[str, int] = {"": ROOT}
         self._restored: dict[int, str] = {}  # ino → path the previous daemon handed out, not yet looked at
         self._handles: dict[int, Handle] = {}
+        self._idle: OrderedDict[int, Node] = OrderedDict()  # small files with a backing id and no open file
         # File handles carry the daemon generation, so a restarted daemon never reuses an old handle's number.
         self._next_fh = ((journal.state.generation if journal else 0) << 40) + 1
         self._lock = threading.Lock()
@@ -96,29 +101,24 @@ class CacheFS:
         with self._lock:
             n = self._nodes.get(ino)
             if n is None:
-                n = self._nodes[ino] = Node(path, entry, lookups=PINNED, ino=ino)
+                n = self._nodes[ino] = Node(path, entry, ino=ino)
                 self._by_path[path] = ino
             self._restored.pop(ino, None)
         return n
 
     def restore(self) -> None:
-        """Take over from a previous daemon: the inodes, passthrough opens and backing ids its journal lists."""
+        """Take over from a previous daemon: the inodes and backing ids its journal lists. Files it opened
+        stay open in the kernel, uncounted here, so inherited backing ids are dropped only when the kernel
+        forgets the inode (then no file of it can be open)."""
         state = self.journal.state
         self._restored = dict(state.inodes)
-        for fh, ino in state.passthrough_opens.items():
+        for ino, backing in state.backing.items():
             try:
                 n = self.node(ino)
             except OSError:
+                self._backing_close_quietly(backing)
                 continue
-            self._handles[fh] = Handle(n, passthrough=True)
-            n.opens += 1
-            n.passthrough_opens += 1
-        for ino, backing in state.backing.items():
-            n = self._nodes.get(ino)
-            if n is not None and n.passthrough_opens:
-                n.backing_id = backing
-            else:  # registered, but its open never reached the kernel (the daemon died in between)
-                self._close_backing(ino, backing)
+            n.backing_id, n.inherited = backing, True
 
     def lookup(self, parent: int, name: str) -> tuple[int, Entry]:
         p = self.node(parent)
@@ -148,11 +148,15 @@ class CacheFS:
             if n is None:
                 return
             n.lookups -= nlookup
-            if n.lookups <= 0 and not n.opens:
-                del self._nodes[ino]
-                self._by_path.pop(n.path, None)
-                if self.journal is not None:
-                    self.journal.forget(ino)
+            if n.lookups > 0 or n.opens:
+                return
+            del self._nodes[ino]
+            self._by_path.pop(n.path, None)
+            self._idle.pop(ino, None)
+            if self.journal is not None:
+                self.journal.forget(ino)
+        if n.backing_id:  # the kernel forgot the inode: none of its files is open
+            self._drop_backing(n)
 
     def attr(self, ino: int) -> tuple[int, int, int, int]:
         """(mode, size, mtime_ns, nlink)"""
@@ -181,46 +185,38 @@ class CacheFS:
             self._next_fh += 1
             self._handles[fh] = h
             n.opens += 1
-        if self.passthrough:
-            self._try_passthrough(fh, h)
+            self._idle.pop(n.ino, None)
+        if self.passthrough and (n.backing_id or self._register_backing(n)):
+            h.passthrough = True
         self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
         return fh, h
 
-    def _try_passthrough(self, fh: int, h: Handle) -> None:
-        n = h.node
-        ino = n.ino
-        with self._lock:
-            if n.passthrough_opens:  # share the inode's backing file among concurrent opens
-                n.passthrough_opens += 1
-                h.passthrough = True
-                if self.journal is not None:
-                    self.journal.open_passthrough(fh, ino)
-                return
+    def _register_backing(self, n: Node) -> bool:
+        """Hand the complete local file of ``n`` to the kernel (once per inode; concurrent opens share it)."""
         path = self.engine.local_path(self.ds, n.entry)
         if path is None:
-            return
+            return False
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            return  # evicted between the check and the open: serve from userspace
+            return False  # evicted between the check and the open: serve from userspace
         try:
             backing = self.backing_open(fd)
         except OSError:
             self.passthrough = False  # e.g. EPERM without CAP_SYS_ADMIN: userspace from now on
-            return
+            return False
         finally:
             os.close(fd)  # the kernel keeps its own reference to the backing file
         with self._lock:
-            if n.passthrough_opens:  # lost a race with another open: use its id, drop ours
-                self.backing_close(backing)
+            if n.backing_id:  # lost a race with another open: use its id, drop ours
+                duplicate = backing
             else:
-                n.backing_id = backing
+                duplicate, n.backing_id = 0, backing
                 if self.journal is not None:
-                    self.journal.backing(ino, backing)
-            n.passthrough_opens += 1
-            h.passthrough = True
-            if self.journal is not None:
-                self.journal.open_passthrough(fh, ino)
+                    self.journal.backing(n.ino, backing)
+        if duplicate:
+            self._backing_close_quietly(duplicate)
+        return True
 
     def read(self, ino: int, fh: int, offset: int, size: int) -> bytes:
         h = self._handles.get(fh)
@@ -236,30 +232,51 @@ class CacheFS:
         return data
 
     def release(self, ino: int, fh: int) -> None:
+        """Last close of an open file. A small file's backing stays registered (idle) for the next open; a
+        large one's is dropped (its open costs little next to its reads)."""
+        close: list[Node] = []
         with self._lock:
             h = self._handles.pop(fh, None)
             if h is None:
                 return
             n = h.node
             n.opens = max(0, n.opens - 1)
-            if not h.passthrough:
+            if n.opens or not n.backing_id or n.inherited:
                 return
-            if self.journal is not None:
-                self.journal.release(fh)
-            n.passthrough_opens -= 1
-            close_id = n.backing_id if n.passthrough_opens == 0 else 0
-            if close_id:
-                n.backing_id = 0
-        if close_id:
-            self._close_backing(ino, close_id)
+            if n.entry.size > RETAIN_BACKING_BYTES:
+                close.append(n)
+            else:
+                self._idle[n.ino] = n
+                while len(self._idle) > RETAIN_BACKING:
+                    close.append(self._idle.popitem(last=False)[1])
+        for c in close:
+            self._drop_backing(c)
 
-    def _close_backing(self, ino: int, backing_id: int) -> None:
+    def sweep(self) -> int:
+        """Drop the idle backing files of objects that are no longer complete in the cache (evicted), so the
+        kernel does not keep their disk space; returns how many were dropped."""
+        with self._lock:
+            idle = list(self._idle.values())
+        gone = [n for n in idle if self.engine.local_path(self.ds, n.entry) is None]
+        with self._lock:
+            gone = [n for n in gone if self._idle.pop(n.ino, None) is not None]
+        for n in gone:
+            self._drop_backing(n)
+        return len(gone)
+
+    def _drop_backing(self, n: Node) -> None:
+        with self._lock:
+            backing, n.backing_id = n.backing_id, 0
+        if backing:
+            self._backing_close_quietly(backing)
+            if self.journal is not None:
+                self.journal.backing_closed(n.ino)
+
+    def _backing_close_quietly(self, backing_id: int) -> None:
         try:
             self.backing_close(backing_id)
         except OSError:
             pass
-        if self.journal is not None:
-            self.journal.backing_closed(ino)
 
     def backing_id(self, h: Handle) -> int:
         return h.node.backing_id if h.passthrough else 0

@@ -22,12 +22,14 @@ import threading
 import time
 
 from ..errors import CacheFSError
-from .mount import is_fuse_mount, is_stale_mount, open_and_mount, unmount
+from .mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
 
 __all__ = ["MountHolder", "receive_fd", "socket_path_for"]
 
 log = logging.getLogger("cachefs.fuse")
 
+#: Kernel read-ahead on our mounts: 1 MiB READ requests on the userspace path (the INIT reply allows them).
+READ_AHEAD_KIB = 1024
 #: Longest unix socket path the kernel takes (sun_path is 108 bytes with its NUL).
 _SUN_PATH_MAX = 107
 
@@ -84,6 +86,7 @@ class MountHolder:
         if not os.path.isdir(self.mountpoint):
             raise CacheFSError(f"mount point {self.mountpoint!r} is not a directory")
         self.fd = open_and_mount(self.mountpoint)
+        set_read_ahead(self.mountpoint, READ_AHEAD_KIB)
         self._listen()
 
     def _listen(self) -> None:

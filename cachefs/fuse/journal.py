@@ -7,8 +7,9 @@ passthrough backing ids it registered. A new daemon cannot ask the kernel for an
 writes it down as it hands it out: one JSON line per fact, written with one unbuffered ``write`` (it survives
 SIGKILL; only a machine crash loses it, and that loses the mount too).
 
-Only what cannot be rebuilt is written: inode numbers (→ path), passthrough opens and backing ids. Userspace
-file handles and directory handles are rebuilt on first use from the request itself (it carries the inode).
+Only what cannot be rebuilt is written, and nothing per open: inode numbers (→ path) when first handed out
+and backing ids when registered or dropped. File and directory handles are rebuilt on first use from the
+request itself (it carries the inode).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ class JournalState:
     init: dict | None = None  # {"mode": "passthrough"|"userspace", "flags": int, "manifest_version": int}
     generation: int = 0  # how many daemons served this mount before
     inodes: dict[int, str] = field(default_factory=dict)  # ino → path
-    passthrough_opens: dict[int, int] = field(default_factory=dict)  # fh → ino (open passthrough handles)
     backing: dict[int, int] = field(default_factory=dict)  # ino → backing id registered with the kernel
 
 
@@ -74,14 +74,6 @@ class MountJournal:
         if self.state.inodes.pop(ino, None) is not None:
             self._append(["f", ino])
 
-    def open_passthrough(self, fh: int, ino: int) -> None:
-        self.state.passthrough_opens[fh] = ino
-        self._append(["o", fh, ino])
-
-    def release(self, fh: int) -> None:
-        if self.state.passthrough_opens.pop(fh, None) is not None:
-            self._append(["r", fh])
-
     def backing(self, ino: int, backing_id: int) -> None:
         self.state.backing[ino] = backing_id
         self._append(["b", ino, backing_id])
@@ -117,7 +109,6 @@ class MountJournal:
             lines.append(["init", s.init])
         lines += [["i", ino, p] for ino, p in s.inodes.items()]
         lines += [["b", ino, b] for ino, b in s.backing.items()]
-        lines += [["o", fh, ino] for fh, ino in s.passthrough_opens.items()]
         data = "".join(json.dumps(rec, separators=(",", ":")) + "\n" for rec in lines).encode()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
@@ -157,10 +148,6 @@ def replay(path: str) -> JournalState:
             s.inodes[int(rec[1])] = rec[2]
         elif kind == "f":
             s.inodes.pop(int(rec[1]), None)
-        elif kind == "o":
-            s.passthrough_opens[int(rec[1])] = int(rec[2])
-        elif kind == "r":
-            s.passthrough_opens.pop(int(rec[1]), None)
         elif kind == "b":
             s.backing[int(rec[1])] = int(rec[2])
         elif kind == "c":

@@ -19,7 +19,8 @@ import subprocess
 
 from ..errors import CacheFSError
 
-__all__ = ["is_fuse_mount", "is_stale_mount", "mount_fuse", "open_and_mount", "open_fuse_device", "unmount"]
+__all__ = ["is_fuse_mount", "is_stale_mount", "mount_fuse", "open_and_mount", "open_fuse_device", "set_read_ahead",
+           "unmount"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -124,6 +125,21 @@ def is_stale_mount(mountpoint: str) -> bool:
     except OSError as exc:
         return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     return False
+
+
+def set_read_ahead(mountpoint: str, kib: int) -> bool:
+    """Let the kernel read ahead ``kib`` KiB on this mount (its default, 128 KiB, caps userspace READs at 128
+    KiB; 1 MiB requests cost a fifth less CPU per byte). Root only; False if it could not be set."""
+    with open("/proc/self/mountinfo") as f:
+        dev = next((fields[2] for fields in map(str.split, f) if fields[4] == mountpoint), None)
+    if dev is None:
+        return False
+    try:
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
+            f.write(f"{kib}\n")
+        return True
+    except OSError:
+        return False
 
 
 def is_fuse_mount(path: str) -> bool:

@@ -201,11 +201,13 @@ class FuseSession:
     def _open(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         flags, _ = wire.OPEN_IN.unpack_from(body)
         fh, h = self.fs.open(nodeid, flags)
+        # NOFLUSH: read-only, nothing to flush at close, so the kernel need not ask.
         if h.passthrough:
-            return wire.OPEN_OUT.pack(fh, OpenFlag.PASSTHROUGH, self.fs.backing_id(h))
+            return wire.OPEN_OUT.pack(fh, OpenFlag.PASSTHROUGH | OpenFlag.NOFLUSH, self.fs.backing_id(h))
         # Before passthrough, opens must not use the page cache (the kernel refuses to mix the two on an inode);
         # without passthrough the manifest is frozen, so the page cache is kept across opens.
-        return wire.OPEN_OUT.pack(fh, OpenFlag.DIRECT_IO if self.fs.passthrough else OpenFlag.KEEP_CACHE, 0)
+        cache = OpenFlag.DIRECT_IO if self.fs.passthrough else OpenFlag.KEEP_CACHE
+        return wire.OPEN_OUT.pack(fh, cache | OpenFlag.NOFLUSH, 0)
 
     def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         fh, offset, size = wire.READ_IN.unpack_from(body)[:3]

@@ -15,16 +15,13 @@ def test_replay_gives_back_the_live_state(tmp_path):
     j.inode(10, "a/b")  # repeated: written once
     j.forget(11)
     j.backing(10, 7)
-    j.open_passthrough(100, 10)
-    j.open_passthrough(101, 10)
-    j.release(100)
-    j.release(555)  # not a passthrough handle: nothing to write
+    j.backing(12, 8)
+    j.backing_closed(12)
     j.close()
     s = replay(path)
     assert s.init == {"mode": "passthrough", "flags": 0x1234, "manifest_version": 3}
     assert s.inodes == {10: "a/b"}
     assert s.backing == {10: 7}
-    assert s.passthrough_opens == {101: 10}
     assert _read(path).count('"a/b"') == 1
 
 
@@ -61,11 +58,11 @@ def test_grows_no_further_than_the_compaction_bound(tmp_path, monkeypatch):
     path = str(tmp_path / "m.journal")
     j = MountJournal.start(path)
     for i in range(2000):
-        j.open_passthrough(i, 9)
-        j.release(i)
+        j.backing(9, i)
+        j.backing_closed(9)
     j.close()
     assert len(_read(path)) <= 4096 + 100
-    assert replay(path).passthrough_opens == {}
+    assert replay(path).backing == {}
 
 
 def _read(path) -> str:

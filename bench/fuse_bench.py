@@ -1,0 +1,324 @@
+"""FUSE mount benchmark: reads through ``cachefs mount`` against plain local reads of the same bytes, and
+small files against rclone (``mount --vfs-cache-mode full``) and s3fs-fuse on the same S3 server, in one run.
+
+Passes (readers are separate processes, so the clients never share a GIL with each other):
+
+* large files, fully cached, page cache dropped before every pass: the mount (passthrough) vs a raw read of
+  the cache's own local files; 1 reader over all files and N readers on N files;
+* the same through the userspace path (``--no-passthrough``), and with only the first half of every file
+  cached (the rest comes from the origin) vs a raw read of a local copy;
+* small files (4–64 KiB), warm, 8 readers in a seeded random order: files/s through the mount vs the same
+  tree on local disk, and vs rclone and s3fs when installed (Debian packages rclone, s3fs);
+* the daemon's peak RSS during the small-file pass, against the configured memory budget.
+
+Ratios are medians of interleaved rounds (mount and baseline alternate), so machine noise hits both.
+
+    python -m bench.fuse_bench                                 # 4 × 256 MiB, 20,000 small files
+    python -m bench.fuse_bench --large-mib 64 --small 4000     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from bench.read_bench import drop_caches
+
+CHUNK = 1 << 20
+
+
+# -- readers (child processes) --------------------------------------------------------------------------------
+def _read_files(paths: list[str], start: mp.Event, done: mp.Queue) -> None:
+    start.wait()
+    n = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while True:
+                b = f.read(CHUNK)
+                if not b:
+                    break
+                n += len(b)
+    done.put((time.perf_counter(), n))
+
+
+def parallel_read(groups: list[list[str]]) -> tuple[float, int]:
+    """Read each group of files in its own process; (seconds from start to the last finish, bytes)."""
+    ctx = mp.get_context("fork")
+    start, done = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_read_files, args=(g, start, done)) for g in groups]
+    for p in procs:
+        p.start()
+    time.sleep(0.2)  # let every reader reach the start line
+    t0 = time.perf_counter()
+    start.set()
+    results = [done.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return max(t for t, _ in results) - t0, sum(n for _, n in results)
+
+
+def split(paths: list[str], n: int) -> list[list[str]]:
+    return [paths[i::n] for i in range(n)]
+
+
+# -- mounts ---------------------------------------------------------------------------------------------------
+class Mount:
+    def __init__(self, cmd: list[str], mountpoint: str, env: dict | None = None) -> None:
+        self.mountpoint = mountpoint
+        self.proc = subprocess.Popen(cmd, env=env or os.environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not os.path.ismount(mountpoint):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} mount failed: {self.proc.stderr.read().strip()[-500:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[0]} did not mount in 60 s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", self.mountpoint], capture_output=True)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def cachefs_mount(url: str, mnt: str, cache: str, *extra: str) -> Mount:
+    return Mount([sys.executable, "-m", "cachefs.cli.main", "mount", url, mnt, "--foreground", "--cache-dir", cache,
+                  "--workers", "8", *extra], mnt)
+
+
+def daemon_pid(cache: str, mnt: str) -> int:
+    from cachefs.fuse.registry import list_mounts
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for m in list_mounts(cache):
+            if m["mountpoint"] == mnt:
+                return int(m["pid"])
+        time.sleep(0.1)
+    raise RuntimeError("no daemon record")
+
+
+class RssSampler:
+    """Peak RSS of a process, sampled every 20 ms while running."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            self.peak = max(self.peak, int(line.split()[1]) * 1024)
+            except OSError:
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+# -- the run --------------------------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--large", type=int, default=4)
+    p.add_argument("--large-mib", type=int, default=256)
+    p.add_argument("--small", type=int, default=20_000)
+    p.add_argument("--readers", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-peers", action="store_true", help="skip rclone and s3fs")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("fuse_bench needs root (mounts, drop_caches)")
+
+    from cachefs.testing.s3server import S3Server
+
+    work = tempfile.mkdtemp(prefix="cachefs-fusebench-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
+    server = S3Server(fast_get=True)
+    try:
+        server.start()
+        run(args, server, work)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args, server, work: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cachefs._aio import run_sync
+    from cachefs.config import load_config
+    from cachefs.engine import Engine
+
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+    os.environ.update(AWS_ENDPOINT_URL=server.endpoint, **creds)
+    client = server.client()
+    client.create_bucket(Bucket="bench")
+    rng = random.Random(args.seed)
+    local = os.path.join(work, "local")
+    cache = os.path.join(work, "cache")
+
+    # Data: large files and a small-file tree, on S3 and as a local copy.
+    large = {f"f{i}.bin": rng.randbytes(args.large_mib << 20) for i in range(args.large)}
+    small = {f"d{i % 100:03d}/s{i:06d}.jpg": rng.randbytes(rng.randint(4 << 10, 64 << 10)) for i in range(args.small)}
+    for prefix, files in (("large", large), ("small", small)):
+        for rel, data in files.items():
+            path = os.path.join(local, prefix, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda kv, prefix=prefix: client.put_object(Bucket="bench", Key=f"{prefix}/{kv[0]}",
+                                                                       Body=kv[1]), files.items()))
+    large_bytes = sum(len(d) for d in large.values())
+    small_bytes = sum(len(d) for d in small.values())
+    del large
+    print(f"# data: {args.large} × {args.large_mib} MiB large files, {len(small)} small files "
+          f"({small_bytes / 2**20:.0f} MiB, 4–64 KiB); S3 {server.endpoint}; {os.cpu_count()} CPUs")
+
+    cli = [sys.executable, "-m", "cachefs.cli.main"]
+    for prefix in ("large", "small"):
+        subprocess.run([*cli, "prefetch", f"s3://bench/{prefix}", "-q", "--cache-dir", cache], check=True)
+
+    config = load_config(None, overrides={"cache_dir": cache})
+    engine = Engine(config)
+    ds = run_sync(engine.open_dataset("s3://bench/large"))
+    names = sorted(e.path for e in ds.walk_files())
+    raw_paths = [engine.local_path(ds, ds.stat(n)) for n in names]
+    assert all(raw_paths), "large files not fully cached"
+    mnt = os.path.join(work, "mnt")
+    os.makedirs(mnt)
+    readers = min(args.large, 4)
+
+    def large_passes(label: str, mount_paths: list[str], base_paths: list[str], base_label: str) -> None:
+        for n in (1, readers):
+            mine, base = [], []
+            for _ in range(args.rounds):
+                for paths, out in ((base_paths, base), (mount_paths, mine)):
+                    drop_caches()
+                    secs, nbytes = parallel_read(split(paths, n) if n > 1 else [paths])
+                    assert nbytes == large_bytes, (nbytes, large_bytes)
+                    out.append(nbytes / secs / 1e9)
+            m, b = statistics.median(mine), statistics.median(base)
+            print(f"large {label:<28} x{n}: {m:6.2f} GB/s vs {base_label} {b:6.2f} GB/s = {m / b:.2f}×")
+
+    # 1) passthrough, 2) userspace, both on fully cached files.
+    for label, extra in (("cached, passthrough", ()), ("cached, userspace path", ("--no-passthrough",))):
+        mount = cachefs_mount("s3://bench/large", mnt, cache, *extra)
+        try:
+            large_passes(label, [os.path.join(mnt, n) for n in names], raw_paths, "raw read")
+        finally:
+            mount.close()
+
+    # 3) partially cached: only the first half of every file is local, the rest comes from S3.
+    local_large = [os.path.join(local, "large", n) for n in names]
+    mine, base = [], []
+    for _ in range(args.rounds):
+        engine.evict_sync(dataset=ds.ref.id, everything=False)
+        for n in names:
+            e = ds.stat(n)
+            run_sync(engine.read(ds, e, 0, e.size // 2))
+        drop_caches()
+        secs, nbytes = parallel_read([local_large])
+        base.append(nbytes / secs / 1e9)
+        mount = cachefs_mount("s3://bench/large", mnt, cache)
+        try:
+            drop_caches()
+            secs, nbytes = parallel_read([[os.path.join(mnt, n) for n in names]])
+            assert nbytes == large_bytes
+            mine.append(nbytes / secs / 1e9)
+        finally:
+            mount.close()
+    m, b = statistics.median(mine), statistics.median(base)
+    print(f"large {'half cached (rest from S3)':<28} x1: {m:6.2f} GB/s vs raw read {b:6.2f} GB/s = {m / b:.2f}×")
+    run_sync(engine.aclose())
+
+    # 4) small files, warm, N readers in a seeded random order.
+    small_names = list(small)
+    random.Random(args.seed).shuffle(small_names)
+    del small
+
+    def files_per_s(root: str, rounds: int) -> float:
+        paths = [os.path.join(root, n) for n in small_names]
+        parallel_read(split(paths, args.readers))  # warm-up pass: page cache, dentries, vfs caches
+        rates = []
+        for _ in range(rounds):
+            secs, nbytes = parallel_read(split(paths, args.readers))
+            assert nbytes == small_bytes, (nbytes, small_bytes)
+            rates.append(len(paths) / secs)
+        return statistics.median(rates)
+
+    mount = cachefs_mount("s3://bench/small", mnt, cache)
+    try:
+        sampler = RssSampler(daemon_pid(cache, mnt))
+        mine = files_per_s(mnt, args.rounds)
+        peak = sampler.stop()
+    finally:
+        mount.close()
+    disk = files_per_s(os.path.join(local, "small"), args.rounds)
+    print(f"small files warm x{args.readers}: cachefs {mine:8.0f} files/s vs local disk {disk:8.0f} files/s "
+          f"= {mine / disk:.2f}×")
+    budget = config.engine.memory_budget
+    print(f"daemon peak RSS during the small-file pass: {peak / 2**20:.0f} MiB "
+          f"(memory budget for in-flight data {budget / 2**20:.0f} MiB)")
+
+    if args.no_peers:
+        return
+    for name, make in (("rclone", rclone_mount), ("s3fs", s3fs_mount)):
+        if shutil.which(name) is None:
+            print(f"small files warm x{args.readers}: {name} not installed (apt-get install {name}), skipped")
+            continue
+        peer_cache = os.path.join(work, f"{name}-cache")
+        os.makedirs(peer_cache)
+        try:
+            mount = make(server.endpoint, mnt, peer_cache, creds, work)
+        except RuntimeError as exc:
+            print(f"small files warm x{args.readers}: {name} failed to mount: {exc}")
+            continue
+        try:
+            theirs = files_per_s(os.path.join(mnt, "small"), 1)
+        finally:
+            mount.close()
+        print(f"small files warm x{args.readers}: cachefs {mine:8.0f} files/s vs {name} {theirs:8.0f} files/s "
+              f"= {mine / theirs:.1f}×")
+
+
+def rclone_mount(endpoint: str, mnt: str, cache: str, creds: dict, work: str) -> Mount:
+    # rclone refuses a custom CA bundle on a plain-HTTP endpoint: leave this machine's AWS_CA_BUNDLE out.
+    env = {**{k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}, "RCLONE_CONFIG_B_TYPE": "s3", "RCLONE_CONFIG_B_PROVIDER": "Other",
+           "RCLONE_CONFIG_B_ACCESS_KEY_ID": creds["AWS_ACCESS_KEY_ID"],
+           "RCLONE_CONFIG_B_SECRET_ACCESS_KEY": creds["AWS_SECRET_ACCESS_KEY"],
+           "RCLONE_CONFIG_B_ENDPOINT": endpoint, "RCLONE_CONFIG_B_REGION": creds["AWS_REGION"]}
+    return Mount(["rclone", "mount", "b:bench", mnt, "--vfs-cache-mode", "full", "--cache-dir", cache, "--read-only",
+                  "--config", "/dev/null"], mnt, env)
+
+
+def s3fs_mount(endpoint: str, mnt: str, cache: str, creds: dict, work: str) -> Mount:
+    passwd = os.path.join(work, "s3fs.passwd")
+    with open(passwd, "w") as f:
+        f.write(f"{creds['AWS_ACCESS_KEY_ID']}:{creds['AWS_SECRET_ACCESS_KEY']}\n")
+    os.chmod(passwd, 0o600)
+    return Mount(["s3fs", "bench", mnt, "-f", "-o", f"url={endpoint},use_path_request_style,passwd_file={passwd},"
+                  f"use_cache={cache},ro"], mnt)
+
+
+if __name__ == "__main__":
+    main()
