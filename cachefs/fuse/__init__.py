@@ -7,11 +7,13 @@ daemon it runs, which serves the mount until it is unmounted and can be killed a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import sys
 import threading
 
-from .._aio import run_sync
+from .._aio import get_loop, run_sync
 from ..config import Config
 from ..engine import get_engine
 from .fs import CacheFS
@@ -39,6 +41,9 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     """Serve ``url`` on the mount whose descriptor the holder at socket ``attach`` owns, until unmounted.
     The first daemon of a mount answers the kernel's INIT; a later one resumes from the mount journal.
     ``ready(session)`` is called once the mount is usable (``session.mode`` known)."""
+    # Request threads and the event-loop thread hand the GIL back and forth for every fetched READ; the default
+    # 5 ms switch interval would add up to that much to each such request.
+    sys.setswitchinterval(0.0002)
     fd, info = receive_fd(attach)
     cache_dir = config.cache.dir
     journal_path = os.path.join(_state_dir(config), os.path.basename(mount_record_path(cache_dir, mountpoint))
@@ -48,6 +53,8 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     engine = get_engine(config)
     init = journal.state.init
     ds = run_sync(engine.open_dataset(url, manifest_version=init["manifest_version"] if init else None))
+    # The origin client takes a while to set up (hundreds of ms for S3): do it now, not in the first cold read.
+    asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
     session = FuseSession(CacheFS(engine, ds, journal=journal), fd, workers=workers, passthrough=passthrough)
     try:
         def on_init(s: FuseSession) -> None:
@@ -75,6 +82,11 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
         journal.close()
         os.close(fd)
     return session
+
+
+def _log_connect_failure(fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.info("origin client not ready yet (%s); the first cold read will retry", fut.exception())
 
 
 def _state_dir(config: Config) -> str:

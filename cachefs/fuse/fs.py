@@ -21,9 +21,8 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .._aio import run_sync
 from ..engine import Dataset, Engine, ReadStream
 from ..types import Entry
 from .journal import MountJournal
@@ -58,8 +57,8 @@ class Node:
 @dataclass
 class Handle:
     node: Node
-    stream: ReadStream = field(default_factory=ReadStream)
     passthrough: bool = False
+    stream: ReadStream | None = None  # read-ahead state, made on the first userspace read
 
 
 class CacheFS:
@@ -218,18 +217,30 @@ class CacheFS:
             self._backing_close_quietly(duplicate)
         return True
 
-    def read(self, ino: int, fh: int, offset: int, size: int) -> bytes:
+    def read_local(self, ino: int, fh: int, offset: int, size: int) -> bytes | None:
+        """The bytes if every block is in the local store (no waiting), else None: use :meth:`fetch`."""
+        h = self._handle(ino, fh)
+        data = self.engine.read_local(self.ds, h.node.entry, offset, offset + size, h.stream)
+        if data is not None:
+            self.stats["userspace_read_bytes"] += len(data)
+        return data
+
+    async def fetch(self, ino: int, fh: int, offset: int, size: int) -> bytes:
+        """The bytes, fetching what is missing from the origin (runs on the cachefs event loop)."""
+        h = self._handle(ino, fh)
+        data = await self.engine.read(self.ds, h.node.entry, offset, offset + size, h.stream)
+        self.stats["userspace_read_bytes"] += len(data)
+        return data
+
+    def _handle(self, ino: int, fh: int) -> Handle:
         h = self._handles.get(fh)
         if h is None:  # opened under a previous daemon: the request names the inode, which is all we need
             h = Handle(self.node(ino))
             with self._lock:
                 h = self._handles.setdefault(fh, h)
-        entry = h.node.entry
-        data = self.engine.read_local(self.ds, entry, offset, offset + size, h.stream)
-        if data is None:
-            data = run_sync(self.engine.read(self.ds, entry, offset, offset + size, h.stream))
-        self.stats["userspace_read_bytes"] += len(data)
-        return data
+        if h.stream is None:
+            h.stream = ReadStream()
+        return h
 
     def release(self, ino: int, fh: int) -> None:
         """Last close of an open file. A small file's backing stays registered (idle) for the next open; a

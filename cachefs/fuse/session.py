@@ -4,13 +4,16 @@ the file system (:mod:`.fs`) and write replies. Errors become errno once, here (
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
+from .._aio import get_loop
 from . import wire
 from .errno_map import to_errno
 from .fs import CacheFS
@@ -22,6 +25,8 @@ log = logging.getLogger("cachefs.fuse")
 
 MAX_WRITE = 1 << 20
 MAX_PAGES = 256
+#: A handler's answer that comes later (from a callback), not now.
+DEFERRED = object()
 #: Set in ``unique`` of requests the kernel sends again after FUSE_NOTIFY_RESEND.
 UNIQUE_RESEND = 1 << 63
 
@@ -29,7 +34,7 @@ UNIQUE_RESEND = 1 << 63
 class FuseSession:
     """Serves ``fs`` on the mounted ``/dev/fuse`` descriptor ``fd`` with ``workers`` threads."""
 
-    def __init__(self, fs: CacheFS, fd: int, *, workers: int = 4, timeout: float = 3600.0,
+    def __init__(self, fs: CacheFS, fd: int, *, workers: int = 2, timeout: float = 3600.0,
                  passthrough: bool = True) -> None:
         self.fs, self.fd = fs, fd
         self.workers = max(1, workers)
@@ -42,7 +47,7 @@ class FuseSession:
         self._dirs: dict[int, list] = {}
         self._next_dir = ((fs.journal.state.generation if fs.journal else 0) << 40) + 1
         self._lock = threading.Lock()
-        self._inflight: set[int] = set()  # uniques being answered (an INTERRUPT answers them EINTR)
+        self._inflight: dict[int, Future] = {}  # READs waiting on the origin, by unique (INTERRUPT cancels them)
         self.ops: dict[int, Callable[[int, int, memoryview], bytes | None]] = {
             Op.INIT: self._init, Op.LOOKUP: self._lookup, Op.GETATTR: self._getattr, Op.OPEN: self._open,
             Op.READ: self._read, Op.RELEASE: self._release, Op.OPENDIR: self._opendir,
@@ -105,31 +110,25 @@ class FuseSession:
         if handler is None:
             self._reply(unique, errno.EROFS if opcode in wire.WRITE_OPS else errno.ENOSYS)
             return
-        with self._lock:
-            self._inflight.add(unique)
         try:
             payload = handler(nodeid, unique, body)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
-            payload, err = None, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}")
-        else:
-            err = 0
-        with self._lock:
-            if unique not in self._inflight:
-                return  # interrupted: already answered EINTR
-            self._inflight.discard(unique)
-        if err:
-            self._reply(unique, err)
-        elif payload is not None:
+            self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
+            return
+        if payload is DEFERRED:
+            return  # answered when its fetch completes
+        if payload is not None:
             self._reply(unique, 0, payload)
         if opcode == Op.INIT and self.on_init is not None:
             self.on_init(self)
 
     def _interrupt(self, unique: int) -> None:
-        """The caller gave up (a signal): answer EINTR now; the handler's late answer is dropped."""
+        """The caller gave up (a signal): cancel its fetch and answer EINTR now."""
         with self._lock:
-            if unique not in self._inflight:
-                return  # already answered
-            self._inflight.discard(unique)
+            fut = self._inflight.pop(unique, None)
+        if fut is None:
+            return  # already answered (or never waited)
+        fut.cancel()
         self.fs.stats["interrupted"] = self.fs.stats.get("interrupted", 0) + 1
         self._reply(unique, errno.EINTR)
 
@@ -151,7 +150,11 @@ class FuseSession:
 
     def _reply(self, unique: int, err: int, payload: bytes = b"") -> None:
         try:
-            os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size + len(payload), -err, unique) + payload)
+            head = wire.OUT_HEADER.pack(wire.OUT_HEADER.size + len(payload), -err, unique)
+            if len(payload) > 4096:  # large READ answers: gather, do not copy the payload behind the header
+                os.writev(self.fd, [head, payload])
+            else:
+                os.write(self.fd, head + payload)
         except OSError as exc:
             if exc.errno == errno.ENODEV:
                 self.stopped.set()
@@ -209,9 +212,31 @@ class FuseSession:
         cache = OpenFlag.DIRECT_IO if self.fs.passthrough else OpenFlag.KEEP_CACHE
         return wire.OPEN_OUT.pack(fh, cache | OpenFlag.NOFLUSH, 0)
 
-    def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+    def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes | object:
+        """Cached bytes are answered at once; a fetch from the origin is answered when it completes, so a slow
+        origin never holds a request thread (and an INTERRUPT can cancel it)."""
         fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
-        return self.fs.read(nodeid, fh, offset, size)
+        data = self.fs.read_local(nodeid, fh, offset, size)
+        if data is not None:
+            return data
+        with self._lock:  # held until registered: the completion callback takes the same lock
+            fut = asyncio.run_coroutine_threadsafe(self.fs.fetch(nodeid, fh, offset, size), get_loop())
+            self._inflight[unique] = fut
+        fut.add_done_callback(lambda f: self._fetched(unique, nodeid, f))
+        return DEFERRED
+
+    def _fetched(self, unique: int, nodeid: int, fut) -> None:
+        with self._lock:
+            if self._inflight.pop(unique, None) is None:
+                return  # interrupted: already answered EINTR
+        if fut.cancelled():
+            self._reply(unique, errno.EINTR)
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._reply(unique, to_errno(exc, f"READ inode {nodeid}"))
+        else:
+            self._reply(unique, 0, fut.result())
 
     def _release(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         self.fs.release(nodeid, wire.RELEASE_IN.unpack_from(body)[0])

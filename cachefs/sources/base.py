@@ -46,6 +46,9 @@ class Source(abc.ABC):
     async def read(self, url: str, version: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``version`` of the object at ``url``; exactly ``end - start`` bytes."""
 
+    async def connect(self) -> None:  # noqa: B027 - optional hook
+        """Set up the client (sessions, credentials) ahead of the first read; sends no request."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

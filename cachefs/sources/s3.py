@@ -52,6 +52,9 @@ class S3Source(Source):
         self._client = None
         self._client_lock = asyncio.Lock()
 
+    async def connect(self) -> None:
+        await self._s3()
+
     async def _s3(self):
         if self._client is not None:
             return self._client
