@@ -113,6 +113,13 @@ def daemon_pid(cache: str, mnt: str) -> int:
     raise RuntimeError("no daemon record")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class RssSampler:
     """Peak RSS of a process, sampled every 20 ms while running."""
 
@@ -183,7 +190,7 @@ def run(args, server, work: str) -> None:
     cache = os.path.join(work, "cache")
 
     # Data: large files and a small-file tree, on S3 and as a local copy.
-    large = {f"f{i}.bin": rng.randbytes(args.large_mib << 20) for i in range(args.large)}
+    large = {f"f{i}.bin": b"".join(rng.randbytes(1 << 20) for _ in range(args.large_mib)) for i in range(args.large)}
     small = {f"d{i % 100:03d}/s{i:06d}.jpg": rng.randbytes(rng.randint(4 << 10, 64 << 10)) for i in range(args.small)}
     for prefix, files in (("large", large), ("small", small)):
         for rel, data in files.items():
@@ -289,14 +296,19 @@ def run(args, server, work: str) -> None:
 
     mount = cachefs_mount("s3://bench/small", mnt, cache)
     try:
-        sampler = RssSampler(daemon_pid(cache, mnt))
+        pid = daemon_pid(cache, mnt)
+        sampler = RssSampler(pid)
+        cpu0 = cpu_seconds(pid)
         mine = files_per_s(mnt, args.rounds)
+        cpu = cpu_seconds(pid) - cpu0
         peak = sampler.stop()
     finally:
         mount.close()
     disk = files_per_s(os.path.join(local, "small"), args.rounds)
     print(f"small files warm x{args.readers}: cachefs {mine:8.0f} files/s vs local disk {disk:8.0f} files/s "
           f"= {mine / disk:.2f}×")
+    opened = len(small_names) * (args.rounds + 1)
+    print(f"daemon CPU per small-file open+read+close: {cpu / opened * 1e6:.0f} µs ({opened} opens)")
     budget = config.engine.memory_budget
     print(f"daemon peak RSS during the small-file pass: {peak / 2**20:.0f} MiB "
           f"(memory budget for in-flight data {budget / 2**20:.0f} MiB)")
