@@ -13,7 +13,7 @@ from ..status import status_report
 from ..types import DatasetRef
 from .progress import ProgressPrinter, human_bytes
 
-__all__ = ["demo", "evict", "labels", "mount", "prefetch", "publish_labels", "refresh", "scheduler_extender", "status",
+__all__ = ["csi", "demo", "evict", "labels", "mount", "prefetch", "publish_labels", "refresh", "scheduler_extender", "status",
            "umount"]
 
 
@@ -256,6 +256,18 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
     if args.verbose:
         out.append("-" + "v" * args.verbose)
     return out
+
+
+async def csi(args: argparse.Namespace, config: Config) -> int:
+    import os
+
+    from csi.server import serve
+
+    state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
+    # In this (the main) thread, so that SIGTERM stops the server gracefully.
+    serve(args.endpoint, node_id=args.node_id, cache_dir=config.cache.dir, state_dir=state_dir,
+          cache_group=args.cache_group, node=args.mode != "controller", controller=args.mode != "node")
+    return 0
 
 
 async def umount(args: argparse.Namespace, config: Config) -> int:

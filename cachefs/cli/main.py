@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -107,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--no-passthrough", action="store_true",
                     help="serve every read from userspace, even for fully cached files")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
+
+    cs = sub.add_parser("csi", parents=[common], help="run the CSI plugin (node and/or controller)")
+    cs.add_argument("--endpoint", default="unix:///csi/csi.sock", help="gRPC socket (default unix:///csi/csi.sock)")
+    cs.add_argument("--node-id", default=os.environ.get("NODE_NAME", ""), help="this node's name (env NODE_NAME)")
+    cs.add_argument("--cache-group", default="", help="topology segment reported to Kubernetes (rack, zone)")
+    cs.add_argument("--state-dir", help="sessions and publish records (default: <cache dir>/csi)")
+    cs.add_argument("--mode", choices=("node", "controller", "both"), default="both")
 
     um = sub.add_parser("umount", parents=[common], help="unmount a cachefs mount")
     um.add_argument("mountpoint")

@@ -19,8 +19,8 @@ import subprocess
 
 from ..errors import CacheFSError
 
-__all__ = ["is_fuse_mount", "is_stale_mount", "mount_fuse", "open_and_mount", "open_fuse_device", "set_read_ahead",
-           "unmount"]
+__all__ = ["bind_mount", "is_fuse_mount", "is_mount_point", "is_stale_mount", "mount_fuse", "open_and_mount",
+           "open_fuse_device", "set_read_ahead", "unmount"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -101,6 +101,28 @@ def mount_fuse(fd: int, mountpoint: str, *, fsname: str = "cachefs", allow_other
     if rc != 0:
         e = ctypes.get_errno()
         raise CacheFSError(f"mount {mountpoint}: {os.strerror(e)}", errno_=e)
+
+
+MS_REMOUNT = 32
+MS_BIND = 4096
+
+
+def bind_mount(source: str, target: str, *, readonly: bool = True) -> None:
+    """Bind ``source`` at ``target`` (root), read-only unless asked otherwise."""
+    if _libc.mount(source.encode(), target.encode(), None, MS_BIND, None) != 0:
+        e = ctypes.get_errno()
+        raise CacheFSError(f"bind mount {source} at {target}: {os.strerror(e)}", errno_=e)
+    if readonly and _libc.mount(b"none", target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                                None) != 0:
+        e = ctypes.get_errno()
+        _libc.umount2(target.encode(), MNT_DETACH)
+        raise CacheFSError(f"making {target} read-only: {os.strerror(e)}", errno_=e)
+
+
+def is_mount_point(path: str) -> bool:
+    """Whether something is mounted at ``path`` (in this mount namespace)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
 
 
 def unmount(mountpoint: str, *, lazy: bool = True) -> None:

@@ -1,0 +1,80 @@
+"""The CSI plugin process: gRPC on a unix socket, serving Identity, Node and (optionally) Controller.
+
+    cachefs csi --endpoint unix:///csi/csi.sock --node-id "$NODE_NAME" --cache-dir /var/cache/cachefs
+
+At start the node side repairs what a previous run left published (see :meth:`SessionManager.recover`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from cachefs.errors import ConfigError
+
+from .driver import ControllerService, IdentityService, NodeService
+from .gen import csi_pb2_grpc as rpc
+from .sessions import SessionManager
+
+__all__ = ["serve"]
+
+log = logging.getLogger("cachefs.csi")
+
+
+def socket_path(endpoint: str) -> str:
+    if endpoint.startswith("unix://"):
+        path = endpoint[len("unix://"):]
+    elif endpoint.startswith("/"):
+        path = endpoint
+    else:
+        raise ConfigError(f"endpoint {endpoint!r}: want unix:///path/to/csi.sock")
+    if not path.startswith("/"):
+        raise ConfigError(f"endpoint {endpoint!r}: the socket path must be absolute")
+    return path
+
+
+def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_group: str = "",
+          node: bool = True, controller: bool = True, ready: threading.Event | None = None,
+          stop: threading.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or ``stop`` is set)."""
+    if node and not node_id:
+        raise ConfigError("--node-id is required for the node plugin (set it from the NODE_NAME env var)")
+    path = socket_path(endpoint)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)  # left by a previous run
+    server = grpc.server(ThreadPoolExecutor(max_workers=16))
+
+    def probe() -> tuple[bool, str]:
+        if node and not os.path.exists("/dev/fuse"):
+            return False, "/dev/fuse is missing (pass it into the container)"
+        if not os.access(cache_dir, os.W_OK):
+            return False, f"cache directory {cache_dir} is not writable"
+        return True, ""
+
+    os.makedirs(cache_dir, exist_ok=True)
+    rpc.add_IdentityServicer_to_server(IdentityService(controller=controller, ready=probe), server)
+    if controller:
+        rpc.add_ControllerServicer_to_server(ControllerService(os.path.join(state_dir, "controller")), server)
+    if node:
+        sessions = SessionManager(state_dir, cache_dir)
+        repaired = sessions.recover()
+        if repaired:
+            log.warning("repaired %d published volume(s): %s", len(repaired), ", ".join(repaired))
+        rpc.add_NodeServicer_to_server(NodeService(sessions, node_id, cache_group), server)
+    server.add_insecure_port(f"unix://{path}")
+    server.start()
+    log.info("CSI plugin listening on %s (node %s, controller %s)", path, node, controller)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    if ready is not None:
+        ready.set()
+    stop.wait()
+    server.stop(grace=5).wait()

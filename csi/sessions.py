@@ -1,0 +1,157 @@
+"""Shared FUSE sessions and the bind mounts that put them at pods' target paths.
+
+One dataset (same URL and origin options) has one FUSE session per node, mounted under the state directory
+at ``sessions/<key>/mnt`` by ``cachefs mount`` (its holder process keeps the mount alive across daemon
+restarts and outlives this plugin's restarts). Each pod's target path is a read-only bind mount of it, so a
+second pod starts warm and removing a pod removes only its bind mount; the session stays while it is useful
+(eviction, not pod churn, decides what stays cached).
+
+What is published where is recorded in ``publishes.json`` (no secrets), so a restarted plugin can check
+every target and repair what is broken: a session that died is mounted again and its targets re-bound.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+from cachefs.errors import CacheFSError
+from cachefs.fuse.mount import bind_mount, is_fuse_mount, is_mount_point, is_stale_mount, unmount
+
+from .volume import DatasetVolume
+
+__all__ = ["SessionManager"]
+
+log = logging.getLogger("cachefs.csi")
+
+
+class SessionManager:
+    """Sessions and publishes of one node. ``cache_dir`` is the node's cache; ``state_dir`` holds sessions and
+    the publish record."""
+
+    def __init__(self, state_dir: str, cache_dir: str) -> None:
+        self.state_dir, self.cache_dir = os.path.abspath(state_dir), os.path.abspath(cache_dir)
+        os.makedirs(os.path.join(self.state_dir, "sessions"), exist_ok=True)
+        self._record_path = os.path.join(self.state_dir, "publishes.json")
+        self._lock = threading.Lock()  # guards the record file and session start-up
+        self.publishes: dict[str, dict] = self._load()
+
+    # -- sessions -------------------------------------------------------------------------------------------
+    def session_path(self, vol: DatasetVolume) -> str:
+        return os.path.join(self.state_dir, "sessions", vol.session_key, "mnt")
+
+    def ensure_session(self, vol: DatasetVolume, env: dict[str, str] | None = None) -> str:
+        """The mounted, healthy session of ``vol`` (mounted now if needed); returns its mount point."""
+        mnt = self.session_path(vol)
+        with self._lock:
+            if is_fuse_mount(mnt) and not is_stale_mount(mnt):
+                return mnt
+            os.makedirs(mnt, exist_ok=True)
+            cmd = [sys.executable, "-m", "cachefs.cli.main", "mount", vol.url, mnt, "--cache-dir", self.cache_dir]
+            if vol.endpoint_url:
+                cmd += ["--endpoint-url", vol.endpoint_url]
+            if vol.region:
+                cmd += ["--region", vol.region]
+            proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=180)
+            if proc.returncode != 0:
+                raise CacheFSError(f"mounting {vol.url}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+            log.info("session for %s mounted at %s", vol.url, mnt)
+            return mnt
+
+    def session_healthy(self, vol: DatasetVolume) -> bool:
+        mnt = self.session_path(vol)
+        return is_fuse_mount(mnt) and not is_stale_mount(mnt)
+
+    # -- publishes ------------------------------------------------------------------------------------------
+    def is_published(self, target: str, vol: DatasetVolume) -> bool:
+        rec = self.publishes.get(target)
+        return bool(rec and rec["volume_id"] == vol.volume_id and is_mount_point(target)
+                    and not is_stale_mount(target))
+
+    def publish(self, vol: DatasetVolume, target: str, env: dict[str, str] | None = None) -> None:
+        """Bind the session of ``vol`` read-only at ``target`` (created if missing)."""
+        src = self.ensure_session(vol, env)
+        os.makedirs(target, exist_ok=True)
+        if is_mount_point(target):  # a broken earlier bind (stale session): replace it
+            unmount(target)
+        bind_mount(src, target, readonly=True)
+        self._record(target, {"volume_id": vol.volume_id, "attributes": vol.attributes()})
+
+    def unpublish(self, target: str) -> None:
+        """Remove the bind mount at ``target`` and the directory; the shared session stays."""
+        while is_mount_point(target):
+            unmount(target)
+        if os.path.isdir(target):
+            try:
+                os.rmdir(target)
+            except OSError as exc:
+                log.warning("leaving %s in place: %s", target, exc)
+        elif os.path.lexists(target):
+            os.unlink(target)
+        self._record(target, None)
+
+    def recover(self) -> list[str]:
+        """After a restart: re-mount dead sessions and re-bind broken or missing targets; returns the repaired
+        targets."""
+        repaired = []
+        for target, rec in list(self.publishes.items()):
+            vol = DatasetVolume.from_attributes(rec["attributes"])
+            if self.is_published(target, vol) and self.session_healthy(vol):
+                continue
+            if not os.path.isdir(os.path.dirname(target)):
+                log.info("dropping the record of %s: its pod directory is gone", target)
+                self._record(target, None)
+                continue
+            try:
+                self.publish(vol, target)
+                repaired.append(target)
+            except (CacheFSError, OSError) as exc:
+                log.error("could not repair %s: %s", target, exc)
+        return repaired
+
+    def condition(self, target: str) -> tuple[bool, str]:
+        """(abnormal, message) of a published target."""
+        if not is_mount_point(target):
+            return True, "not mounted"
+        if is_stale_mount(target):
+            return True, "the FUSE session behind this mount is gone (transport endpoint is not connected)"
+        return False, "ok"
+
+    def stop_unused_sessions(self) -> int:
+        """Unmount sessions no target uses (their holders exit); returns how many."""
+        used = {DatasetVolume.from_attributes(r["attributes"]).session_key for r in self.publishes.values()}
+        stopped = 0
+        for key in os.listdir(os.path.join(self.state_dir, "sessions")):
+            mnt = os.path.join(self.state_dir, "sessions", key, "mnt")
+            if key not in used and is_mount_point(mnt):
+                unmount(mnt)
+                shutil.rmtree(os.path.dirname(mnt), ignore_errors=True)
+                stopped += 1
+        return stopped
+
+    # -- record ---------------------------------------------------------------------------------------------
+    def _load(self) -> dict[str, dict]:
+        try:
+            with open(self._record_path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+        except ValueError:
+            log.error("%s is corrupt; starting with no recorded publishes", self._record_path)
+            return {}
+
+    def _record(self, target: str, rec: dict | None) -> None:
+        with self._lock:
+            if rec is None:
+                self.publishes.pop(target, None)
+            else:
+                self.publishes[target] = rec
+            tmp = self._record_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.publishes, f, indent=1, sort_keys=True)
+            os.replace(tmp, self._record_path)
