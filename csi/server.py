@@ -23,6 +23,9 @@ from .sessions import SessionManager
 
 __all__ = ["serve"]
 
+#: How often the node plugin checks its published targets and repairs broken ones.
+REPAIR_INTERVAL = 30.0
+
 log = logging.getLogger("cachefs.csi")
 
 
@@ -58,6 +61,7 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
         return True, ""
 
     os.makedirs(cache_dir, exist_ok=True)
+    stop = stop or threading.Event()
     rpc.add_IdentityServicer_to_server(IdentityService(controller=controller, ready=probe), server)
     if controller:
         rpc.add_ControllerServicer_to_server(ControllerService(os.path.join(state_dir, "controller")), server)
@@ -67,10 +71,10 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
         if repaired:
             log.warning("repaired %d published volume(s): %s", len(repaired), ", ".join(repaired))
         rpc.add_NodeServicer_to_server(NodeService(sessions, node_id, cache_group), server)
+        threading.Thread(target=_repair_loop, args=(sessions, stop), name="cachefs-csi-repair", daemon=True).start()
     server.add_insecure_port(f"unix://{path}")
     server.start()
     log.info("CSI plugin listening on %s (node %s, controller %s)", path, node, controller)
-    stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -78,3 +82,14 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
         ready.set()
     stop.wait()
     server.stop(grace=5).wait()
+
+
+def _repair_loop(sessions: SessionManager, stop: threading.Event) -> None:
+    while not stop.wait(REPAIR_INTERVAL):
+        try:
+            repaired = sessions.recover()
+        except Exception:  # the loop must survive anything; the next round retries
+            log.exception("checking published volumes")
+            continue
+        if repaired:
+            log.warning("repaired %d published volume(s): %s", len(repaired), ", ".join(repaired))

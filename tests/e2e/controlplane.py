@@ -178,9 +178,10 @@ class ControlPlane:
         return data if raw else json.loads(data or b"null")
 
     def apply(self, *docs: dict[str, Any]) -> None:
-        """Create each object (kinds the tests and deploy/ use)."""
+        """Create each object (kinds the tests and deploy/ use); unknown or duplicate fields are refused
+        (strict field validation), as `kubectl apply --validate=strict` would."""
         for doc in docs:
-            self.request("POST", collection_path(doc), doc)
+            self.request("POST", collection_path(doc) + "?fieldValidation=Strict", doc)
 
     def apply_file(self, path: Path) -> None:
         self.apply(*[d for d in yaml.safe_load_all(path.read_text()) if d])
@@ -196,6 +197,13 @@ _PATHS = {
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims", True),
     "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
     "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "Service": ("/api/v1", "services", True),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "DaemonSet": ("/apis/apps/v1", "daemonsets", True), "Deployment": ("/apis/apps/v1", "deployments", True),
+    "Job": ("/apis/batch/v1", "jobs", True),
+    "CSIDriver": ("/apis/storage.k8s.io/v1", "csidrivers", False),
+    "StorageClass": ("/apis/storage.k8s.io/v1", "storageclasses", False),
     "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
     "ValidatingAdmissionPolicyBinding": ("/apis/admissionregistration.k8s.io/v1",
                                          "validatingadmissionpolicybindings", False),

@@ -1,0 +1,13 @@
+# The cachefs image: the node plugin (CSI + FUSE sessions), the label publisher, the CSI controller and the
+# scheduler extender are all `cachefs <command>`.
+FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends fuse3 util-linux \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY cachefs ./cachefs
+COPY csi ./csi
+COPY scheduler_hints ./scheduler_hints
+RUN pip install --no-cache-dir . && rm -rf /src
+WORKDIR /
+ENTRYPOINT ["cachefs"]
