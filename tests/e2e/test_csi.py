@@ -175,3 +175,27 @@ def test_plugin_restart_keeps_serving_and_repairs_missing_targets(tmp_path, data
     finally:
         first.stop()
         unmount_under(tmp_path)
+
+
+def test_killed_fuse_daemon_under_a_published_target_is_replaced_and_pods_keep_reading(plugin, dataset, tmp_path):
+    import signal
+
+    from cachefs.fuse.registry import list_mounts
+
+    url, files = dataset
+    expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}
+    target = tmp_path / "pod-a" / "mount"
+    target.parent.mkdir()
+    publish(plugin, url, target)
+    assert tree_hashes(target) == expected
+    cache = str(tmp_path / "plugin" / "cache")
+    (daemon,) = list_mounts(cache)
+    os.kill(daemon["pid"], signal.SIGKILL)
+    assert tree_hashes(target) == expected  # the holder restarted the daemon; the pod's mount never broke
+    deadline = time.monotonic() + 30
+    while not [m for m in list_mounts(cache) if m["pid"] != daemon["pid"]]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    stats = plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="vol-static-1",
+                                                                        volume_path=str(target)))
+    assert not stats.volume_condition.abnormal

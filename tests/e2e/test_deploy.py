@@ -77,3 +77,17 @@ def test_strict_validation_refuses_a_typo(k8s):
         k8s.apply(bad)
     exc.value.close()
     assert exc.value.code in (400, 422)
+
+
+def test_second_scheduler_manifests_are_accepted(k8s):
+    sched = REPO / "deploy" / "scheduler"
+    config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cachefs-scheduler-config",
+              "namespace": "cachefs-system"},  # what the kustomization's configMapGenerator makes
+              "data": {"kube-scheduler-config.yaml": (sched / "kube-scheduler-config.yaml").read_text()}}
+    objs = [config, *docs(sched / "second-scheduler.yaml")]
+    try:
+        k8s.apply(*objs)
+        dep = k8s.request("GET", "/apis/apps/v1/namespaces/cachefs-system/deployments/cachefs-scheduler")
+        assert dep["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"] == config["metadata"]["name"]
+    finally:
+        delete_all(k8s, objs)
