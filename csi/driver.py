@@ -5,8 +5,10 @@ volume's lock (ABORTED while another call on the same volume runs, as the spec a
 volume is already in the requested state, and only then acts. Requests are logged by method, volume id and
 path; secrets and volume contexts are never logged.
 
-Volumes are read-only datasets: every access mode is accepted (a "writer" mode still gets a read-only mount;
-writes fail with EROFS), only the mount access type is (no raw block devices).
+Volumes are read-only datasets. Multi-node writer modes (ReadWriteMany) are refused; single-node writer modes
+are accepted and mounted read-only (writes fail with EROFS), because kubelet sends SINGLE_NODE_WRITER for
+inline volumes and ReadWriteOnce claims even when the pod mounts them read-only. Only the mount access type is
+supported (no raw block devices).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cachefs.errors import CacheFSError
 from .gen import csi_pb2 as pb
 from .gen import csi_pb2_grpc as rpc
 from .sessions import SessionManager
+from .volume import KUBE_ADDED as _KUBE_KEYS
 from .volume import DatasetVolume, VolumeError, credentials_env
 
 __all__ = ["DRIVER_NAME", "TOPOLOGY_KEY", "ControllerService", "IdentityService", "NodeService"]
@@ -63,7 +66,22 @@ def _require(value, what: str) -> None:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is required")
 
 
+_MULTI_WRITERS = {pb.VolumeCapability.AccessMode.MULTI_NODE_MULTI_WRITER,
+                  pb.VolumeCapability.AccessMode.MULTI_NODE_SINGLE_WRITER}
+#: Longest volume id accepted (ids carry the dataset URL; Kubernetes object names are far shorter).
+MAX_VOLUME_ID = 4096
+
+
+def _check_volume_id(volume_id: str) -> None:
+    _require(volume_id, "volume_id")
+    if len(volume_id) > MAX_VOLUME_ID:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"volume_id is {len(volume_id)} bytes, over {MAX_VOLUME_ID}")
+
+
 def _check_capability(cap: pb.VolumeCapability) -> None:
+    if cap.access_mode.mode in _MULTI_WRITERS:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "cachefs volumes are read-only datasets: multi-node writer "
+                     "access (ReadWriteMany) is not supported; use ReadOnlyMany")
     if cap.HasField("block"):
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "cachefs volumes are file systems: block access is not supported")
     if not cap.HasField("mount"):
@@ -206,12 +224,14 @@ class NodeService(rpc.NodeServicer):
 
     @_rpc
     def NodePublishVolume(self, request):
-        _require(request.volume_id, "volume_id")
+        _check_volume_id(request.volume_id)
         _require(request.target_path, "target_path")
         _require(request.HasField("volume_capability"), "volume_capability")
         _check_capability(request.volume_capability)
         vol = volume_of(request.volume_id, dict(request.volume_context))
         target = os.path.abspath(request.target_path)
+        if os.path.lexists(target) and not os.path.isdir(target):
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"target path {target} exists and is not a directory")
         with self._locks.hold(request.volume_id):
             if self.sessions.is_published(target, vol):
                 return pb.NodePublishVolumeResponse()
@@ -224,7 +244,7 @@ class NodeService(rpc.NodeServicer):
 
     @_rpc
     def NodeUnpublishVolume(self, request):
-        _require(request.volume_id, "volume_id")
+        _check_volume_id(request.volume_id)
         _require(request.target_path, "target_path")
         with self._locks.hold(request.volume_id):
             self.sessions.unpublish(os.path.abspath(request.target_path))
@@ -260,7 +280,7 @@ class NodeService(rpc.NodeServicer):
 
 def volume_of(volume_id: str, context: dict[str, str]) -> DatasetVolume:
     """A volume from its context (PVs and inline volumes carry the attributes) or, failing that, its id."""
-    if context.get("url"):
+    if set(context) - _KUBE_KEYS:  # the volume is described by its attributes (a PV's or an inline volume's)
         return DatasetVolume.from_attributes(context)
     base = volume_id.rsplit(".", 1)[0] if volume_id.count(".") >= 2 else volume_id
     try:

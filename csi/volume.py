@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-__all__ = ["ATTRIBUTES", "DatasetVolume", "VolumeError", "credentials_env"]
+__all__ = ["ATTRIBUTES", "KUBE_ADDED", "DatasetVolume", "VolumeError", "credentials_env"]
 
 ATTRIBUTES = ("url", "endpointUrl", "region")
 _ID_PREFIX = "cfs1."
@@ -46,7 +46,7 @@ class DatasetVolume:
 
     @classmethod
     def from_attributes(cls, attrs: dict[str, str]) -> DatasetVolume:
-        unknown = sorted(set(attrs) - set(ATTRIBUTES) - _KUBE_ADDED)
+        unknown = sorted(set(attrs) - set(ATTRIBUTES) - KUBE_ADDED)
         if unknown:
             raise VolumeError(f"unknown volume attribute(s) {', '.join(unknown)}; known: {', '.join(ATTRIBUTES)}")
         url = attrs.get("url", "").strip()
@@ -54,6 +54,9 @@ class DatasetVolume:
             raise VolumeError("volume attribute 'url' (the dataset URL, e.g. s3://bucket/prefix) is required")
         if "://" not in url:
             raise VolumeError(f"url {url!r} is not a URL (want e.g. s3://bucket/prefix or file:///data)")
+        scheme = url.split("://", 1)[0]
+        if not _known_scheme(scheme):
+            raise VolumeError(f"url {url!r}: no storage is known for the scheme {scheme!r} (e.g. s3, gs, file)")
         return cls(url, attrs.get("endpointUrl", "").strip(), attrs.get("region", "").strip())
 
     def attributes(self) -> dict[str, str]:
@@ -87,11 +90,17 @@ class DatasetVolume:
 
 
 #: Attributes Kubernetes adds on its own (podInfoOnMount, ephemeral volumes, external-provisioner).
-_KUBE_ADDED = {
+KUBE_ADDED = {
     "csi.storage.k8s.io/pod.name", "csi.storage.k8s.io/pod.namespace", "csi.storage.k8s.io/pod.uid",
     "csi.storage.k8s.io/serviceAccount.name", "csi.storage.k8s.io/ephemeral",
     "storage.kubernetes.io/csiProvisionerIdentity",
 }
+
+
+def _known_scheme(scheme: str) -> bool:
+    import fsspec
+
+    return scheme in fsspec.available_protocols()
 
 
 def credentials_env(secrets: dict[str, str]) -> dict[str, str]:

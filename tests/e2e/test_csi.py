@@ -76,6 +76,7 @@ def plugin(tmp_path):
         log = p.stop()
         unmount_under(tmp_path)
         assert "Traceback" not in log, log
+        assert SECRET not in log
 
 
 def unmount_under(root: Path) -> None:
@@ -86,9 +87,13 @@ def unmount_under(root: Path) -> None:
         unmount(mnt)
 
 
+SECRET = "s3cr3t-never-in-logs"
+
+
 def publish(p: Plugin, url: str, target: Path, volume_id: str = "vol-static-1") -> None:
     p.node.NodePublishVolume(pb.NodePublishVolumeRequest(
         volume_id=volume_id, target_path=str(target), readonly=True, volume_context={"url": url},
+        secrets={"awsAccessKeyID": "AKIA-test", "awsSecretAccessKey": SECRET},
         volume_capability=pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.
                                               AccessMode(mode=pb.VolumeCapability.AccessMode.MULTI_NODE_READER_ONLY))))
 
@@ -133,22 +138,113 @@ def test_pods_share_one_session_and_unpublish_leaves_it(plugin, dataset, tmp_pat
     stats = plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="vol-static-2", volume_path=str(b)))
     assert not stats.volume_condition.abnormal
     assert stats.usage[0].total >= sum(len(d) for d in files.values())
+    unmount(str(b))  # broken behind the plugin's back: reported abnormal
+    stats = plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="vol-static-2", volume_path=str(b)))
+    assert stats.volume_condition.abnormal and "not mounted" in stats.volume_condition.message
     info = plugin.node.NodeGetInfo(pb.NodeGetInfoRequest())
     assert info.node_id == "node-1" and info.accessible_topology.segments["topology.cachefs.io/cache-group"] == "rack-a"
 
 
-def test_bad_requests_get_clear_codes(plugin):
-    with pytest.raises(grpc.RpcError) as exc:
-        plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(volume_id="v", target_path="/tmp/x"))
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "volume_capability" in exc.value.details()
-    with pytest.raises(grpc.RpcError) as exc:
-        publish(plugin, "not a url", Path("/tmp/cachefs-csi-never"))
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "url" in exc.value.details()
-    with pytest.raises(grpc.RpcError) as exc:
-        plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(
-            volume_id="v", target_path="/tmp/x", volume_context={"url": "file:///tmp"},
-            volume_capability=pb.VolumeCapability(block=pb.VolumeCapability.BlockVolume())))
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block" in exc.value.details()
+def kubelet_target(root: Path, pod_uid: str, name: str = "data") -> Path:
+    """Where kubelet asks a CSI driver to publish (it creates the parent; the driver the target)."""
+    target = root / "kubelet" / "pods" / pod_uid / "volumes" / "kubernetes.io~csi" / name / "mount"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def inline_publish(p: Plugin, url: str, target: Path, pod: str) -> None:
+    """NodePublishVolume as kubelet sends it for an inline (ephemeral) volume with readOnly: true."""
+    p.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+        volume_id=f"csi-{hashlib.sha256(str(target).encode()).hexdigest()}", target_path=str(target), readonly=True,
+        volume_context={"url": url, "csi.storage.k8s.io/ephemeral": "true", "csi.storage.k8s.io/pod.name": pod,
+                        "csi.storage.k8s.io/pod.namespace": "default", "csi.storage.k8s.io/pod.uid": pod + "-uid",
+                        "csi.storage.k8s.io/serviceAccount.name": "default"},
+        volume_capability=pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.
+                                              AccessMode(mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))))
+
+
+def test_bad_requests_get_clear_codes_and_mount_nothing(plugin, tmp_path):
+    with open("/proc/self/mountinfo") as f:
+        before = f.read().count("\n")
+    mount_cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.AccessMode(
+        mode=pb.VolumeCapability.AccessMode.MULTI_NODE_READER_ONLY))
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    cases = [
+        ("volume_capability", dict(volume_id="v", target_path=str(tmp_path / "t1"))),
+        ("required", dict(volume_id="v", target_path=str(tmp_path / "t2"), volume_capability=mount_cap,
+                          volume_context={"region": "x"})),  # no url
+        ("scheme", dict(volume_id="v", target_path=str(tmp_path / "t3"), volume_capability=mount_cap,
+                        volume_context={"url": "nosuchscheme://bucket/x"})),
+        ("not a URL", dict(volume_id="v", target_path=str(tmp_path / "t4"), volume_capability=mount_cap,
+                           volume_context={"url": "not a url"})),
+        ("unknown volume attribute", dict(volume_id="v", target_path=str(tmp_path / "t5"), volume_capability=mount_cap,
+                                          volume_context={"url": "file:///tmp", "bucket": "x"})),
+        ("ReadWriteMany", dict(volume_id="v", target_path=str(tmp_path / "t6"), volume_context={"url": "file:///tmp"},
+                               volume_capability=pb.VolumeCapability(
+                                   mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.AccessMode(
+                                       mode=pb.VolumeCapability.AccessMode.MULTI_NODE_MULTI_WRITER)))),
+        ("block", dict(volume_id="v", target_path=str(tmp_path / "t7"), volume_context={"url": "file:///tmp"},
+                       volume_capability=pb.VolumeCapability(block=pb.VolumeCapability.BlockVolume()))),
+        ("not a directory", dict(volume_id="v", target_path=str(not_a_dir), volume_capability=mount_cap,
+                                 volume_context={"url": "file:///tmp"})),
+        ("bytes, over", dict(volume_id="v" * 100_000, target_path=str(tmp_path / "t8"), volume_capability=mount_cap,
+                             volume_context={"url": "file:///tmp"})),
+    ]
+    for words, req in cases:
+        with pytest.raises(grpc.RpcError) as exc:
+            plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(**req), timeout=30)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (words, exc.value.details())
+        assert words in exc.value.details(), (words, exc.value.details())
+    with pytest.raises(grpc.RpcError) as exc:  # a static volume id that names no dataset, and no url attribute
+        plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(volume_id="v", target_path=str(tmp_path / "t9"),
+                                                                  volume_capability=mount_cap))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    with open("/proc/self/mountinfo") as f:
+        assert f.read().count("\n") == before  # nothing mounted
+    assert not any((tmp_path / f"t{i}").exists() for i in range(1, 10))  # nothing created
+    assert not (tmp_path / "plugin" / "cache" / "csi" / "sessions").exists() or not any(
+        (tmp_path / "plugin" / "cache" / "csi" / "sessions").iterdir())
+
+
+def test_kubelet_style_publishes_survive_killing_daemon_and_plugin_mid_read(tmp_path, dataset):
+    import signal
+
+    from cachefs.fuse.registry import list_mounts
+
+    url, files = dataset
+    expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}
+    big = max(files, key=lambda r: len(files[r]))
+    a, b = kubelet_target(tmp_path, "uid-a"), kubelet_target(tmp_path, "uid-b")
+    first = Plugin(tmp_path / "plugin")
+    second = None
+    try:
+        inline_publish(first, url, a, "pod-a")
+        inline_publish(first, url, b, "pod-b")
+        assert tree_hashes(a) == expected == tree_hashes(b)
+        assert len(list((tmp_path / "plugin" / "cache" / "csi" / "sessions").iterdir())) == 1
+        first.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(
+            volume_id=f"csi-{hashlib.sha256(str(a).encode()).hexdigest()}", target_path=str(a)))
+        assert not a.exists() and tree_hashes(b) == expected  # unpublishing one pod leaves the other reading
+
+        cache = str(tmp_path / "plugin" / "cache")
+        with open(b / big, "rb") as reader:  # a pod holds a file open and is mid-read
+            head = reader.read(1000)
+            (daemon,) = list_mounts(cache)
+            os.kill(daemon["pid"], signal.SIGKILL)
+            first.proc.kill()
+            first.proc.wait()
+            rest = reader.read()
+        assert hashlib.sha256(head + rest).hexdigest() == expected[big]
+        second = Plugin(tmp_path / "plugin")
+        c = kubelet_target(tmp_path, "uid-c")
+        inline_publish(second, url, c, "pod-c")  # new publishes work after both restarts
+        assert tree_hashes(c) == expected and tree_hashes(b) == expected
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.stop()
+        unmount_under(tmp_path)
 
 
 def test_plugin_restart_keeps_serving_and_repairs_missing_targets(tmp_path, dataset):
