@@ -245,10 +245,16 @@ class Extender:
         cluster = [self._net(n, held) for n in self.node_cache.cluster()[0]]
         slots = sum(n.gpu_free // gpus for n in cluster)
         need = gang.min_member
-        first = self._gang_first_seen.setdefault(gang.key, time.monotonic())
+        now = time.monotonic()
         if len(self._gang_first_seen) > 10_000:
             self._gang_first_seen.pop(next(iter(self._gang_first_seen)))
-        if time.monotonic() - first < self.topology_wait:
+        if slots * gpus - self.gangs.outstanding_gpus() < need * gpus:
+            # It fits nowhere yet: the wait for one domain starts when it could run somewhere, not before (a gang
+            # that queued behind another must not skip that wait and spread out while the other one leaves).
+            self._gang_first_seen[gang.key] = now
+            return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
+        first = self._gang_first_seen.setdefault(gang.key, now)
+        if now - first < self.topology_wait:
             levels = self.weights.topology_levels
             cap = domain_free(cluster, levels, gpus, capacity=True)
             free = domain_free(cluster, levels, gpus)
