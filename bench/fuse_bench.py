@@ -93,12 +93,9 @@ class Mount:
             self.proc.wait()
 
 
-WORKERS = 4
-
-
 def cachefs_mount(url: str, mnt: str, cache: str, *extra: str) -> Mount:
     return Mount([sys.executable, "-m", "cachefs.cli.main", "mount", url, mnt, "--foreground", "--cache-dir", cache,
-                  "--workers", str(WORKERS), *extra], mnt)
+                  *extra], mnt)
 
 
 def daemon_pid(cache: str, mnt: str) -> int:
@@ -155,10 +152,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-peers", action="store_true", help="skip rclone and s3fs")
-    p.add_argument("--workers", type=int, default=WORKERS, help="FUSE request threads of the cachefs mount")
+    p.add_argument("--workers", type=int, help="FUSE request threads of the cachefs mount (default: the CLI's)")
     p.add_argument("--only-small", action="store_true", help="only the small-file passes")
     args = p.parse_args()
-    globals()["WORKERS"] = args.workers
+    args.mount_options = ["--workers", str(args.workers)] if args.workers else []
     if os.geteuid() != 0:
         sys.exit("fuse_bench needs root (mounts, drop_caches)")
 
@@ -236,7 +233,7 @@ def run(args, server, work: str) -> None:
     # 1) passthrough, 2) userspace, both on fully cached files.
     modes = () if args.only_small else (("cached, passthrough", ()), ("cached, userspace path", ("--no-passthrough",)))
     for label, extra in modes:
-        mount = cachefs_mount("s3://bench/large", mnt, cache, *extra)
+        mount = cachefs_mount("s3://bench/large", mnt, cache, *extra, *args.mount_options)
         try:
             large_passes(label, [os.path.join(mnt, n) for n in names], raw_paths, "raw read")
         finally:
@@ -253,7 +250,7 @@ def run(args, server, work: str) -> None:
         drop_caches()
         secs, nbytes = parallel_read([local_large])
         base.append(nbytes / secs / 1e9)
-        mount = cachefs_mount("s3://bench/large", mnt, cache)
+        mount = cachefs_mount("s3://bench/large", mnt, cache, *args.mount_options)
         try:
             drop_caches()
             secs, nbytes = parallel_read([[os.path.join(mnt, n) for n in names]])
@@ -294,7 +291,7 @@ def run(args, server, work: str) -> None:
             rates.append(len(paths) / secs)
         return statistics.median(rates)
 
-    mount = cachefs_mount("s3://bench/small", mnt, cache)
+    mount = cachefs_mount("s3://bench/small", mnt, cache, *args.mount_options)
     try:
         pid = daemon_pid(cache, mnt)
         sampler = RssSampler(pid)

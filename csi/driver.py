@@ -13,7 +13,7 @@ supported (no raw block devices).
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import logging
 import os
@@ -28,8 +28,7 @@ from cachefs.errors import CacheFSError
 from .gen import csi_pb2 as pb
 from .gen import csi_pb2_grpc as rpc
 from .sessions import SessionManager
-from .volume import KUBE_ADDED as _KUBE_KEYS
-from .volume import DatasetVolume, VolumeError, credentials_env
+from .volume import KUBE_ADDED, DatasetVolume, VolumeError, credentials_env
 
 __all__ = ["DRIVER_NAME", "TOPOLOGY_KEY", "ControllerService", "IdentityService", "NodeService"]
 
@@ -47,6 +46,7 @@ class _Abort(Exception):
 
 def _rpc(method):
     """Run a handler, turning our errors into gRPC status codes once, here."""
+    @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             return method(self, request)
@@ -57,7 +57,6 @@ def _rpc(method):
         except (CacheFSError, OSError) as exc:
             log.error("%s: %s", method.__name__, exc)
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
-    wrapper.__name__ = method.__name__
     return wrapper
 
 
@@ -163,7 +162,7 @@ class ControllerService(rpc.ControllerServicer):
         params = {k: v for k, v in request.parameters.items() if not k.startswith("csi.storage.k8s.io/")}
         vol = DatasetVolume.from_attributes(params)
         size = request.capacity_range.required_bytes or request.capacity_range.limit_bytes
-        volume_id = vol.volume_id + "." + _name_tag(request.name)
+        volume_id = vol.volume_id_for(request.name)
         with self._locks.hold(request.name), self._lock:
             known = self._names.get(request.name)
             if known and (known["id"] != volume_id or known["bytes"] != size):
@@ -280,15 +279,11 @@ class NodeService(rpc.NodeServicer):
 
 def volume_of(volume_id: str, context: dict[str, str]) -> DatasetVolume:
     """A volume from its context (PVs and inline volumes carry the attributes) or, failing that, its id."""
-    if set(context) - _KUBE_KEYS:  # the volume is described by its attributes (a PV's or an inline volume's)
+    if set(context) - KUBE_ADDED:  # the volume is described by its attributes (a PV's or an inline volume's)
         return DatasetVolume.from_attributes(context)
-    base = volume_id.rsplit(".", 1)[0] if volume_id.count(".") >= 2 else volume_id
     try:
-        return DatasetVolume.from_volume_id(base)
+        return DatasetVolume.from_volume_id(volume_id)
     except VolumeError:
         raise _Abort(grpc.StatusCode.NOT_FOUND, f"volume {volume_id!r} is not a cachefs volume and has no 'url' "
                      "attribute") from None
 
-
-def _name_tag(name: str) -> str:
-    return hashlib.blake2b(name.encode(), digest_size=6).hexdigest()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -121,18 +120,6 @@ class SessionManager:
         if is_stale_mount(target):
             return True, "the FUSE session behind this mount is gone (transport endpoint is not connected)"
         return False, "ok"
-
-    def stop_unused_sessions(self) -> int:
-        """Unmount sessions no target uses (their holders exit); returns how many."""
-        used = {DatasetVolume.from_attributes(r["attributes"]).session_key for r in self.publishes.values()}
-        stopped = 0
-        for key in os.listdir(os.path.join(self.state_dir, "sessions")):
-            mnt = os.path.join(self.state_dir, "sessions", key, "mnt")
-            if key not in used and is_mount_point(mnt):
-                unmount(mnt)
-                shutil.rmtree(os.path.dirname(mnt), ignore_errors=True)
-                stopped += 1
-        return stopped
 
     # -- record ---------------------------------------------------------------------------------------------
     def _load(self) -> dict[str, dict]:

@@ -12,8 +12,9 @@ Volume attributes (a PV's ``volumeAttributes``, an inline volume's ``volumeAttri
 Credentials come from the secret kubelet passes (``awsAccessKeyID`` / ``awsSecretAccessKey`` /
 ``awsSessionToken``, or the same names as the AWS environment variables) and are never logged.
 
-Volume ids made by CreateVolume are ``cfs1.<base64url of the attributes>``: stateless (DeleteVolume has
-nothing to delete, no data is copied) yet checkable (an id we did not make is NOT_FOUND).
+Volume ids are ``cfs1.<base64url of the attributes>``, and CreateVolume adds ``.<hash of the volume name>`` so
+that two claims of one dataset get two volumes: stateless (DeleteVolume has nothing to delete, no data is
+copied) yet checkable (an id we did not make is NOT_FOUND).
 """
 
 from __future__ import annotations
@@ -72,11 +73,16 @@ class DatasetVolume:
         raw = json.dumps(self.attributes(), sort_keys=True, separators=(",", ":")).encode()
         return _ID_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
+    def volume_id_for(self, name: str) -> str:
+        """The id of the volume CreateVolume makes for a claim ``name`` of this dataset."""
+        return f"{self.volume_id}.{hashlib.blake2b(name.encode(), digest_size=6).hexdigest()}"
+
     @classmethod
     def from_volume_id(cls, volume_id: str) -> DatasetVolume:
+        """The volume an id names (with or without the name suffix)."""
         if not volume_id.startswith(_ID_PREFIX):
             raise VolumeError(f"volume {volume_id!r} is not a cachefs volume")
-        body = volume_id[len(_ID_PREFIX):]
+        body = volume_id[len(_ID_PREFIX):].split(".", 1)[0]  # base64url has no "."
         try:
             attrs = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
             return cls.from_attributes(attrs)

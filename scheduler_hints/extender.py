@@ -248,7 +248,7 @@ class Extender:
         now = time.monotonic()
         if len(self._gang_first_seen) > 10_000:
             self._gang_first_seen.pop(next(iter(self._gang_first_seen)))
-        if slots * gpus - self.gangs.outstanding_gpus() < need * gpus:
+        if not self.gangs.fits(gang, gpus, slots * gpus):
             # It fits nowhere yet: the wait for one domain starts when it could run somewhere, not before (a gang
             # that queued behind another must not skip that wait and spread out while the other one leaves).
             self._gang_first_seen[gang.key] = now

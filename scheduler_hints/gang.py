@@ -66,17 +66,20 @@ class GangManager:
     def admitted(self, gang: GangRef) -> bool:
         return gang.key in self._gangs
 
+    def fits(self, gang: GangRef, pod_gpus: int, free_gpus: int) -> bool:
+        """Whether ``free_gpus`` (cluster-wide, now) minus admitted gangs' outstanding needs can hold all
+        ``min_member`` pods of ``pod_gpus`` each."""
+        return free_gpus - self.outstanding_gpus() >= gang.min_member * pod_gpus
+
     def admit(self, gang: GangRef, pod_gpus: int, free_gpus: int) -> bool:
-        """Admit ``gang`` if ``free_gpus`` (cluster-wide, now) minus other admitted gangs' outstanding needs
-        can hold all ``min_member`` pods of ``pod_gpus`` each."""
+        """Admit ``gang`` if it :meth:`fits`."""
         self._expire()
         if gang.key in self._gangs:
             return True
-        need = gang.min_member * pod_gpus
-        if free_gpus - self.outstanding_gpus() < need:
+        if not self.fits(gang, pod_gpus, free_gpus):
             return False
         now = self._clock()
-        self._gangs[gang.key] = _Gang(gang, need, now, now)
+        self._gangs[gang.key] = _Gang(gang, gang.min_member * pod_gpus, now, now)
         return True
 
     def placed(self, gang: GangRef) -> list[tuple[str, int]]:

@@ -216,9 +216,7 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
         await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 passthrough=not args.no_passthrough)
         return 0
-    if not is_stale_mount(mnt) and not os.path.isdir(mnt):  # a stale mount is cleaned up by the holder
-        raise ConfigError(f"mount point {args.mountpoint!r} is not a directory")
-    if is_fuse_mount(mnt) and not is_stale_mount(mnt):
+    if is_fuse_mount(mnt) and not is_stale_mount(mnt):  # (a stale one is cleaned up by the holder)
         raise ConfigError(f"{mnt} is already a cachefs mount (cachefs umount it first)")
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
             *_mount_options(args, config)]

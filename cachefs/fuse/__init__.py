@@ -20,7 +20,7 @@ from .fs import CacheFS
 from .holder import MountHolder, receive_fd, socket_path_for
 from .journal import MountJournal
 from .mount import is_stale_mount, unmount
-from .registry import forget_mount, mount_record_path, record_mount
+from .registry import forget_mount, mount_file, record_mount
 from .session import FuseSession
 
 __all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_mount", "unmount"]
@@ -31,7 +31,7 @@ log = logging.getLogger("cachefs.fuse")
 def hold_mount(config: Config, mountpoint: str, daemon_argv: list[str]) -> int:
     """Mount ``mountpoint`` and keep it mounted until unmounted, serving it by running ``daemon_argv`` (plus
     ``--attach SOCKET``) and restarting that daemon whenever it dies: readers wait, they never see ENOTCONN."""
-    holder = MountHolder(mountpoint, socket_path_for(_state_dir(config), mountpoint))
+    holder = MountHolder(mountpoint, socket_path_for(mount_file(config.cache.dir, mountpoint, ".sock")))
     holder.mount()
     return holder.run([*daemon_argv, "--attach", holder.socket_path])
 
@@ -46,8 +46,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     sys.setswitchinterval(0.0002)
     fd, info = receive_fd(attach)
     cache_dir = config.cache.dir
-    journal_path = os.path.join(_state_dir(config), os.path.basename(mount_record_path(cache_dir, mountpoint))
-                                .replace(".json", ".journal"))
+    journal_path = mount_file(cache_dir, mountpoint, ".journal")
     resume = info.get("generation", 0) > 0
     journal = MountJournal.resume(journal_path) if resume else MountJournal.start(journal_path)
     engine = get_engine(config)
@@ -88,6 +87,3 @@ def _log_connect_failure(fut) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.info("origin client not ready yet (%s); the first cold read will retry", fut.exception())
 
-
-def _state_dir(config: Config) -> str:
-    return os.path.join(config.cache.dir, "mounts")

@@ -21,7 +21,7 @@ import subprocess
 import threading
 import time
 
-from ..errors import CacheFSError
+from ..errors import CacheFSError, ConfigError
 from .mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
 
 __all__ = ["MountHolder", "receive_fd", "socket_path_for"]
@@ -34,10 +34,8 @@ READ_AHEAD_KIB = 1024
 _SUN_PATH_MAX = 107
 
 
-def socket_path_for(state_dir: str, mountpoint: str) -> str:
-    """Where the hand-over socket of ``mountpoint`` lives (in ``state_dir``, or /tmp if that path is too long)."""
-    key = hashlib.blake2b(os.path.abspath(mountpoint).encode(), digest_size=8).hexdigest()
-    path = os.path.join(state_dir, key + ".sock")
+def socket_path_for(path: str) -> str:
+    """``path`` for a unix socket, or a short name in /tmp derived from it if it is too long to bind."""
     if len(path.encode()) > _SUN_PATH_MAX:
         path = os.path.join("/tmp", f"cachefs-{hashlib.blake2b(path.encode(), digest_size=8).hexdigest()}.sock")
     return path
@@ -84,7 +82,7 @@ class MountHolder:
             log.warning("%s: cleaning up a stale mount (its daemon is gone)", self.mountpoint)
             unmount(self.mountpoint)
         if not os.path.isdir(self.mountpoint):
-            raise CacheFSError(f"mount point {self.mountpoint!r} is not a directory")
+            raise ConfigError(f"mount point {self.mountpoint!r} is not a directory")
         self.fd = open_and_mount(self.mountpoint)
         set_read_ahead(self.mountpoint, READ_AHEAD_KIB)
         self._listen()

@@ -119,10 +119,21 @@ def bind_mount(source: str, target: str, *, readonly: bool = True) -> None:
         raise CacheFSError(f"making {target} read-only: {os.strerror(e)}", errno_=e)
 
 
+def _mounts_at(path: str) -> list[tuple[str, str]]:
+    """(device "major:minor", file system type) of every mount at ``path`` in this mount namespace, from
+    /proc/self/mountinfo (mount point is field 5; the type follows the " - " separator)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == path:
+                out.append((fields[2], line.split(" - ", 1)[1].split()[0]))
+    return out
+
+
 def is_mount_point(path: str) -> bool:
     """Whether something is mounted at ``path`` (in this mount namespace)."""
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == path for line in f)
+    return bool(_mounts_at(path))
 
 
 def unmount(mountpoint: str, *, lazy: bool = True) -> None:
@@ -152,10 +163,10 @@ def is_stale_mount(mountpoint: str) -> bool:
 def set_read_ahead(mountpoint: str, kib: int) -> bool:
     """Let the kernel read ahead ``kib`` KiB on this mount (its default, 128 KiB, caps userspace READs at 128
     KiB; 1 MiB requests cost a fifth less CPU per byte). Root only; False if it could not be set."""
-    with open("/proc/self/mountinfo") as f:
-        dev = next((fields[2] for fields in map(str.split, f) if fields[4] == mountpoint), None)
-    if dev is None:
+    mounts = _mounts_at(mountpoint)
+    if not mounts:
         return False
+    dev = mounts[-1][0]  # the top one
     try:
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(f"{kib}\n")
@@ -166,9 +177,4 @@ def set_read_ahead(mountpoint: str, kib: int) -> bool:
 
 def is_fuse_mount(path: str) -> bool:
     """Whether ``path`` is a cachefs FUSE mount point (in this mount namespace)."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == path and " - fuse.cachefs " in line:
-                return True
-    return False
+    return any(fstype == "fuse.cachefs" for _, fstype in _mounts_at(path))

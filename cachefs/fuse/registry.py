@@ -7,16 +7,22 @@ import hashlib
 import json
 import os
 
-__all__ = ["forget_mount", "list_mounts", "mount_record_path", "record_mount"]
+__all__ = ["forget_mount", "list_mounts", "mount_file", "record_mount"]
 
 
 def _dir(cache_dir: str) -> str:
     return os.path.join(cache_dir, "mounts")
 
 
+def mount_file(cache_dir: str, mountpoint: str, suffix: str) -> str:
+    """``<cache dir>/mounts/<key of the mount point><suffix>``: where a mount's record (``.json``), journal
+    (``.journal``) and hand-over socket (``.sock``) live."""
+    key = hashlib.blake2b(os.path.abspath(mountpoint).encode(), digest_size=8).hexdigest()
+    return os.path.join(_dir(cache_dir), key + suffix)
+
+
 def mount_record_path(cache_dir: str, mountpoint: str) -> str:
-    return os.path.join(_dir(cache_dir), hashlib.blake2b(os.path.abspath(mountpoint).encode(), digest_size=8).hexdigest()
-                        + ".json")
+    return mount_file(cache_dir, mountpoint, ".json")
 
 
 def record_mount(cache_dir: str, mountpoint: str, url: str, mode: str, stats: dict | None = None) -> None:
