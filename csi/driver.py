@@ -27,6 +27,7 @@ from cachefs.errors import CacheFSError
 
 from .gen import csi_pb2 as pb
 from .gen import csi_pb2_grpc as rpc
+from .mounter import MounterUnavailable
 from .sessions import SessionManager
 from .volume import KUBE_ADDED, DatasetVolume, VolumeError, credentials_env
 
@@ -54,6 +55,9 @@ def _rpc(method):
             context.abort(exc.code, exc.message)
         except VolumeError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except MounterUnavailable as exc:
+            log.error("%s: %s", method.__name__, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (CacheFSError, OSError) as exc:
             log.error("%s: %s", method.__name__, exc)
             context.abort(grpc.StatusCode.INTERNAL, str(exc))

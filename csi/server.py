@@ -1,8 +1,11 @@
 """The CSI plugin process: gRPC on a unix socket, serving Identity, Node and (optionally) Controller.
 
-    cachefs csi --endpoint unix:///csi/csi.sock --node-id "$NODE_NAME" --cache-dir /var/cache/cachefs
+    cachefs csi --endpoint unix:///csi/csi.sock --node-id "$NODE_NAME" --cache-dir /var/cache/cachefs \
+        --mounter unix:///run/cachefs/mounter.sock
 
 At start the node side repairs what a previous run left published (see :meth:`SessionManager.recover`).
+With ``--mounter`` the FUSE sessions are started by ``cachefs csi-mounter`` in another container (see
+:mod:`.mounter`); without it, by this process.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from cachefs.errors import ConfigError
 
 from .driver import ControllerService, IdentityService, NodeService
 from .gen import csi_pb2_grpc as rpc
+from .mounter import RemoteMounter
 from .sessions import SessionManager
 
 __all__ = ["serve"]
@@ -30,19 +34,20 @@ log = logging.getLogger("cachefs.csi")
 
 
 def socket_path(endpoint: str) -> str:
+    """The file of a ``unix:///path`` (or plain absolute path) endpoint."""
     if endpoint.startswith("unix://"):
         path = endpoint[len("unix://"):]
     elif endpoint.startswith("/"):
         path = endpoint
     else:
-        raise ConfigError(f"endpoint {endpoint!r}: want unix:///path/to/csi.sock")
+        raise ConfigError(f"endpoint {endpoint!r}: want unix:///path/to/the.sock")
     if not path.startswith("/"):
         raise ConfigError(f"endpoint {endpoint!r}: the socket path must be absolute")
     return path
 
 
 def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_group: str = "",
-          node: bool = True, controller: bool = True, ready: threading.Event | None = None,
+          mounter: str = "", node: bool = True, controller: bool = True, ready: threading.Event | None = None,
           stop: threading.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set)."""
     if node and not node_id:
@@ -51,6 +56,7 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.exists(path):
         os.unlink(path)  # left by a previous run
+    remote = RemoteMounter(socket_path(mounter)) if mounter else None
     server = grpc.server(ThreadPoolExecutor(max_workers=16))
 
     def probe() -> tuple[bool, str]:
@@ -58,6 +64,8 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
             return False, "/dev/fuse is missing (pass it into the container)"
         if not os.access(cache_dir, os.W_OK):
             return False, f"cache directory {cache_dir} is not writable"
+        if node and remote is not None:
+            return remote.healthy()
         return True, ""
 
     os.makedirs(cache_dir, exist_ok=True)
@@ -66,7 +74,7 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
     if controller:
         rpc.add_ControllerServicer_to_server(ControllerService(os.path.join(state_dir, "controller")), server)
     if node:
-        sessions = SessionManager(state_dir, cache_dir)
+        sessions = SessionManager(state_dir, cache_dir, remote)
         repaired = sessions.recover()
         if repaired:
             log.warning("repaired %d published volume(s): %s", len(repaired), ", ".join(repaired))

@@ -1,8 +1,9 @@
 """Shared FUSE sessions and the bind mounts that put them at pods' target paths.
 
 One dataset (same URL and origin options) has one FUSE session per node, mounted under the state directory
-at ``sessions/<key>/mnt`` by ``cachefs mount`` (its holder process keeps the mount alive across daemon
-restarts and outlives this plugin's restarts). Each pod's target path is a read-only bind mount of it, so a
+at ``sessions/<key>/mnt`` by a :class:`~.mounter.Mounter` (in a deployment, the node pod's mounter container,
+so that the session's holder outlives restarts of this plugin's container; the holder in turn keeps the mount
+alive across restarts of the FUSE daemon). Each pod's target path is a read-only bind mount of it, so a
 second pod starts warm and removing a pod removes only its bind mount; the session stays while it is useful
 (eviction, not pod churn, decides what stays cached).
 
@@ -15,13 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 
 from cachefs.errors import CacheFSError
 from cachefs.fuse.mount import bind_mount, is_fuse_mount, is_mount_point, is_stale_mount, unmount
 
+from .mounter import LocalMounter, Mounter, MountRequest
 from .volume import DatasetVolume
 
 __all__ = ["SessionManager"]
@@ -31,18 +31,24 @@ log = logging.getLogger("cachefs.csi")
 
 class SessionManager:
     """Sessions and publishes of one node. ``cache_dir`` is the node's cache; ``state_dir`` holds sessions and
-    the publish record."""
+    the publish record; ``mounter`` starts sessions (default: holders started by this process)."""
 
-    def __init__(self, state_dir: str, cache_dir: str) -> None:
+    def __init__(self, state_dir: str, cache_dir: str, mounter: Mounter | None = None) -> None:
         self.state_dir, self.cache_dir = os.path.abspath(state_dir), os.path.abspath(cache_dir)
-        os.makedirs(os.path.join(self.state_dir, "sessions"), exist_ok=True)
+        self.sessions_dir = os.path.join(self.state_dir, "sessions")
+        os.makedirs(self.sessions_dir, exist_ok=True)
+        self.mounter = mounter or LocalMounter(self.cache_dir)
+        # The credentials each session was first mounted with, to mount it again if its holder dies (memory
+        # only: secrets are not written to the node's disk; after a restart of both this plugin and the mounter,
+        # a repair mounts with the node's own credentials, and the next publish of the volume brings them back).
+        self._env: dict[str, dict[str, str]] = {}
         self._record_path = os.path.join(self.state_dir, "publishes.json")
         self._lock = threading.Lock()  # guards the record file and session start-up
         self.publishes: dict[str, dict] = self._load()
 
     # -- sessions -------------------------------------------------------------------------------------------
     def session_path(self, vol: DatasetVolume) -> str:
-        return os.path.join(self.state_dir, "sessions", vol.session_key, "mnt")
+        return os.path.join(self.sessions_dir, vol.session_key, "mnt")
 
     def ensure_session(self, vol: DatasetVolume, env: dict[str, str] | None = None) -> str:
         """The mounted, healthy session of ``vol`` (mounted now if needed); returns its mount point."""
@@ -51,14 +57,10 @@ class SessionManager:
             if is_fuse_mount(mnt) and not is_stale_mount(mnt):
                 return mnt
             os.makedirs(mnt, exist_ok=True)
-            cmd = [sys.executable, "-m", "cachefs.cli.main", "mount", vol.url, mnt, "--cache-dir", self.cache_dir]
-            if vol.endpoint_url:
-                cmd += ["--endpoint-url", vol.endpoint_url]
-            if vol.region:
-                cmd += ["--region", vol.region]
-            proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=180)
-            if proc.returncode != 0:
-                raise CacheFSError(f"mounting {vol.url}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+            if env:
+                self._env[vol.session_key] = dict(env)
+            self.mounter.mount(MountRequest(vol.url, mnt, vol.endpoint_url, vol.region,
+                                            dict(env or self._env.get(vol.session_key, {}))))
             log.info("session for %s mounted at %s", vol.url, mnt)
             return mnt
 

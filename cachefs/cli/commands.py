@@ -203,11 +203,11 @@ async def publish_labels(args: argparse.Namespace, config: Config) -> int:
 async def mount(args: argparse.Namespace, config: Config) -> int:
     import asyncio
     import os
-    import subprocess
-    import time
 
     from ..fuse import hold_mount, serve_mount
+    from ..fuse.holder import start_holder
     from ..fuse.mount import is_fuse_mount, is_stale_mount
+    from ..fuse.registry import mount_file
 
     mnt = os.path.abspath(args.mountpoint)
     if args.workers < 1:
@@ -223,22 +223,10 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     if args.foreground:  # this process holds the mount; the daemon serving it is its child
         return hold_mount(config, mnt, argv)
     # Background: the same command in the foreground, in its own session; return once it is mounted.
-    log_path = os.path.join(config.cache.dir, "mounts", os.path.basename(mnt) + ".log")
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            with open(log_path, errors="replace") as f:
-                tail = f.read().strip().splitlines()[-1:] or ["(no output)"]
-            raise CacheFSError(f"mount {mnt} failed: {tail[0]}")
-        if is_fuse_mount(mnt):
-            print(f"mounted {args.url} at {mnt} (pid {proc.pid}, log {log_path})")
-            return 0
-        await asyncio.sleep(0.1)
-    proc.kill()
-    raise CacheFSError(f"mount {mnt}: not mounted after 120 s (log {log_path})")
+    log_path = mount_file(config.cache.dir, mnt, ".log")
+    proc = await asyncio.to_thread(start_holder, argv, mnt, log_path)
+    print(f"mounted {args.url} at {mnt} (pid {proc.pid}, log {log_path})")
+    return 0
 
 
 def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
@@ -264,7 +252,19 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
     state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
     # In this (the main) thread, so that SIGTERM stops the server gracefully.
     serve(args.endpoint, node_id=args.node_id, cache_dir=config.cache.dir, state_dir=state_dir,
-          cache_group=args.cache_group, node=args.mode != "controller", controller=args.mode != "node")
+          cache_group=args.cache_group, mounter=args.mounter, node=args.mode != "controller",
+          controller=args.mode != "node")
+    return 0
+
+
+async def csi_mounter(args: argparse.Namespace, config: Config) -> int:
+    import os
+
+    from csi.mounter import serve_mounter
+    from csi.server import socket_path
+
+    state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
+    serve_mounter(socket_path(args.socket), os.path.join(state_dir, "sessions"), config.cache.dir)
     return 0
 
 

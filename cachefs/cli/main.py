@@ -115,6 +115,17 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("--cache-group", default="", help="topology segment reported to Kubernetes (rack, zone)")
     cs.add_argument("--state-dir", help="sessions and publish records (default: <cache dir>/csi)")
     cs.add_argument("--mode", choices=("node", "controller", "both"), default="both")
+    cs.add_argument("--mounter", default="",
+                    help="socket of `cachefs csi-mounter` (unix:///run/cachefs/mounter.sock) to start FUSE sessions "
+                         "in its container; default: this process starts them")
+
+    cm = sub.add_parser("csi-mounter", parents=[common],
+                        help="start FUSE sessions for the CSI node plugin (its own container, so that sessions "
+                             "outlive plugin restarts)")
+    cm.add_argument("--socket", default="unix:///run/cachefs/mounter.sock",
+                    help="where to listen (default unix:///run/cachefs/mounter.sock)")
+    cm.add_argument("--state-dir", help="the plugin's state directory; sessions are mounted only under it "
+                                        "(default: <cache dir>/csi)")
 
     um = sub.add_parser("umount", parents=[common], help="unmount a cachefs mount")
     um.add_argument("mountpoint")

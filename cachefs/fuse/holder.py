@@ -24,7 +24,7 @@ import time
 from ..errors import CacheFSError, ConfigError
 from .mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
 
-__all__ = ["MountHolder", "receive_fd", "socket_path_for"]
+__all__ = ["MountHolder", "receive_fd", "socket_path_for", "start_holder"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -39,6 +39,29 @@ def socket_path_for(path: str) -> str:
     if len(path.encode()) > _SUN_PATH_MAX:
         path = os.path.join("/tmp", f"cachefs-{hashlib.blake2b(path.encode(), digest_size=8).hexdigest()}.sock")
     return path
+
+
+def start_holder(argv: list[str], mountpoint: str, log_path: str, *, env: dict[str, str] | None = None,
+                 timeout: float = 120.0) -> subprocess.Popen:
+    """Run ``argv`` (a ``cachefs mount … --foreground`` command: a holder) in its own session, its output
+    appended to ``log_path``, and return it once ``mountpoint`` is mounted. The caller owns the child (and
+    reaps it); :class:`CacheFSError` with the log's last line if it exits or does not mount in time."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, errors="replace") as f:
+                tail = f.read().strip().splitlines()[-1:] or ["(no output)"]
+            raise CacheFSError(f"mount {mountpoint} failed: {tail[0]}")
+        if is_fuse_mount(mountpoint):
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    raise CacheFSError(f"mount {mountpoint}: not mounted after {timeout:.0f} s (log {log_path})")
 
 
 def receive_fd(socket_path: str, timeout: float = 10.0) -> tuple[int, dict]:

@@ -17,6 +17,7 @@ from cachefs.fuse.mount import is_mount_point, unmount
 from csi.gen import csi_pb2 as pb
 from csi.gen import csi_pb2_grpc as rpc
 
+from .containers import Container
 from .controlplane import build_binaries
 
 pytestmark = pytest.mark.root
@@ -26,14 +27,17 @@ if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
 
 
 class Plugin:
-    """`cachefs csi` in its own process."""
+    """`cachefs csi` in its own process (in ``container`` if given; sessions through ``mounter`` if given)."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, mounter: str = "", container: Container | None = None) -> None:
         self.base, self.sock = base, base / "csi.sock"
         self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "csi", "--endpoint",
                                       f"unix://{self.sock}", "--node-id", "node-1", "--cache-group", "rack-a",
-                                      "--cache-dir", str(base / "cache"), "-v"],
+                                      "--cache-dir", str(base / "cache"), "-v",
+                                      *(["--mounter", f"unix://{mounter}"] if mounter else [])],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if container is not None:
+            container.add(self.proc.pid)
         self.channel = grpc.insecure_channel(f"unix://{self.sock}")
         self.node = rpc.NodeStub(self.channel)
         self.identity = rpc.IdentityStub(self.channel)
@@ -295,3 +299,99 @@ def test_killed_fuse_daemon_under_a_published_target_is_replaced_and_pods_keep_r
     stats = plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="vol-static-1",
                                                                         volume_path=str(target)))
     assert not stats.volume_condition.abnormal
+
+
+class MounterProcess:
+    """`cachefs csi-mounter` in its own container, as in the node DaemonSet."""
+
+    def __init__(self, base: Path, container: Container) -> None:
+        from csi.mounter import RemoteMounter
+
+        self.sock = str(base / "run" / "mounter.sock")
+        self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "csi-mounter", "--socket",
+                                      f"unix://{self.sock}", "--cache-dir", str(base / "cache"), "-v"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        container.add(self.proc.pid)
+        deadline = time.monotonic() + 30
+        while not RemoteMounter(self.sock).healthy()[0]:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert time.monotonic() < deadline, "mounter did not start"
+            time.sleep(0.1)
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+        out = self.proc.stdout.read()
+        self.proc.stdout.close()
+        return out
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_restarting_the_plugin_container_leaves_sessions_in_the_mounter_container(tmp_path, dataset):
+    """The DaemonSet's layout: sessions are started by the mounter container, so killing every process of the
+    plugin's container (what a container restart does) leaves pods reading, with no repair needed."""
+    from cachefs.fuse.registry import list_mounts
+
+    url, files = dataset
+    expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}
+    big = max(files, key=lambda r: len(files[r]))
+    base, cache = tmp_path / "plugin", str(tmp_path / "plugin" / "cache")
+    mounter_ct, plugin_ct, plugin_ct2 = Container("mounter"), Container("plugin"), Container("plugin2")
+    mounter = MounterProcess(base, mounter_ct)
+    first = second = None
+    log = ""
+    try:
+        first = Plugin(base, mounter.sock, plugin_ct)
+        a, b = kubelet_target(tmp_path, "uid-a"), kubelet_target(tmp_path, "uid-b")
+        inline_publish(first, url, a, "pod-a")
+        inline_publish(first, url, b, "pod-b")
+        assert tree_hashes(a) == expected == tree_hashes(b)
+        (daemon,) = list_mounts(cache)
+        assert _ppid(_ppid(daemon["pid"])) == mounter.proc.pid  # daemon ← holder ← mounter, not the plugin
+        with open(b / big, "rb") as reader:  # a pod is mid-read when the plugin's container restarts
+            head = reader.read(1000)
+            plugin_ct.kill()
+            first.proc.wait()
+            rest = reader.read()
+        assert hashlib.sha256(head + rest).hexdigest() == expected[big]
+        assert [m["pid"] for m in list_mounts(cache)] == [daemon["pid"]]  # the same daemon: nothing broke
+        assert tree_hashes(a) == expected
+
+        second = Plugin(base, mounter.sock, plugin_ct2)
+        c = kubelet_target(tmp_path, "uid-c")
+        inline_publish(second, url, c, "pod-c")  # the running session is reused
+        assert tree_hashes(c) == expected
+        assert len(list((base / "cache" / "csi" / "sessions").iterdir())) == 1
+
+        # The mounter down: Probe says so, a publish that needs a new session is UNAVAILABLE (kubelet retries),
+        # publishes of running sessions still work, and all works again once it is back.
+        mounter.stop()
+        with pytest.raises(grpc.RpcError) as exc:
+            second.identity.Probe(pb.ProbeRequest(), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "mounter" in exc.value.details()
+        other = f"{url}/d0"
+        with pytest.raises(grpc.RpcError) as exc:
+            inline_publish(second, other, kubelet_target(tmp_path, "uid-d"), "pod-d")
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "mounter is not running" in exc.value.details()
+        e = kubelet_target(tmp_path, "uid-e")
+        inline_publish(second, url, e, "pod-e")
+        assert tree_hashes(e) == expected
+        mounter = MounterProcess(base, mounter_ct)
+        second.identity.Probe(pb.ProbeRequest(), timeout=10)
+        d = kubelet_target(tmp_path, "uid-d")
+        inline_publish(second, other, d, "pod-d")
+        assert tree_hashes(d) == {rel.split("/", 1)[1]: h for rel, h in expected.items() if rel.startswith("d0/")}
+    finally:
+        for p in (first, second):
+            if p is not None:
+                log += p.stop()
+        log += mounter.stop()
+        unmount_under(tmp_path)
+        for ct in (plugin_ct, plugin_ct2, mounter_ct):
+            ct.remove()
+    assert "Traceback" not in log

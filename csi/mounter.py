@@ -1,0 +1,224 @@
+"""Who starts the FUSE sessions, so that they outlive the CSI plugin's container.
+
+A FUSE session lives as long as its holder process (``cachefs mount``). If the plugin started holders itself,
+they would sit in the plugin's container and a restart of that container (a crash, a liveness probe, an image
+update) would kill them, and every pod using them would see "Transport endpoint is not connected". So the node
+pod has a second, small container, the **mounter** (``cachefs csi-mounter``), which does nothing but start
+holders when the plugin asks over a unix socket; the holders are its children, in its container, and the
+plugin can restart at will. The mounter is not restarted on plugin updates (it has no logic to update).
+
+Two implementations of one interface, :class:`Mounter`:
+
+* :class:`LocalMounter` starts holders as its own children, in this process's container (a single-process
+  setup, tests, ``cachefs csi`` without ``--mounter``). The mounter server uses it too: the one place a mount
+  command is built.
+* :class:`RemoteMounter` asks a mounter server over its socket.
+
+The protocol: one JSON object per connection, one line each way. Request ``{"op": "mount", "url": …,
+"mountpoint": …, "endpoint_url": …, "region": …, "env": {…}}`` or ``{"op": "ping"}``; reply ``{"ok": true}``
+or ``{"error": "message"}``. The socket is root-only (0600); ``env`` carries the volume's credentials, which
+are never logged. Mount points must lie under the server's ``root`` (the plugin's sessions directory).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import socketserver
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cachefs.errors import CacheFSError, ConfigError
+from cachefs.fuse.holder import start_holder
+from cachefs.fuse.registry import mount_file
+
+__all__ = ["LocalMounter", "MountRequest", "Mounter", "MounterUnavailable", "RemoteMounter", "serve_mounter"]
+
+log = logging.getLogger("cachefs.csi.mounter")
+
+#: How long one mount may take (first contact with the origin, manifest load) before it counts as failed.
+MOUNT_TIMEOUT = 180.0
+_MAX_REQUEST = 256 * 1024
+
+
+class MounterUnavailable(CacheFSError):
+    """The mounter server cannot be reached (the driver answers UNAVAILABLE; kubelet retries)."""
+
+
+@dataclass(frozen=True)
+class MountRequest:
+    url: str
+    mountpoint: str
+    endpoint_url: str = ""
+    region: str = ""
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # credentials: kept out of repr and logs
+
+
+class Mounter(Protocol):
+    def mount(self, req: MountRequest) -> None:
+        """Mount ``req.url`` read-only at ``req.mountpoint`` (held by a long-lived holder); raise
+        :class:`CacheFSError` with a clear message on failure."""
+
+    def healthy(self) -> tuple[bool, str]:
+        """(ok, why not) — for the plugin's Probe."""
+
+
+class LocalMounter:
+    """Starts holders (``cachefs mount --foreground``) as children of this process, in its container, and
+    reaps them when they exit (at unmount)."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir = cache_dir
+        self._holders: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+
+    def mount(self, req: MountRequest) -> None:
+        argv = [sys.executable, "-m", "cachefs.cli.main", "mount", req.url, req.mountpoint, "--foreground",
+                "--cache-dir", self.cache_dir]
+        if req.endpoint_url:
+            argv += ["--endpoint-url", req.endpoint_url]
+        if req.region:
+            argv += ["--region", req.region]
+        self.reap()
+        holder = start_holder(argv, req.mountpoint, mount_file(self.cache_dir, req.mountpoint, ".log"),
+                              env={**os.environ, **req.env}, timeout=MOUNT_TIMEOUT)
+        with self._lock:
+            self._holders.append(holder)
+        log.info("mounted %s at %s (holder pid %d)", req.url, req.mountpoint, holder.pid)
+
+    def reap(self) -> None:
+        """Collect holders that have exited (their mounts were unmounted)."""
+        with self._lock:
+            self._holders = [h for h in self._holders if h.poll() is None]
+
+    def healthy(self) -> tuple[bool, str]:
+        self.reap()
+        return True, ""
+
+
+class RemoteMounter:
+    """A mounter server on a unix socket (the node pod's ``mounter`` container)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+
+    def _call(self, request: dict, timeout: float) -> dict:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect(self.socket_path)
+                s.sendall(json.dumps(request).encode() + b"\n")
+                with s.makefile("rb") as f:
+                    line = f.readline(_MAX_REQUEST)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise MounterUnavailable(f"the mounter is not running (no server at {self.socket_path}; "
+                               "is the node pod's mounter container up?)") from None
+        except TimeoutError:
+            raise MounterUnavailable(f"the mounter at {self.socket_path} did not answer within {timeout:.0f} s") from None
+        except OSError as exc:
+            raise MounterUnavailable(f"talking to the mounter at {self.socket_path}: {exc}") from None
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise MounterUnavailable(f"the mounter at {self.socket_path} closed the connection without an answer") from None
+        if not isinstance(reply, dict):
+            raise CacheFSError(f"the mounter at {self.socket_path} answered {reply!r}")
+        if "error" in reply:
+            raise CacheFSError(str(reply["error"]))
+        return reply
+
+    def mount(self, req: MountRequest) -> None:
+        self._call({"op": "mount", "url": req.url, "mountpoint": req.mountpoint, "endpoint_url": req.endpoint_url,
+                    "region": req.region, "env": req.env}, timeout=MOUNT_TIMEOUT + 10)
+
+    def healthy(self) -> tuple[bool, str]:
+        try:
+            self._call({"op": "ping"}, timeout=5)
+        except CacheFSError as exc:
+            return False, str(exc)
+        return True, ""
+
+
+def parse_request(raw: bytes, root: str) -> MountRequest | None:
+    """The mount request in ``raw`` (``None`` for a ping); ``ValueError`` with a clear message if it is bad."""
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        raise ValueError("the request is not JSON") from None
+    if not isinstance(msg, dict):
+        raise ValueError("the request must be a JSON object")
+    op = msg.get("op")
+    if op == "ping":
+        return None
+    if op != "mount":
+        raise ValueError(f"unknown op {op!r} (known: mount, ping)")
+    strings = {k: msg.get(k, "") for k in ("url", "mountpoint", "endpoint_url", "region")}
+    if not all(isinstance(v, str) for v in strings.values()):
+        raise ValueError("url, mountpoint, endpoint_url and region must be strings")
+    env = msg.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError("env must be an object of strings")
+    if not strings["url"] or not strings["mountpoint"]:
+        raise ValueError("url and mountpoint are required")
+    mnt = os.path.realpath(strings["mountpoint"])
+    if os.path.commonpath([mnt, root]) != root or mnt == root:
+        raise ValueError(f"mount point {strings['mountpoint']!r} is outside {root}")
+    return MountRequest(strings["url"], mnt, strings["endpoint_url"], strings["region"], env)
+
+
+def serve_mounter(socket_path: str, root: str, cache_dir: str, *, ready: threading.Event | None = None,
+                  stop: threading.Event | None = None) -> None:
+    """Serve mount requests on ``socket_path`` until ``stop`` is set (or SIGTERM in the main thread). Mounts
+    go under ``root``; holders are started as children of this process and outlive the requests."""
+    if not socket_path.startswith("/"):
+        raise ConfigError(f"--socket {socket_path!r}: want an absolute path")
+    root = os.path.realpath(root)
+    os.makedirs(root, exist_ok=True)
+    os.makedirs(os.path.dirname(socket_path), exist_ok=True)
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)  # left by a previous run
+    local = LocalMounter(cache_dir)
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            raw = self.rfile.readline(_MAX_REQUEST)
+            try:
+                if not raw.endswith(b"\n"):
+                    raise ValueError(f"the request must be one line of at most {_MAX_REQUEST} bytes")
+                req = parse_request(raw, root)
+                if req is not None:
+                    local.mount(req)
+                reply: dict = {"ok": True}
+            except (ValueError, CacheFSError) as exc:
+                log.warning("refused a request: %s", exc)
+                reply = {"error": str(exc)}
+            self.wfile.write(json.dumps(reply).encode() + b"\n")
+
+    class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+    old_umask = os.umask(0o177)  # the socket is created 0600: root only (it carries credentials)
+    try:
+        server = Server(socket_path, Handler)
+    finally:
+        os.umask(old_umask)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="cachefs-mounter",
+                     daemon=True).start()
+    log.info("mounter listening on %s (mounts under %s)", socket_path, root)
+    if ready is not None:
+        ready.set()
+    while not stop.wait(5.0):
+        local.reap()
+    server.shutdown()
+    server.server_close()

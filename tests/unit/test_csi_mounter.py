@@ -1,0 +1,87 @@
+"""The mounter's socket protocol: what it accepts, what it refuses and how, and how the client reports a
+mounter that is down. (Real mounts through it are in tests/e2e/test_csi.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+
+import pytest
+
+from cachefs.errors import CacheFSError
+from csi.mounter import MounterUnavailable, RemoteMounter, parse_request, serve_mounter
+
+
+def test_parse_request_accepts_a_mount_under_the_root_and_a_ping(tmp_path):
+    root = str(tmp_path)
+    req = parse_request(json.dumps({"op": "mount", "url": "s3://b/p", "mountpoint": f"{root}/k/mnt",
+                                    "region": "r", "env": {"AWS_ACCESS_KEY_ID": "x"}}).encode(), root)
+    assert (req.url, req.mountpoint, req.region, req.env) == ("s3://b/p", f"{root}/k/mnt", "r",
+                                                              {"AWS_ACCESS_KEY_ID": "x"})
+    assert "AWS_ACCESS_KEY_ID" not in repr(req)  # credentials stay out of logs
+    assert parse_request(b'{"op": "ping"}', root) is None
+
+
+@pytest.mark.parametrize("msg, why", [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"op": "umount"}', "unknown op"),
+    (b'{"op": "mount", "url": "s3://b"}', "required"),
+    (b'{"op": "mount", "url": 5, "mountpoint": "/x"}', "strings"),
+    (b'{"op": "mount", "url": "s3://b", "mountpoint": "/etc"}', "outside"),
+    (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/../escape"}', "outside"),
+    (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT"}', "outside"),
+    (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/m", "env": {"A": 1}}', "env"),
+])
+def test_parse_request_refuses_bad_requests_clearly(tmp_path, msg, why):
+    with pytest.raises(ValueError, match=why):
+        parse_request(msg.replace(b"ROOT", str(tmp_path).encode()), str(tmp_path))
+
+
+@pytest.fixture
+def server(tmp_path):
+    sock, stop, ready = str(tmp_path / "run" / "mounter.sock"), threading.Event(), threading.Event()
+    t = threading.Thread(target=serve_mounter, args=(sock, str(tmp_path / "sessions"), str(tmp_path / "cache")),
+                         kwargs={"ready": ready, "stop": stop}, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    yield sock
+    stop.set()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def _raw(sock: str, data: bytes) -> dict:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(sock)
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        return json.loads(s.makefile("rb").readline())
+
+
+def test_server_answers_ping_and_refuses_bad_requests_without_dying(server, tmp_path):
+    assert stat.S_IMODE(os.stat(server).st_mode) == 0o600  # root only: requests carry credentials
+    client = RemoteMounter(server)
+    assert client.healthy() == (True, "")
+    assert "unknown op" in _raw(server, b'{"op": "format"}\n')["error"]
+    assert "one line" in _raw(server, b'{"op": "ping"}')["error"]  # no newline: refused, not waited on forever
+    with pytest.raises(CacheFSError, match="outside"):
+        client._call({"op": "mount", "url": "file:///x", "mountpoint": "/etc"}, timeout=10)
+    with pytest.raises(CacheFSError, match=r"mount .* failed"):  # a mount that fails
+        client._call({"op": "mount", "url": "file:///nonexistent-dataset", "mountpoint":
+                      str(tmp_path / "sessions" / "k" / "mnt")}, timeout=60)
+    assert client.healthy() == (True, "")  # still serving
+
+
+def test_client_reports_a_mounter_that_is_down(tmp_path):
+    client = RemoteMounter(str(tmp_path / "none.sock"))
+    ok, why = client.healthy()
+    assert not ok and "mounter is not running" in why
+    with pytest.raises(MounterUnavailable, match="mounter container"):
+        from csi.mounter import MountRequest
+
+        client.mount(MountRequest("file:///x", str(tmp_path / "m")))
