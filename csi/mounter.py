@@ -91,6 +91,12 @@ class LocalMounter:
             self._holders.append(holder)
         log.info("mounted %s at %s (holder pid %d)", req.url, req.mountpoint, holder.pid)
 
+    @property
+    def holders(self) -> list[subprocess.Popen]:
+        """The holders started here that have not been reaped yet."""
+        with self._lock:
+            return list(self._holders)
+
     def reap(self) -> None:
         """Collect holders that have exited (their mounts were unmounted)."""
         with self._lock:

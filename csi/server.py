@@ -29,6 +29,8 @@ __all__ = ["serve"]
 
 #: How often the node plugin checks its published targets and repairs broken ones.
 REPAIR_INTERVAL = 30.0
+#: Default time a session no pod uses keeps running (a pod that comes back soon finds it mounted).
+SESSION_IDLE_TIMEOUT = 600.0
 
 log = logging.getLogger("cachefs.csi")
 
@@ -47,8 +49,8 @@ def socket_path(endpoint: str) -> str:
 
 
 def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_group: str = "",
-          mounter: str = "", node: bool = True, controller: bool = True, ready: threading.Event | None = None,
-          stop: threading.Event | None = None) -> None:
+          mounter: str = "", session_idle_timeout: float = SESSION_IDLE_TIMEOUT, node: bool = True,
+          controller: bool = True, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set)."""
     if node and not node_id:
         raise ConfigError("--node-id is required for the node plugin (set it from the NODE_NAME env var)")
@@ -79,7 +81,8 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
         if repaired:
             log.warning("repaired %d published volume(s): %s", len(repaired), ", ".join(repaired))
         rpc.add_NodeServicer_to_server(NodeService(sessions, node_id, cache_group), server)
-        threading.Thread(target=_repair_loop, args=(sessions, stop), name="cachefs-csi-repair", daemon=True).start()
+        threading.Thread(target=_repair_loop, args=(sessions, stop, session_idle_timeout), name="cachefs-csi-repair",
+                         daemon=True).start()
     server.add_insecure_port(f"unix://{path}")
     server.start()
     log.info("CSI plugin listening on %s (node %s, controller %s)", path, node, controller)
@@ -92,10 +95,11 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
     server.stop(grace=5).wait()
 
 
-def _repair_loop(sessions: SessionManager, stop: threading.Event) -> None:
+def _repair_loop(sessions: SessionManager, stop: threading.Event, idle_timeout: float) -> None:
     while not stop.wait(REPAIR_INTERVAL):
         try:
             repaired = sessions.recover()
+            sessions.stop_idle_sessions(idle_timeout)
         except Exception:  # the loop must survive anything; the next round retries
             log.exception("checking published volumes")
             continue

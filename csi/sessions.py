@@ -4,8 +4,9 @@ One dataset (same URL and origin options) has one FUSE session per node, mounted
 at ``sessions/<key>/mnt`` by a :class:`~.mounter.Mounter` (in a deployment, the node pod's mounter container,
 so that the session's holder outlives restarts of this plugin's container; the holder in turn keeps the mount
 alive across restarts of the FUSE daemon). Each pod's target path is a read-only bind mount of it, so a
-second pod starts warm and removing a pod removes only its bind mount; the session stays while it is useful
-(eviction, not pod churn, decides what stays cached).
+second pod starts warm and removing a pod removes only its bind mount. A session no pod uses is stopped after
+an idle time (its daemon's memory comes back); the cached data stays on disk (eviction, not pod churn, decides
+what stays cached), so the next pod of the dataset starts warm all the same.
 
 What is published where is recorded in ``publishes.json`` (no secrets), so a restarted plugin can check
 every target and repair what is broken: a session that died is mounted again and its targets re-bound.
@@ -17,9 +18,10 @@ import json
 import logging
 import os
 import threading
+import time
 
 from cachefs.errors import CacheFSError
-from cachefs.fuse.mount import bind_mount, is_fuse_mount, is_mount_point, is_stale_mount, unmount
+from cachefs.fuse.mount import bind_mount, is_fuse_mount, is_mount_point, is_stale_mount, other_mounts_of, unmount
 
 from .mounter import LocalMounter, Mounter, MountRequest
 from .volume import DatasetVolume
@@ -42,6 +44,7 @@ class SessionManager:
         # only: secrets are not written to the node's disk; after a restart of both this plugin and the mounter,
         # a repair mounts with the node's own credentials, and the next publish of the volume brings them back).
         self._env: dict[str, dict[str, str]] = {}
+        self._idle_since: dict[str, float] = {}  # session key → when it was first seen unused
         self._record_path = os.path.join(self.state_dir, "publishes.json")
         self._lock = threading.Lock()  # guards the record file and session start-up
         self.publishes: dict[str, dict] = self._load()
@@ -54,6 +57,7 @@ class SessionManager:
         """The mounted, healthy session of ``vol`` (mounted now if needed); returns its mount point."""
         mnt = self.session_path(vol)
         with self._lock:
+            self._idle_since.pop(vol.session_key, None)  # in use again: restart its idle clock
             if is_fuse_mount(mnt) and not is_stale_mount(mnt):
                 return mnt
             os.makedirs(mnt, exist_ok=True)
@@ -67,6 +71,33 @@ class SessionManager:
     def session_healthy(self, vol: DatasetVolume) -> bool:
         mnt = self.session_path(vol)
         return is_fuse_mount(mnt) and not is_stale_mount(mnt)
+
+    def stop_idle_sessions(self, idle_for: float) -> list[str]:
+        """Unmount sessions that no recorded publish and no bind mount has used for ``idle_for`` seconds (their
+        holders and daemons exit; the cache stays); returns their keys. Called by the repair loop."""
+        in_use = {DatasetVolume.from_attributes(rec["attributes"]).session_key for rec in self.publishes.values()}
+        stopped, now = [], time.monotonic()
+        with self._lock:
+            for key in sorted(os.listdir(self.sessions_dir)):
+                mnt = os.path.join(self.sessions_dir, key, "mnt")
+                if key in in_use or other_mounts_of(mnt):
+                    self._idle_since.pop(key, None)
+                    continue
+                if now - self._idle_since.setdefault(key, now) < idle_for:
+                    continue
+                if is_mount_point(mnt):
+                    unmount(mnt)
+                for path in (mnt, os.path.dirname(mnt)):  # empty directories only: never a walk into a mount
+                    try:
+                        os.rmdir(path)
+                    except FileNotFoundError:
+                        pass
+                self._idle_since.pop(key, None)
+                self._env.pop(key, None)
+                stopped.append(key)
+        if stopped:
+            log.info("stopped %d idle session(s): %s", len(stopped), ", ".join(stopped))
+        return stopped
 
     # -- publishes ------------------------------------------------------------------------------------------
     def is_published(self, target: str, vol: DatasetVolume) -> bool:

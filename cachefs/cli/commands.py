@@ -249,10 +249,13 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
 
     from csi.server import serve
 
+    if args.session_idle_timeout < 0:
+        raise ConfigError("--session-idle-timeout must be 0 or more seconds")
     state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
     # In this (the main) thread, so that SIGTERM stops the server gracefully.
     serve(args.endpoint, node_id=args.node_id, cache_dir=config.cache.dir, state_dir=state_dir,
-          cache_group=args.cache_group, mounter=args.mounter, node=args.mode != "controller",
+          cache_group=args.cache_group, mounter=args.mounter, session_idle_timeout=args.session_idle_timeout,
+          node=args.mode != "controller",
           controller=args.mode != "node")
     return 0
 

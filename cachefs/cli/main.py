@@ -118,6 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("--mounter", default="",
                     help="socket of `cachefs csi-mounter` (unix:///run/cachefs/mounter.sock) to start FUSE sessions "
                          "in its container; default: this process starts them")
+    cs.add_argument("--session-idle-timeout", type=float, default=600.0,
+                    help="seconds a dataset's FUSE session runs with no pod using it (default 600; the cache stays)")
 
     cm = sub.add_parser("csi-mounter", parents=[common],
                         help="start FUSE sessions for the CSI node plugin (its own container, so that sessions "

@@ -20,7 +20,7 @@ import subprocess
 from ..errors import CacheFSError
 
 __all__ = ["bind_mount", "is_fuse_mount", "is_mount_point", "is_stale_mount", "mount_fuse", "open_and_mount",
-           "open_fuse_device", "set_read_ahead", "unmount"]
+           "open_fuse_device", "other_mounts_of", "set_read_ahead", "unmount"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -119,16 +119,26 @@ def bind_mount(source: str, target: str, *, readonly: bool = True) -> None:
         raise CacheFSError(f"making {target} read-only: {os.strerror(e)}", errno_=e)
 
 
-def _mounts_at(path: str) -> list[tuple[str, str]]:
-    """(device "major:minor", file system type) of every mount at ``path`` in this mount namespace, from
+def _mountinfo() -> list[tuple[str, str, str]]:
+    """(mount point, device "major:minor", file system type) of every mount in this mount namespace, from
     /proc/self/mountinfo (mount point is field 5; the type follows the " - " separator)."""
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if fields[4] == path:
-                out.append((fields[2], line.split(" - ", 1)[1].split()[0]))
+            out.append((fields[4], fields[2], line.split(" - ", 1)[1].split()[0]))
     return out
+
+
+def _mounts_at(path: str) -> list[tuple[str, str]]:
+    """(device, file system type) of every mount at ``path``."""
+    return [(dev, fstype) for mnt, dev, fstype in _mountinfo() if mnt == path]
+
+
+def other_mounts_of(path: str) -> list[str]:
+    """Mount points other than ``path`` that show the file system mounted at ``path`` (its bind mounts)."""
+    devices = {dev for dev, _ in _mounts_at(path)}
+    return [mnt for mnt, dev, _ in _mountinfo() if dev in devices and mnt != path]
 
 
 def is_mount_point(path: str) -> bool:

@@ -395,3 +395,45 @@ def test_restarting_the_plugin_container_leaves_sessions_in_the_mounter_containe
         for ct in (plugin_ct, plugin_ct2, mounter_ct):
             ct.remove()
     assert "Traceback" not in log
+
+
+def test_a_session_no_pod_uses_is_stopped_after_the_idle_time_and_the_cache_stays(tmp_path, dataset):
+    from cachefs.fuse.mount import bind_mount, is_fuse_mount
+    from csi.sessions import SessionManager
+    from csi.volume import DatasetVolume
+
+    url, files = dataset
+    expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}
+    cache = tmp_path / "cache"
+    mgr = SessionManager(str(cache / "csi"), str(cache))
+    vol = DatasetVolume(url)
+    a, b, extra = tmp_path / "a" / "mount", tmp_path / "b" / "mount", tmp_path / "extra"
+    try:
+        mgr.publish(vol, str(a))
+        mgr.publish(vol, str(b))
+        assert tree_hashes(a) == expected
+        session = mgr.session_path(vol)
+        assert mgr.stop_idle_sessions(0) == []  # two pods use it
+        mgr.unpublish(str(a))
+        assert mgr.stop_idle_sessions(0) == [] and tree_hashes(b) == expected
+        extra.mkdir()
+        bind_mount(session, str(extra), readonly=True)  # a bind mount the record does not know of
+        mgr.unpublish(str(b))
+        assert mgr.stop_idle_sessions(0) == [] and is_fuse_mount(session)
+        unmount(str(extra))
+        cached = sorted(p.name for p in (cache / "data").rglob("*") if p.is_file())  # the cached objects
+        assert len(cached) == len(files)
+        assert mgr.stop_idle_sessions(3600) == []  # unused from now on: the idle clock starts
+        assert mgr.stop_idle_sessions(3600) == []  # … and has not run out
+        assert mgr.stop_idle_sessions(0) == [vol.session_key]
+        assert not is_mount_point(session) and not os.path.exists(os.path.dirname(session))
+        (holder,) = mgr.mounter.holders
+        assert holder.wait(20) == 0  # the session's holder exited
+        assert sorted(p.name for p in (cache / "data").rglob("*") if p.is_file()) == cached
+        c = tmp_path / "c" / "mount"
+        mgr.publish(vol, str(c))  # the next pod gets a new session over the same cache
+        assert tree_hashes(c) == expected
+    finally:
+        unmount_under(tmp_path)
+        for h in mgr.mounter.holders:
+            h.wait(20)
