@@ -66,6 +66,13 @@ class CacheConfig:
     #: on S3 (whose per-request latency dominates below ~1 MiB), small enough that a random read only
     #: fetches and verifies a little more than it needs.
     block_size: int = 4 * 1024 * 1024
+    #: Objects of at most this many bytes are fetched whole and stored in pack files rather than one file each
+    #: (0: never). Packed files are read from userspace (no FUSE passthrough); see bench/README.md for the
+    #: measurement behind the default.
+    pack_threshold: int = 1024 * 1024
+    #: A pack file is written once this many bytes of small objects are waiting (or a second after the last).
+    #: Up to two packs' worth of fetched bytes wait in memory, besides engine.memory_budget.
+    pack_size: int = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,10 @@ class EngineConfig:
     bound_allocator: bool = True
     #: Access statistics (LRU times, hit counters) are written to the index at most this often.
     stats_flush_interval: float = 2.0
+    #: After a miss on a small file, fetch this many following files of its directory in the background.
+    dir_readahead: int = 64
+    #: Per-directory access scores ("hot directories" in `cachefs status --json`) halve every this many seconds.
+    hot_dir_half_life: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,16 @@ class Config:
             raise ConfigError("origin.list_concurrency must be at least 1")
         if (o.access_key_id is None) != (o.secret_access_key is None):
             raise ConfigError("origin.access_key_id and origin.secret_access_key must be given together")
+        if c.pack_threshold < 0 or c.pack_threshold > 64 * 1024 * 1024:
+            raise ConfigError("cache.pack_threshold must be between 0 (no packing) and 64MiB")
+        if c.pack_threshold and c.pack_size < c.pack_threshold:
+            raise ConfigError("cache.pack_size must hold at least one object of cache.pack_threshold bytes")
+        if c.pack_size > 1024 * 1024 * 1024:
+            raise ConfigError("cache.pack_size must be at most 1GiB (pack members are addressed with 32-bit offsets)")
+        if e.dir_readahead < 0:
+            raise ConfigError("engine.dir_readahead must not be negative")
+        if e.hot_dir_half_life <= 0:
+            raise ConfigError("engine.hot_dir_half_life must be positive")
         if e.max_concurrent_fetches < 1:
             raise ConfigError("engine.max_concurrent_fetches must be at least 1")
         if e.memory_budget < 2 * c.block_size:
@@ -172,7 +193,8 @@ def resolve_size(value: str, fs_total: int, name: str) -> int:
 
 
 _SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfig}
-_SIZE_FIELDS = {("cache", "block_size"), ("engine", "memory_budget"), ("engine", "readahead_max"),
+_SIZE_FIELDS = {("cache", "block_size"), ("cache", "pack_threshold"), ("cache", "pack_size"),
+                ("engine", "memory_budget"), ("engine", "readahead_max"),
                 ("engine", "fetch_window")}
 
 

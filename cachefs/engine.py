@@ -52,7 +52,9 @@ from .checksum import block_checksum
 from .config import Config, resolve_size
 from .errors import CacheFullError, ConfigError, CorruptBlockError
 from .index import DatasetRecord, Index, ObjectRecord
+from .index.records import PackRecord
 from .manifest import ManifestStore, take_snapshot
+from .small_objects import SmallObjects
 from .sources import Source, open_origin
 from .store import DiskStore, StoredObject
 from .types import DatasetRef, Entry, object_key
@@ -150,6 +152,8 @@ class Engine:
         self._stats_task: asyncio.Task | None = None
         self._evicting: asyncio.Task | None = None
         self._warned_full = False
+        self._dir_hits: dict[tuple[str, str], int] = {}  # (dataset id, directory) -> accesses not yet flushed
+        self.small = SmallObjects(self)
         atexit.register(self._at_exit)
 
     def _at_exit(self) -> None:
@@ -253,7 +257,9 @@ class Engine:
         return False
 
     def local_path(self, ds: Dataset, entry: Entry) -> str | None:
-        """Path of the complete local file of ``entry``, or None if some block is missing."""
+        """Path of the complete local file of ``entry``, or None if some block is missing (or it is packed)."""
+        if self.small.packable(entry):
+            return None
         ob = self._acquire(ds, entry)
         try:
             if all(self._has(ob, i) for i in range(ob.nblocks)):
@@ -269,6 +275,12 @@ class Engine:
         end = min(end, entry.size)
         if start >= end:
             return b""
+        if self.small.packable(entry):
+            whole = self.small.local(ds.ref.id, self.object_key(ds, entry), entry.size)
+            if whole is None:
+                return None
+            self._count_small(ds, entry, stream, hit=end - start)
+            return whole[start:end] if (start, end) != (0, len(whole)) else whole
         ob = self._acquire(ds, entry)
         try:
             bs = self.block_size
@@ -293,6 +305,12 @@ class Engine:
         if start >= end:
             return b""
         self._start_background()
+        if self.small.packable(entry):
+            whole, fetched = await self.small.fetch(ds, self.object_key(ds, entry), entry)
+            self._count_small(ds, entry, stream, hit=0 if fetched else end - start, miss=end - start if fetched else 0)
+            if fetched and stream is not None:
+                self.small.read_ahead(ds, entry)
+            return whole[start:end]
         ob = self._acquire(ds, entry)
         try:
             bs = self.block_size
@@ -384,19 +402,23 @@ class Engine:
             raise CacheFullError(f"cache disk full: cannot store {entry.path} (capacity {self.capacity} B)")
         return data
 
+    async def origin_read(self, ds: Dataset, entry: Entry, start: int, length: int) -> bytes:
+        """``length`` bytes of ``entry`` at ``start`` from the origin, within the fetch limits (concurrent GETs,
+        bytes on the wire). The caller holds memory budget for them."""
+        if self._fetch_slots is None:
+            self._fetch_slots = asyncio.Semaphore(self.config.engine.max_concurrent_fetches)
+        async with self._fetch_slots, self._window.reserve(length):
+            return await ds.source.read(ds.ref.object_url(entry.path), entry.version, start, start + length)
+
     async def _fetch(self, ds: Dataset, entry: Entry, ob: _Open, idx: int, *, reserved: bool) -> tuple[bytes, bool]:
         bs = self.block_size
         start = idx * bs
         length = min(bs, entry.size - start)
-        if self._fetch_slots is None:
-            self._fetch_slots = asyncio.Semaphore(self.config.engine.max_concurrent_fetches)
         if not reserved:
             await self.budget.acquire(length)
         try:
-            async with self._fetch_slots, self._window.reserve(length):
-                data = await ds.source.read(ds.ref.object_url(entry.path), entry.version, start, start + length)
-            checksum = block_checksum(data)
-            stored = await self._store_block(ob, idx, data, checksum)
+            data = await self.origin_read(ds, entry, start, length)
+            stored = await self._store_block(ob, idx, data, block_checksum(data))
         finally:
             await self.budget.release(length)
         return data, stored
@@ -413,21 +435,39 @@ class Engine:
                 if attempt == 0:
                     await self.evict(force=True)
                     continue
-                if not self._warned_full:
-                    log.warning("cache disk full and nothing evictable: serving from the origin without caching")
-                    self._warned_full = True
+                self.warn_full()
                 return False
         self.index.put_block(ob.stored.key, idx, checksum, len(data), ob.record)
         ob.present[idx] = (checksum, len(data))
-        self._stored_since_check += len(data)
+        self.note_stored(len(data))
+        return True
+
+    def warn_full(self) -> None:
+        if not self._warned_full:
+            log.warning("cache disk full and nothing evictable: serving from the origin without caching")
+            self._warned_full = True
+
+    def note_stored(self, nbytes: int) -> None:
+        """Count bytes newly on disk; check the limits (and start eviction) every so often. Event loop only."""
+        self._stored_since_check += nbytes
         if self._stored_since_check >= self._check_every:
             self._stored_since_check = 0
             self._maybe_evict()
-        return True
+
+    @staticmethod
+    def object_key(ds: Dataset, entry: Entry) -> bytes:
+        return object_key(ds.ref.id, entry.path, entry.version)
 
     async def ensure_cached(self, ds: Dataset, entry: Entry) -> int:
         """Make every block of ``entry`` present (prefetch); returns bytes fetched. Raises CacheFullError."""
         self._start_background()
+        if self.small.packable(entry):
+            whole, fetched = await self.small.fetch(ds, self.object_key(ds, entry), entry)
+            if self.small.full_error is not None:
+                raise self.small.full_error
+            with self._stats_lock:
+                self._ds_stats.setdefault(ds.ref.id, [0, 0])[1] += len(whole) if fetched else 0
+            return len(whole) if fetched else 0
         ob = self._acquire(ds, entry)
         try:
             missing = [i for i in range(ob.nblocks) if not self._has(ob, i)]
@@ -438,8 +478,19 @@ class Engine:
         finally:
             self._release(ob)
 
+    async def persist(self) -> None:
+        """Write pending packs now and get back under the cache's limits (the end of a prefetch). Raises
+        CacheFullError if small files could not be stored."""
+        await self.small.flush()
+        if self.small.full_error is not None:
+            raise self.small.full_error
+        if self.over_limits():
+            await self.evict()
+
     def cached_bytes(self, ds: Dataset, entry: Entry) -> int:
         okey = object_key(ds.ref.id, entry.path, entry.version)
+        if self.small.packable(entry):
+            return entry.size if entry.size == 0 or self.small.has(okey) else 0
         with self._open_lock:
             ob = self._open.get(okey)
             if ob is not None:
@@ -449,15 +500,29 @@ class Engine:
 
     # -- statistics ---------------------------------------------------------------------------------------
     def _count(self, ob: _Open, ds_id: str, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:
-        if stream is None or not stream.counted:
+        access = stream is None or not stream.counted
+        if access:
             ob.hits += 1
             ob.last_access = time.time()
             if stream is not None:
                 stream.counted = True
+        self._count_bytes(ds_id, ob.record.path if access else None, hit, miss)
+
+    def _count_small(self, ds: Dataset, entry: Entry, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:
+        access = stream is None or not stream.counted
+        if stream is not None:
+            stream.counted = True
+        self._count_bytes(ds.ref.id, entry.path if access else None, hit, miss)
+
+    def _count_bytes(self, ds_id: str, accessed_path: str | None, hit: int, miss: int) -> None:
+        """Hit/miss bytes of a dataset, and one access of ``accessed_path``'s directory (hot directories)."""
         with self._stats_lock:
             s = self._ds_stats.setdefault(ds_id, [0, 0])
             s[0] += hit
             s[1] += miss
+            if accessed_path is not None:
+                key = (ds_id, accessed_path.rpartition("/")[0])
+                self._dir_hits[key] = self._dir_hits.get(key, 0) + 1
 
     def _note_access(self, okey: bytes, ob: _Open) -> None:
         if ob.hits:
@@ -475,8 +540,11 @@ class Engine:
             objs, self._obj_stats = self._obj_stats, {}
             ds = {k: (v[0], v[1]) for k, v in self._ds_stats.items() if v[0] or v[1]}
             self._ds_stats = {}
+            dirs, self._dir_hits = self._dir_hits, {}
+        with self.small._lock:
+            packs, self.small.pack_access = {k: (v[0], v[1]) for k, v in self.small.pack_access.items()}, {}
         try:
-            self.index.record_access(objs, ds)
+            self.index.record_access(objs, ds, packs, dirs, half_life=self.config.engine.hot_dir_half_life)
         except Exception:
             log.exception("could not write access statistics")
 
@@ -491,6 +559,7 @@ class Engine:
 
     async def aclose(self) -> None:
         """:meth:`close`, and release the origin connections."""
+        await self.small.flush()
         for task in (self._stats_task, self._evicting):
             if task is not None and not task.done():
                 task.cancel()
@@ -500,7 +569,8 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        """Flush statistics and close every open object file."""
+        """Write pending packs, flush statistics and close every open object file."""
+        self.small.flush_sync()
         self.flush_stats()
         with self._open_lock:
             for ob in self._open.values():
@@ -529,7 +599,8 @@ class Engine:
         if not (force or everything or dataset) and total <= self.capacity * self.config.cache.high_watermark \
                 and free >= self.min_free:
             return 0
-        candidates = sorted(self.index.objects(dataset), key=lambda kv: eviction_order(kv[1]))
+        candidates = sorted([*self.index.objects(dataset), *((None, p) for p in self.index.packs(dataset))],
+                            key=lambda kv: eviction_order(kv[1]))
         freed = 0
         for okey, rec in candidates:
             if not (everything or dataset):
@@ -537,6 +608,9 @@ class Engine:
                 _, free = self.store.disk_usage()
                 if total <= target and free >= self.min_free * 1.1:
                     break
+            if okey is None:  # a pack: no locks, readers that still have it open keep reading their bytes
+                freed += self.small.remove_pack(rec)
+                continue
             with self._open_lock:
                 ob = self._open.get(okey)
                 if ob is not None:
@@ -556,7 +630,7 @@ class Engine:
         return freed
 
 
-def eviction_order(rec: ObjectRecord) -> tuple[bool, float]:
+def eviction_order(rec: ObjectRecord | PackRecord) -> tuple[bool, float]:
     """Sort key of eviction victims ("two-touch LRU"): objects read at most once go first, oldest first, then
     objects read twice or more, oldest first. One-off scans and a dataset streamed once therefore cannot push
     out data that jobs keep coming back to; bench/eviction_bench.py measures it against LRU, FIFO and

@@ -14,7 +14,9 @@ def status_report(engine: Engine) -> dict:
     total, objects = engine.index.totals()
     disk_total, disk_free = engine.store.disk_usage()
     datasets = []
+    urls = {}
     for rec in engine.index.datasets():
+        urls[rec.id] = rec.url
         m = rec.manifest()
         st = engine.index.dataset_stats(rec.id)
         size = m.bytes if m else 0
@@ -42,5 +44,8 @@ def status_report(engine: Engine) -> dict:
         "disk_free_bytes": disk_free,
         "min_free_bytes": engine.min_free,
         "datasets": datasets,
+        # Directories read most lately (access counts that halve every engine.hot_dir_half_life seconds).
+        "hot_directories": [{**d, "url": urls.get(d["dataset"], "")} for d in
+                            engine.index.hot_directories(engine.config.engine.hot_dir_half_life)],
         "mounts": list_mounts(engine.config.cache.dir),
     }

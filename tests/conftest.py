@@ -45,10 +45,13 @@ def cache_dir(tmp_path):
 
 @pytest.fixture
 def config(cache_dir):
-    """A config for tests: small blocks so multi-block paths run on small files, quick retries."""
+    """A config for tests: small blocks so multi-block paths run on small files, files up to 16 KiB packed (small
+    packs, so that tests see several), quick retries."""
     return load_config(env={}, overrides={
         "cache_dir": cache_dir,
         "cache_block_size": 64 * 1024,
+        "cache_pack_threshold": 16 * 1024,
+        "cache_pack_size": 256 * 1024,
         "cache_min_free": "0",
         "origin_backoff_base": 0.001,
         "origin_backoff_max": 0.01,

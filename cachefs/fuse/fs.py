@@ -58,6 +58,11 @@ class Node:
 class Handle:
     node: Node
     passthrough: bool = False
+    #: Whether the kernel may keep this file's pages across opens: always without passthrough (the manifest
+    #: is frozen); with it, only for files that can never be passthrough (packed small files), because the
+    #: kernel refuses passthrough on an inode whose earlier opens used the page cache, and only once they
+    #: are on this node, because a buffered read waiting on the origin cannot be interrupted by a signal.
+    page_cache: bool = False
     stream: ReadStream | None = None  # read-ahead state, made on the first userspace read
 
 
@@ -187,8 +192,13 @@ class CacheFS:
             self._idle.pop(n.ino, None)
         if self.passthrough and (n.backing_id or self._register_backing(n)):
             h.passthrough = True
+        h.page_cache = not h.passthrough and (not self.passthrough or self._packed_here(n.entry))
         self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
         return fh, h
+
+    def _packed_here(self, entry) -> bool:
+        small = self.engine.small
+        return small.packable(entry) and (entry.size == 0 or small.has(self.engine.object_key(self.ds, entry)))
 
     def _register_backing(self, n: Node) -> bool:
         """Hand the complete local file of ``n`` to the kernel (once per inode; concurrent opens share it)."""

@@ -207,9 +207,7 @@ class FuseSession:
         # NOFLUSH: read-only, nothing to flush at close, so the kernel need not ask.
         if h.passthrough:
             return wire.OPEN_OUT.pack(fh, OpenFlag.PASSTHROUGH | OpenFlag.NOFLUSH, self.fs.backing_id(h))
-        # Before passthrough, opens must not use the page cache (the kernel refuses to mix the two on an inode);
-        # without passthrough the manifest is frozen, so the page cache is kept across opens.
-        cache = OpenFlag.DIRECT_IO if self.fs.passthrough else OpenFlag.KEEP_CACHE
+        cache = OpenFlag.KEEP_CACHE if h.page_cache else OpenFlag.DIRECT_IO  # see Handle.page_cache
         return wire.OPEN_OUT.pack(fh, cache | OpenFlag.NOFLUSH, 0)
 
     def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes | object:

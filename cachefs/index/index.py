@@ -5,6 +5,7 @@ crash never leaves a half-updated record (each update is one transaction)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import CacheFSError
 from .env import open_env
-from .records import BLOCK, DS_STATS, FORMAT_VERSION, TOTALS, ObjectRecord
+from .records import BLOCK, DIR_HEAT, DS_STATS, FORMAT_VERSION, PACKED, TOTALS, ObjectRecord, PackRecord, pack_key
 
 __all__ = ["DatasetRecord", "DatasetStats", "Index", "ManifestInfo"]
 
@@ -68,6 +69,8 @@ class Index:
         self.env, dbs = open_env(self.path)
         self._meta, self._datasets, self._ds_stats = dbs["meta"], dbs["datasets"], dbs["ds_stats"]
         self._objects, self._blocks, self.manifest_db = dbs["objects"], dbs["blocks"], dbs["manifest"]
+        self._packed, self._packs, self._members = dbs["packed"], dbs["packs"], dbs["pack_members"]
+        self._dir_heat = dbs["dir_heat"]
         self._check_format()
 
     def _check_format(self) -> None:
@@ -187,14 +190,127 @@ class Index:
                 if dataset is None or rec.dataset == dataset:
                     yield bytes(k), rec
 
+    # -- packs ------------------------------------------------------------------------------------------
+    def packed(self, okey: bytes) -> tuple[int, int, int, int] | None:
+        """(pack id, offset, length, checksum) of a packed object, or None."""
+        with self.env.begin() as txn:
+            raw = txn.get(okey, db=self._packed)
+        return PACKED.unpack(raw) if raw else None
+
+    def commit_pack(self, dataset: str, pack_id: int, size: int, members: list[tuple[bytes, int, int, int]]) -> int:
+        """Record a pack file (already complete on disk) and point its members' keys at it. A member another
+        process packed first keeps its record (this pack's copy is dead weight until the pack is evicted).
+        Returns how many members were recorded."""
+        pkey = pack_key(dataset, pack_id)
+        live = count = 0
+        with self.env.begin(write=True) as txn:
+            for okey, offset, length, checksum in members:
+                if txn.put(okey, PACKED.pack(pack_id, offset, length, checksum), db=self._packed, overwrite=False):
+                    txn.put(pkey + okey, b"", db=self._members)
+                    live += length
+                    count += 1
+            rec = PackRecord(dataset, pack_id, size, live, count, last_access=time.time())
+            txn.put(pkey, rec.pack(), db=self._packs)
+            self._add_stats(txn, dataset, cached=live)
+            total, objects = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
+            txn.put(b"totals", TOTALS.pack(total + size, objects + count), db=self._meta)
+        return count
+
+    def drop_packed(self, dataset: str, okey: bytes) -> None:
+        """Forget one packed member (it failed its checksum); it will be fetched again."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.pop(okey, db=self._packed)
+            if raw is None:
+                return
+            pack_id, _off, length, _ck = PACKED.unpack(raw)
+            pkey = pack_key(dataset, pack_id)
+            txn.delete(pkey + okey, db=self._members)
+            praw = txn.get(pkey, db=self._packs)
+            if praw is not None:
+                rec = PackRecord.unpack(pkey, praw)
+                rec.live_bytes, rec.members = max(0, rec.live_bytes - length), max(0, rec.members - 1)
+                txn.put(pkey, rec.pack(), db=self._packs)
+            self._add_stats(txn, dataset, cached=-length)
+            total, objects = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
+            txn.put(b"totals", TOTALS.pack(total, max(0, objects - 1)), db=self._meta)
+
+    def has_pack(self, dataset: str, pack_id: int) -> bool:
+        with self.env.begin() as txn:
+            return txn.get(pack_key(dataset, pack_id), db=self._packs) is not None
+
+    def packs(self, dataset: str | None = None) -> Iterator[PackRecord]:
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self._packs)
+            if dataset is not None and not cur.set_range(dataset.encode()):
+                return
+            for k, v in (cur.iternext() if dataset is not None else cur):
+                rec = PackRecord.unpack(k, v)
+                if dataset is not None and rec.dataset != dataset:
+                    break
+                yield rec
+
+    def remove_pack(self, dataset: str, pack_id: int) -> int:
+        """Forget a pack and every member still pointing into it; returns its size on disk (0 if unknown)."""
+        pkey = pack_key(dataset, pack_id)
+        with self.env.begin(write=True) as txn:
+            raw = txn.pop(pkey, db=self._packs)
+            if raw is None:
+                return 0
+            rec = PackRecord.unpack(pkey, raw)
+            cur = txn.cursor(db=self._members)
+            gone = 0
+            if cur.set_range(pkey):
+                while cur.key()[:24] == pkey:
+                    okey = bytes(cur.key()[24:])
+                    praw = txn.get(okey, db=self._packed)
+                    if praw is not None and PACKED.unpack(praw)[0] == pack_id:
+                        txn.delete(okey, db=self._packed)
+                        gone += 1
+                    if not cur.delete():
+                        break
+            self._add_stats(txn, dataset, cached=-rec.live_bytes)
+            total, objects = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
+            txn.put(b"totals", TOTALS.pack(max(0, total - rec.size), max(0, objects - gone)), db=self._meta)
+            return rec.size
+
+    # -- hot directories ----------------------------------------------------------------------------------
+    def hot_directories(self, half_life: float, limit: int = 20, now: float | None = None) -> list[dict]:
+        """The directories read most lately: access counts decayed with ``half_life`` seconds, highest first."""
+        now = time.time() if now is None else now
+        out = []
+        with self.env.begin() as txn:
+            for k, v in txn.cursor(db=self._dir_heat):
+                score, updated = DIR_HEAT.unpack(v)
+                k = bytes(k)
+                out.append((score * math.exp2(-(now - updated) / half_life), k[:16].decode(), k[16:].decode()))
+        out.sort(reverse=True)
+        return [{"dataset": ds, "path": path, "score": round(score, 3)} for score, ds, path in out[:limit]]
+
     def record_access(
-        self, objects: dict[bytes, tuple[float, int]], datasets: dict[str, tuple[int, int]]
+        self, objects: dict[bytes, tuple[float, int]], datasets: dict[str, tuple[int, int]],
+        packs: dict[bytes, tuple[float, int]] | None = None, dirs: dict[tuple[str, str], int] | None = None,
+        half_life: float = 600.0,
     ) -> None:
-        """Fold batched access statistics in: per object (last access, hit count delta), per dataset
-        (hit bytes, miss bytes)."""
-        if not objects and not datasets:
+        """Fold batched access statistics in: per object and per pack (last access, hit count delta), per
+        dataset (hit bytes, miss bytes), per directory (accesses, added to a score that halves every
+        ``half_life`` seconds)."""
+        if not (objects or datasets or packs or dirs):
             return
         with self.env.begin(write=True) as txn:
+            for pkey, (last, hits) in (packs or {}).items():
+                raw = txn.get(pkey, db=self._packs)
+                if raw is None:
+                    continue
+                rec = PackRecord.unpack(pkey, raw)
+                rec.last_access, rec.hits = max(rec.last_access, last), rec.hits + hits
+                txn.put(pkey, rec.pack(), db=self._packs)
+            now = time.time()
+            for (ds, path), hits in (dirs or {}).items():
+                key = ds.encode() + path.encode()
+                raw = txn.get(key, db=self._dir_heat)
+                score, updated = DIR_HEAT.unpack(raw) if raw else (0.0, now)
+                txn.put(key, DIR_HEAT.pack(score * math.exp2(-(now - updated) / half_life) + hits, now),
+                        db=self._dir_heat)
             for okey, (last, hits) in objects.items():
                 raw = txn.get(okey, db=self._objects)
                 if raw is None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-__all__ = ["BLOCK", "DS_STATS", "FORMAT_VERSION", "TOTALS", "ObjectRecord"]
+__all__ = ["BLOCK", "DIR_HEAT", "DS_STATS", "FORMAT_VERSION", "PACKED", "TOTALS", "ObjectRecord", "PackRecord"]
 
 #: Bump when any record layout or the data-file layout changes; an index of another version is refused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: blocks: key = object key (16 B) + block index (u32 BE); value = xxh3-64 checksum, length.
 BLOCK = struct.Struct("<QI")
@@ -17,6 +17,12 @@ DS_STATS = struct.Struct("<QQQ")
 #: meta b"totals": cached bytes over all datasets, number of cached objects.
 TOTALS = struct.Struct("<QQ")
 _OBJECT = struct.Struct("<QQdQI")
+#: packed: key = object key (16 B); value = pack id, offset of the member's bytes in the pack file, length,
+#: xxh3-64 of the member.
+PACKED = struct.Struct("<QQQQ")
+#: dir_heat: key = dataset id + directory path (UTF-8); value = decayed access score, when it was last updated.
+DIR_HEAT = struct.Struct("<dd")
+_PACK = struct.Struct("<QQIdQ")
 
 
 @dataclass(slots=True)
@@ -41,3 +47,33 @@ class ObjectRecord:
         size, cached, last, hits, bs = _OBJECT.unpack_from(raw)
         dataset, path, version = bytes(raw[_OBJECT.size:]).decode().split("\0", 2)
         return cls(dataset, path, version, size, cached, last, hits, bs)
+
+
+@dataclass(slots=True)
+class PackRecord:
+    """One pack file: its size on disk, the bytes of the members the index points into it (live), and access
+    statistics (so that eviction ranks packs exactly like objects)."""
+
+    dataset: str
+    pack_id: int
+    size: int
+    live_bytes: int
+    members: int
+    last_access: float = 0.0
+    hits: int = 0
+
+    def key(self) -> bytes:
+        return pack_key(self.dataset, self.pack_id)
+
+    def pack(self) -> bytes:
+        return _PACK.pack(self.size, self.live_bytes, self.members, self.last_access, self.hits)
+
+    @classmethod
+    def unpack(cls, key: bytes, raw: bytes) -> PackRecord:
+        size, live, members, last, hits = _PACK.unpack(raw)
+        return cls(bytes(key[:16]).decode(), int.from_bytes(key[16:24], "big"), size, live, members, last, hits)
+
+
+def pack_key(dataset: str, pack_id: int) -> bytes:
+    """packs: key = dataset id (16 ASCII) + pack id (u64 BE); pack_members: that key + member object key."""
+    return dataset.encode() + pack_id.to_bytes(8, "big")

@@ -107,6 +107,7 @@ async def warm(
     tasks = [asyncio.ensure_future(worker()) for _ in range(max(1, min(workers, len(todo))))]
     try:
         await asyncio.gather(*tasks)
+        await engine.persist()  # small files wait in memory for their pack: on disk before we say "done"
     finally:
         for t in tasks:
             t.cancel()

@@ -172,7 +172,8 @@ def test_kill_9_mid_prefetch_then_resume(s3, cache_dir):
     files = {f"k/f{i:03d}.bin": os.urandom(200_000) for i in range(120)}
     put_tree(client, bucket, "crash", files)
     url = f"s3://{bucket}/crash"
-    env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "2"}
+    env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "2",
+           "CACHEFS_CACHE_PACK_THRESHOLD": "0"}  # the block path; packs: tests/integration/test_packs.py
     proc = start_prefetch(url, cache_dir, env, workers=2)
     wait_cached(cache_dir, 2_000_000)
     proc.send_signal(signal.SIGKILL)

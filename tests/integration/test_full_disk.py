@@ -27,20 +27,23 @@ def tiny_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_full_disk_prefetch_fails_clearly_and_reads_still_work(s3, tiny_fs):
+@pytest.mark.parametrize("pack_threshold", ["0", "1MiB"], ids=["blocks", "packs"])
+def test_full_disk_prefetch_fails_clearly_and_reads_still_work(s3, tiny_fs, pack_threshold):
     _, client, bucket = s3
     files = {f"f{i}.bin": os.urandom(400_000) for i in range(12)}  # 4.8 MB into a 3 MB filesystem
     put_tree(client, bucket, "full", files)
     url = f"s3://{bucket}/full"
     cache = os.path.join(tiny_fs, "cache")
     # capacity and floor deliberately above what the disk has, so eviction cannot save the day
-    env = {"CACHEFS_CACHE_CAPACITY": "100MB", "CACHEFS_CACHE_MIN_FREE": "0", "CACHEFS_CACHE_BLOCK_SIZE": "65536"}
+    env = {"CACHEFS_CACHE_CAPACITY": "100MB", "CACHEFS_CACHE_MIN_FREE": "0", "CACHEFS_CACHE_BLOCK_SIZE": "65536",
+           "CACHEFS_CACHE_PACK_THRESHOLD": pack_threshold}
     r = cli("prefetch", url, "--cache-dir", cache, "--workers", "1", env=env)
     assert r.returncode == 5, (r.stdout, r.stderr)
     assert "full" in r.stderr and "Traceback" not in r.stderr
     # everything that was cached verifies, and reading through the cache still works (bypassing the full disk)
     fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache, dataset=url, skip_instance_cache=True,
-                           cache_capacity="100MB", cache_min_free="0", cache_block_size=65536)
+                           cache_capacity="100MB", cache_min_free="0", cache_block_size=65536,
+                           cache_pack_threshold=pack_threshold)
     for name, data in files.items():
         assert fs.cat_file(f"{bucket}/full/{name}") == data
     rep = json.loads(cli("status", "--cache-dir", cache, "--json", env=env).stdout)

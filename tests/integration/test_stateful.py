@@ -32,8 +32,8 @@ class CacheMachine(RuleBasedStateMachine):
             self._write(name, os.urandom(size))
         self.config = load_config(env={}, overrides={
             "cache_dir": os.path.join(self.tmp, "cache"), "cache_block_size": BLOCK, "cache_min_free": "0",
-            "engine_memory_budget": 4 * BLOCK,
-        })
+            "engine_memory_budget": 4 * BLOCK, "cache_pack_threshold": BLOCK, "cache_pack_size": 2 * BLOCK,
+        })  # files up to one block are packed, larger ones take the block path
         self.loop = asyncio.new_event_loop()
         self.engine = Engine(self.config)
         self.snapshot = dict(self.origin)
@@ -70,6 +70,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.snapshot = dict(self.origin)
 
     @rule()
+    def write_packs(self):
+        self.loop.run_until_complete(self.engine.persist())
+
+    @rule()
     def evict_all(self):
         self.engine.evict_sync(everything=True)
 
@@ -84,9 +88,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: hasattr(self, "engine"))
     @invariant()
-    def usage_matches_blocks(self):
+    def usage_matches_blocks_and_packs(self):
         total, _ = self.engine.index.totals()
-        assert total == sum(rec.cached_bytes for _, rec in self.engine.index.objects())
+        assert total == sum(rec.cached_bytes for _, rec in self.engine.index.objects()) + sum(
+            p.size for p in self.engine.index.packs())
 
     def teardown(self):
         if hasattr(self, "engine"):

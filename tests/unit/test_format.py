@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from cachefs.checksum import block_checksum
 from cachefs.index import FORMAT_VERSION, ObjectRecord
-from cachefs.index.records import BLOCK, DS_STATS, TOTALS
+from cachefs.index.records import BLOCK, DIR_HEAT, DS_STATS, PACKED, TOTALS, PackRecord, pack_key
 from cachefs.manifest.store import _key, _pack
 from cachefs.types import Entry, dataset_id, object_key
 
 
 def test_format_version():
-    assert FORMAT_VERSION == 1
+    assert FORMAT_VERSION == 2
 
 
 DS_ID_GOLDEN = "95bc3e8b61afdbf4"
@@ -54,3 +54,13 @@ def test_manifest_entry_golden():
 def test_checksum_is_xxh3_64():
     assert block_checksum(b"") == 0x2D06800538D394C2
     assert block_checksum(b"cachefs") == block_checksum(memoryview(b"cachefs"))
+
+
+def test_pack_records_golden():
+    assert PACKED.pack(0x0102030405060708, 16, 5, 0xAB) == bytes.fromhex(
+        "0807060504030201" "1000000000000000" "0500000000000000" "ab00000000000000")
+    assert pack_key("0123456789abcdef", 0x0A0B) == b"0123456789abcdef" + bytes.fromhex("0000000000000a0b")
+    rec = PackRecord("0123456789abcdef", 0x0A0B, size=100, live_bytes=90, members=3, last_access=2.0, hits=7)
+    raw = bytes.fromhex("6400000000000000" "5a00000000000000" "03000000" "0000000000000040" "0700000000000000")
+    assert rec.pack() == raw and PackRecord.unpack(rec.key(), raw) == rec
+    assert DIR_HEAT.pack(1.5, 2.0) == bytes.fromhex("000000000000f83f" "0000000000000040")

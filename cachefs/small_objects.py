@@ -1,0 +1,307 @@
+"""Small objects: fetched whole in one GET, kept in pack files, read back with one ``pread``.
+
+Objects of at most ``cache.pack_threshold`` bytes take this path instead of the block path. A fetched object is
+served to its reader at once and joins its dataset's *pending* pack in memory (readable by this process from
+there); a pack is written (:class:`~cachefs.store.packs.PackStore`) when it reaches ``cache.pack_size`` or one
+second after its last addition, and only then does the index point the members at it, so other processes
+find every member either nowhere (they fetch it too: same version, same bytes) or in a complete pack.
+
+Reads verify the member's xxh3 every time (a member is at most ``pack_threshold`` bytes, so that is cheaper
+than remembering what was verified); a mismatch drops the member from the index and it is fetched again.
+
+Directory read-ahead: when a reader misses on a small file, the next ``engine.dir_readahead`` small files of
+the same directory (in listing order) are fetched in the background, with spare memory budget only, so a
+directory read in order is fetched ahead of its reader. Each directory's listing is cached for this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from .checksum import block_checksum
+from .errors import CacheFullError
+from .index.records import PackRecord, pack_key
+from .store.packs import Member, PackStore
+from .types import Entry
+
+if TYPE_CHECKING:
+    from .engine import Dataset, Engine
+
+__all__ = ["SmallObjects"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds after the last addition before a pending pack is written even if it is not full.
+FLUSH_DELAY = 1.0
+_MAX_OPEN_PACKS = 256
+_MAX_LISTINGS = 64
+
+
+class SmallObjects:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        c = engine.config.cache
+        self.threshold, self.pack_size = c.pack_threshold, c.pack_size
+        self.readahead = engine.config.engine.dir_readahead
+        self.store = PackStore(c.dir)
+        self._lock = threading.Lock()  # pending members and open packs are used from FUSE threads too
+        self._pending: dict[str, list[Member]] = {}  # dataset id → members of its next pack
+        self._pending_bytes: dict[str, int] = {}
+        self._pending_data: dict[bytes, bytes] = {}  # object key → bytes, until its pack is in the index
+        self._unwritten = 0  # bytes pending or being written
+        self._written: asyncio.Event | None = None
+        self._writes: set[asyncio.Task] = set()
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._fds: OrderedDict[bytes, int] = OrderedDict()  # pack key → descriptor
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        self._listings: OrderedDict[tuple[str, int, str], tuple[list[str], list[Entry]]] = OrderedDict()
+        self._ahead: dict[tuple[str, str], int] = {}  # (dataset, dir) → listing position read-ahead reached
+        self.pack_access: dict[bytes, list] = {}  # pack key → [last access, hits] not yet in the index
+        #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
+        self.full_error: CacheFullError | None = None
+        removed = self.store.clean(engine.index.has_pack)
+        if removed:
+            log.info("removed %d unfinished or orphaned pack file(s)", removed)
+
+    def packable(self, entry: Entry) -> bool:
+        return entry.size <= self.threshold
+
+    # -- local reads (any thread) -------------------------------------------------------------------------
+    def has(self, okey: bytes) -> bool:
+        with self._lock:
+            if okey in self._pending_data:
+                return True
+        return self.engine.index.packed(okey) is not None
+
+    def local(self, ds_id: str, okey: bytes, size: int) -> bytes | None:
+        """The whole object if this node holds it (pending or packed, checksum verified), else None."""
+        if size == 0:
+            return b""
+        with self._lock:
+            data = self._pending_data.get(okey)
+        if data is not None:
+            return data
+        loc = self.engine.index.packed(okey)
+        if loc is None:
+            return None
+        pack_id, offset, length, checksum = loc
+        pkey = pack_key(ds_id, pack_id)
+        fd = self._open_pack(ds_id, pack_id, pkey)
+        if fd is None:  # the file is gone but the index still names it (removed behind our back)
+            self.engine.index.remove_pack(ds_id, pack_id)
+            return None
+        try:
+            data = os.pread(fd, length, offset)
+        finally:
+            self._put_back(pkey, fd)
+        if len(data) != length or block_checksum(data) != checksum:
+            log.warning("pack %016x: a member failed its checksum; dropping it so it is fetched again", pack_id)
+            self.engine.index.drop_packed(ds_id, okey)
+            return None
+        with self._lock:
+            acc = self.pack_access.setdefault(pkey, [0.0, 0])
+            acc[0], acc[1] = time.time(), acc[1] + 1
+        return data
+
+    def _open_pack(self, ds_id: str, pack_id: int, pkey: bytes) -> int | None:
+        with self._lock:
+            fd = self._fds.pop(pkey, None)  # taken out while in use: nobody closes it under us
+        if fd is not None:
+            if os.fstat(fd).st_nlink:
+                return fd
+            os.close(fd)  # evicted: let the space go
+        return self.store.open(ds_id, pack_id)
+
+    def _put_back(self, pkey: bytes, fd: int) -> None:
+        with self._lock:
+            old = self._fds.pop(pkey, None)
+            self._fds[pkey] = fd
+            excess = [self._fds.popitem(last=False)[1] for _ in range(len(self._fds) - _MAX_OPEN_PACKS)]
+        for stale in [old, *excess]:
+            if stale is not None and stale != fd:
+                os.close(stale)
+
+    def close_pack(self, pkey: bytes) -> None:
+        with self._lock:
+            fd = self._fds.pop(pkey, None)
+        if fd is not None:
+            os.close(fd)
+
+    # -- fetching (event loop) ----------------------------------------------------------------------------
+    async def fetch(self, ds: Dataset, okey: bytes, entry: Entry) -> tuple[bytes, bool]:
+        """The whole object, fetched if no one has it (single-flight); (bytes, whether this call fetched)."""
+        data = self.local(ds.ref.id, okey, entry.size)
+        if data is not None:
+            return data, False
+        fut = self._inflight.get(okey)
+        if fut is None:
+            fut = asyncio.ensure_future(self._fetch(ds, okey, entry))
+            self._inflight[okey] = fut
+            fut.add_done_callback(lambda f: (self._inflight.pop(okey, None), f.cancelled() or f.exception()))
+            return await asyncio.shield(fut), True
+        return await asyncio.shield(fut), False
+
+    async def _fetch(self, ds: Dataset, okey: bytes, entry: Entry, *, reserved: bool = False) -> bytes:
+        budget = self.engine.budget
+        if not reserved:
+            await budget.acquire(entry.size)
+        try:
+            data = await self.engine.origin_read(ds, entry, 0, entry.size)
+        finally:
+            await budget.release(entry.size)
+        await self._add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data))
+        return data
+
+    async def _add(self, ds_id: str, member: Member) -> None:
+        with self._lock:
+            self._pending_data[member.okey] = member.data
+            self._pending.setdefault(ds_id, []).append(member)
+            pending = self._pending_bytes[ds_id] = self._pending_bytes.get(ds_id, 0) + len(member.data)
+            self._unwritten += len(member.data)
+            full = pending >= self.pack_size
+        if full:
+            self._start_write(ds_id)
+        elif self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_DELAY, self._flush_soon)
+        # Back-pressure: at most two packs' worth of fetched bytes wait for the disk.
+        while self._unwritten > 2 * self.pack_size:
+            if self._written is None:
+                self._written = asyncio.Event()
+            self._written.clear()
+            if not self._writes:
+                for ds in list(self._pending):
+                    self._start_write(ds)
+            await self._written.wait()
+
+    def _flush_soon(self) -> None:
+        self._flush_timer = None
+        for ds_id in list(self._pending):
+            self._start_write(ds_id)
+
+    def _take(self, ds_id: str) -> list[Member]:
+        with self._lock:
+            self._pending_bytes.pop(ds_id, None)
+            return self._pending.pop(ds_id, [])
+
+    def _start_write(self, ds_id: str) -> None:
+        members = self._take(ds_id)
+        if not members:
+            return
+        task = asyncio.ensure_future(asyncio.to_thread(self._write, ds_id, members))
+        self._writes.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._writes.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("writing a pack failed: %s", t.exception())
+            elif not t.cancelled():
+                self.engine.note_stored(t.result())
+            if self._written is not None:
+                self._written.set()
+
+        task.add_done_callback(done)
+
+    def _write(self, ds_id: str, members: list[Member]) -> int:
+        """Write one pack and record its members (any thread); returns bytes written. On a full disk that
+        eviction cannot relieve, what fits is written (the pack is split) and the rest dropped: those members
+        were served, they are just not cached."""
+        nbytes = sum(len(m.data) for m in members)
+        dropped: list[int] = []
+        try:
+            written = self._write_fitting(ds_id, members, dropped, evict=True)
+        finally:
+            with self._lock:  # in the index now (or dropped): no longer served from memory
+                for m in members:
+                    self._pending_data.pop(m.okey, None)
+                self._unwritten -= nbytes
+        if dropped:
+            self.engine.warn_full()
+            self.full_error = CacheFullError(f"cache disk full: could not store {sum(dropped)} small files "
+                                             f"(capacity {self.engine.capacity} B)")
+        else:
+            self.full_error = None
+        return written
+
+    def _write_fitting(self, ds_id: str, members: list[Member], dropped: list[int], *, evict: bool) -> int:
+        try:
+            written = self.store.write(ds_id, members)
+        except CacheFullError:
+            if evict:
+                self.engine.evict_sync(force=True)
+                return self._write_fitting(ds_id, members, dropped, evict=False)
+            if len(members) == 1:
+                dropped.append(1)
+                return 0
+            half = len(members) // 2
+            return (self._write_fitting(ds_id, members[:half], dropped, evict=False)
+                    + self._write_fitting(ds_id, members[half:], dropped, evict=False))
+        self.engine.index.commit_pack(ds_id, written.pack_id, written.size, written.members)
+        return written.size
+
+    async def flush(self) -> None:
+        """Write every pending pack now and wait for all writes."""
+        for ds_id in list(self._pending):
+            self._start_write(ds_id)
+        while self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+    def flush_sync(self) -> None:
+        """:meth:`flush` for callers without the event loop (shutdown)."""
+        for ds_id in list(self._pending):
+            members = self._take(ds_id)
+            if members:
+                self._write(ds_id, members)
+
+    # -- directory read-ahead -----------------------------------------------------------------------------
+    def read_ahead(self, ds: Dataset, entry: Entry) -> None:
+        """After a miss on ``entry``: fetch the next small files of its directory in the background."""
+        if self.readahead <= 0:
+            return
+        parent = entry.path.rpartition("/")[0]
+        names, entries = self._listing(ds, parent)
+        pos = bisect.bisect_left(names, entry.path.rpartition("/")[2])
+        key = (ds.ref.id, parent)
+        prev = self._ahead.get(key, 0)
+        reached = prev if pos + 1 <= prev <= pos + 1 + self.readahead else pos + 1
+        if len(self._ahead) > 4096:
+            self._ahead.clear()
+        budget = self.engine.budget
+        for e in entries[reached:pos + 1 + self.readahead]:
+            if not (e.is_dir or not self.packable(e) or e.size == 0):
+                okey = self.engine.object_key(ds, e)
+                if okey not in self._inflight and not self.has(okey):
+                    if not budget.try_reserve(e.size):
+                        break  # read-ahead uses spare budget only; the next miss carries on from here
+                    fut = asyncio.ensure_future(self._fetch(ds, okey, e, reserved=True))
+                    self._inflight[okey] = fut
+                    fut.add_done_callback(
+                        lambda f, k=okey: (self._inflight.pop(k, None), f.cancelled() or f.exception()))
+            reached += 1
+        self._ahead[key] = reached
+
+    def _listing(self, ds: Dataset, parent: str) -> tuple[list[str], list[Entry]]:
+        key = (ds.ref.id, ds.version, parent)
+        got = self._listings.get(key)
+        if got is None:
+            entries = sorted(ds.listdir(parent), key=lambda e: e.path.rpartition("/")[2])
+            got = self._listings[key] = ([e.path.rpartition("/")[2] for e in entries], entries)
+            while len(self._listings) > _MAX_LISTINGS:
+                self._listings.popitem(last=False)
+        else:
+            self._listings.move_to_end(key)
+        return got
+
+    # -- eviction -----------------------------------------------------------------------------------------
+    def remove_pack(self, rec: PackRecord) -> int:
+        """Evict one pack: the index forgets it and its members, then the file goes. Returns bytes freed."""
+        freed = self.engine.index.remove_pack(rec.dataset, rec.pack_id)
+        self.close_pack(rec.key())
+        self.store.remove(rec.dataset, rec.pack_id)
+        return freed

@@ -1,0 +1,194 @@
+"""Pack files: many small objects of one dataset in one Arrow IPC file.
+
+A million 100 KiB files as a million local files costs a million inodes, opens and unlinks; packed, they are a
+few hundred files of tens of MiB, each written once, read with ``pread`` at an offset the index records, and
+evicted (and later shipped between nodes) as a unit.
+
+Layout (docs/FORMAT.md): ``packs/<dataset id>/<pack id as 16 hex digits>.arrow``, an Arrow IPC *file* (readable
+by ``pyarrow.ipc.open_file``) with one record batch of columns ``path`` (utf8), ``version`` (utf8),
+``checksum`` (uint64, xxh3-64 of the member) and ``data`` (binary). The index maps each member's object key to
+(pack id, offset of its bytes in the file, length, checksum), so reads need neither pyarrow nor a parse.
+
+Crash safety: a pack is written to ``<name>.<pid>.tmp``, fsynced, then renamed; the index learns its members
+only after that. A half-written pack is therefore never named by the index, and leftovers are removed at
+start (temp files of dead writers; complete packs the index never learnt of, after a grace period).
+
+Eviction unlinks a pack without waiting for readers: a process that still has it open keeps reading the same
+(checksummed) bytes until it notices the file is gone (``st_nlink == 0``) and closes it, which frees the space.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..checksum import block_checksum
+from ..errors import CacheFSError, CacheFullError
+
+__all__ = ["Member", "PackStore", "WrittenPack"]
+
+_NAME = re.compile(r"^([0-9a-f]{16})\.arrow$")
+_TMP = re.compile(r"^[0-9a-f]{16}\.arrow\.(\d+)\.tmp$")
+#: A complete pack file the index does not know is an orphan once it is older than this (its writer crashed
+#: between the rename and the index commit, which are milliseconds apart).
+ORPHAN_GRACE = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    okey: bytes
+    path: str
+    version: str
+    checksum: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class WrittenPack:
+    pack_id: int
+    size: int
+    #: (object key, offset of the bytes in the file, length, checksum) per member
+    members: list[tuple[bytes, int, int, int]]
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([("path", pa.string()), ("version", pa.string()), ("checksum", pa.uint64()),
+                      ("data", pa.binary())])
+
+
+class PackStore:
+    def __init__(self, cache_dir: str) -> None:
+        self.root = os.path.join(cache_dir, "packs")
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+
+    def pack_path(self, dataset: str, pack_id: int) -> str:
+        return os.path.join(self.root, dataset, f"{pack_id:016x}.arrow")
+
+    def write(self, dataset: str, members: list[Member]) -> WrittenPack:
+        """Write ``members`` as one new pack (crash-safely) and return where each member's bytes are."""
+        import pyarrow as pa
+
+        pack_id = int.from_bytes(os.urandom(8), "big")
+        batch = pa.record_batch([pa.array([m.path for m in members], pa.string()),
+                                 pa.array([m.version for m in members], pa.string()),
+                                 pa.array([m.checksum for m in members], pa.uint64()),
+                                 pa.array([m.data for m in members], pa.binary())], schema=_schema())
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        buf = sink.getvalue()
+        # Reading the file back from memory gives zero-copy views into ``buf``: the data column's value buffer
+        # sits at a fixed place in the file, and each member at its offset within that buffer.
+        column = pa.ipc.open_file(buf).get_batch(0).column(3)
+        _validity, offsets_buf, values_buf = column.buffers()
+        base = values_buf.address - buf.address if values_buf is not None else 0
+        offsets = memoryview(offsets_buf).cast("i")[column.offset:] if len(column) else []
+        view = memoryview(buf)
+        placed = []
+        for i, m in enumerate(members):
+            off = base + offsets[i]
+            if block_checksum(view[off:off + len(m.data)]) != m.checksum:  # the layout is not what we think
+                raise CacheFSError(f"pack writer: member {m.path} is not where Arrow put it")
+            placed.append((m.okey, off, len(m.data), m.checksum))
+        path = self.pack_path(dataset, pack_id)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                written = 0
+                while written < len(view):
+                    written += os.write(fd, view[written:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+            dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CacheFullError(f"cache disk full while writing a pack of {len(members)} files") from None
+            raise CacheFSError(f"cache disk error writing {path}: {exc.strerror}", errno_=exc.errno) from None
+        return WrittenPack(pack_id, len(view), placed)
+
+    def open(self, dataset: str, pack_id: int) -> int | None:
+        """A read-only descriptor of the pack, or None if it is gone (evicted)."""
+        try:
+            return os.open(self.pack_path(dataset, pack_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+
+    def remove(self, dataset: str, pack_id: int) -> None:
+        try:
+            os.unlink(self.pack_path(dataset, pack_id))
+        except FileNotFoundError:
+            pass
+
+    def files(self) -> Iterable[tuple[str, int, str]]:
+        """(dataset, pack id, path) of every complete pack file on disk."""
+        for dataset in _listdir(self.root):
+            d = os.path.join(self.root, dataset)
+            for name in _listdir(d):
+                m = _NAME.match(name)
+                if m:
+                    yield dataset, int(m.group(1), 16), os.path.join(d, name)
+
+    def clean(self, known: Callable[[str, int], bool]) -> int:
+        """Remove temp files of writers that are gone and complete packs that ``known(dataset, pack_id)`` says
+        the index never learnt of (older than :data:`ORPHAN_GRACE`). Returns how many files went."""
+        removed = 0
+        for dataset in _listdir(self.root):
+            d = os.path.join(self.root, dataset)
+            for name in _listdir(d):
+                m = _TMP.match(name)
+                if m and not _pid_alive(int(m.group(1))):
+                    removed += _unlink(os.path.join(d, name))
+        now = time.time()
+        for dataset, pack_id, path in list(self.files()):
+            if known(dataset, pack_id):
+                continue
+            try:
+                old = now - os.stat(path).st_mtime > ORPHAN_GRACE
+            except FileNotFoundError:
+                continue
+            if old:
+                removed += _unlink(path)
+        return removed
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+def _unlink(path: str) -> int:
+    try:
+        os.unlink(path)
+        return 1
+    except FileNotFoundError:
+        return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

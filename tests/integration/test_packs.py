@@ -1,0 +1,234 @@
+"""Small files in pack files: the same bytes on every path (engine, fsspec, after a restart, after eviction,
+after a corrupted member), crash safety of pack writing (a real SIGKILL at the worst moments), directory
+read-ahead, and hot-directory counters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import fsspec
+import pytest
+
+from cachefs.config import load_config
+from cachefs.engine import Engine, ReadStream
+from cachefs.index import Index
+from cachefs.status import status_report
+from cachefs.store import packs as packs_module
+from cachefs.types import object_key
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A local origin (file://): 3 directories of small files and one large file."""
+    root = tmp_path / "origin"
+    rng = __import__("random").Random(7)
+    files = {f"train/c{i % 3}/{i:04d}.jpg": rng.randbytes(rng.randint(0, 12_000)) for i in range(150)}
+    files["big.bin"] = rng.randbytes(200_000)
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return f"file://{root}", root, files
+
+
+def run(engine: Engine, coro):
+    async def main():
+        try:
+            return await coro
+        finally:
+            await engine.aclose()
+    return asyncio.run(main())
+
+
+async def read_all(engine: Engine, url: str, files: dict[str, bytes]) -> dict[str, bytes]:
+    ds = await engine.open_dataset(url)
+    return {rel: await engine.read(ds, ds.file(rel), 0, len(data) + 10, ReadStream()) for rel, data in files.items()}
+
+
+def test_small_files_are_packed_and_read_back_the_same_everywhere(tree, config):
+    url, root, files = tree
+    engine = Engine(config)
+    assert run(engine, read_all(engine, url, files)) == files
+    index = Index(config.cache.dir)
+    packs = list(index.packs())
+    small = {rel: d for rel, d in files.items() if len(d) <= config.cache.pack_threshold}
+    nonempty = {rel: d for rel, d in small.items() if d}  # empty files need no bytes stored anywhere
+    assert len(packs) >= 2 and sum(p.members for p in packs) == len(nonempty)
+    data_files = [f for _dirs, _sub, names in os.walk(os.path.join(config.cache.dir, "data")) for f in names]
+    assert len(data_files) == len(files) - len(small)  # only the large file got a file of its own
+    # A pack is an Arrow IPC file anyone can read: path, version, checksum, data.
+    import pyarrow as pa
+
+    seen = {}
+    for p in packs:
+        table = pa.ipc.open_file(pa.memory_map(packs_module.PackStore(config.cache.dir).pack_path(
+            p.dataset, p.pack_id))).read_all()
+        assert table.column_names == ["path", "version", "checksum", "data"]
+        seen.update(zip(table.column("path").to_pylist(), table.column("data").to_pylist(), strict=True))
+    assert seen == nonempty
+
+    # A new process (engine) reads them back from the packs alone: the origin is gone.
+    os.rename(root, str(root) + ".gone")
+    engine = Engine(config)
+    assert run(engine, read_all(engine, url, small)) == small
+    # fsspec, too
+    fs = fsspec.filesystem("cachefs", target_protocol="file", cache_dir=config.cache.dir, dataset=url,
+                           skip_instance_cache=True, cache_pack_threshold=config.cache.pack_threshold,
+                           cache_block_size=config.cache.block_size)
+    for rel, data in small.items():
+        assert fs.cat_file(f"{root}/{rel}") == data
+
+
+def test_eviction_removes_whole_packs_and_files_come_back(tree, config):
+    url, _root, files = tree
+    engine = Engine(config)
+    run(engine, read_all(engine, url, files))
+    index = Index(config.cache.dir)
+    pack_files = sorted(os.listdir(os.path.join(config.cache.dir, "packs", next(index.packs()).dataset)))
+    assert pack_files and all(n.endswith(".arrow") for n in pack_files)
+    engine = Engine(config)
+    freed = engine.evict_sync(everything=True)
+    engine.close()
+    assert freed > 0 and list(index.packs()) == [] and index.totals() == (0, 0)
+    assert not any(n.endswith(".arrow") for _d, _i, n in packs_module.PackStore(config.cache.dir).files())
+    engine = Engine(config)
+    assert run(engine, read_all(engine, url, files)) == files
+
+
+def test_a_corrupted_member_is_detected_and_fetched_again(tree, config, caplog):
+    url, _root, files = tree
+    engine = Engine(config)
+    run(engine, read_all(engine, url, files))
+    index = Index(config.cache.dir)
+    ds_id = next(index.packs()).dataset
+    rel = next(r for r, d in files.items() if 100 < len(d) <= config.cache.pack_threshold)
+    pack_id, offset, length, _ck = index.packed(object_key(ds_id, rel, _version(url, rel, config)))
+    path = packs_module.PackStore(config.cache.dir).pack_path(ds_id, pack_id)
+    with open(path, "r+b") as f:  # one flipped byte in the middle of the member
+        f.seek(offset + length // 2)
+        b = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    engine = Engine(config)
+    with caplog.at_level(logging.WARNING):
+        got = run(engine, read_all(engine, url, {rel: files[rel]}))
+    assert got[rel] == files[rel]
+    assert "failed its checksum" in caplog.text
+    new = index.packed(object_key(ds_id, rel, _version(url, rel, config)))
+    assert new is not None and new[0] != pack_id  # re-fetched into a new pack
+
+
+def _version(url: str, rel: str, config) -> str:
+    engine = Engine(config)
+
+    async def get():
+        ds = await engine.open_dataset(url)
+        return ds.file(rel).version
+    return run(engine, get())
+
+
+CRASH = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    from cachefs.config import load_config
+    from cachefs.engine import Engine
+    from cachefs.store import packs
+    from cachefs.index import index as index_module
+    url, cache, where = sys.argv[1:4]
+    if where == "mid-write":  # half the pack's bytes reach the temp file, then the process dies
+        real_write = os.write
+        def write(fd, data):
+            real_write(fd, bytes(data[: len(data) // 2]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        packs.os.write = write
+    else:  # the pack is complete and renamed, the process dies before the index learns of it
+        def commit(*a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        index_module.Index.commit_pack = commit
+    config = load_config(env={}, overrides={"cache_dir": cache})
+    engine = Engine(config)
+    async def main():
+        ds = await engine.open_dataset(url)
+        for e in ds.walk_files():
+            await engine.ensure_cached(ds, e)
+        await engine.persist()
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("where", ["mid-write", "after-rename"])
+def test_a_crash_while_writing_a_pack_never_serves_it_and_leaves_nothing_behind(tree, cache_dir, where, monkeypatch):
+    url, _root, files = tree
+    proc = subprocess.run([sys.executable, "-c", CRASH, url, cache_dir, where], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    leftovers = os.listdir(os.path.join(cache_dir, "packs", os.listdir(os.path.join(cache_dir, "packs"))[0]))
+    assert len(leftovers) == 1 and leftovers[0].endswith(".tmp" if where == "mid-write" else ".arrow")
+    index = Index(cache_dir)
+    assert list(index.packs()) == [] and index.totals()[0] == 0  # the index never named it
+    monkeypatch.setattr(packs_module, "ORPHAN_GRACE", 0.0)  # (a real orphan is removed after 5 minutes)
+    config = load_config(env={}, overrides={"cache_dir": cache_dir})
+    engine = Engine(config)  # cleans up at start
+    assert list(packs_module.PackStore(cache_dir).files()) == []
+    assert not any(n.endswith(".tmp") for d in os.listdir(os.path.join(cache_dir, "packs"))
+                   for n in os.listdir(os.path.join(cache_dir, "packs", d)))
+    assert run(engine, read_all(engine, url, files)) == files
+
+
+def test_a_directory_read_in_order_is_fetched_ahead_of_its_reader(tree, config):
+    url, _root, files = tree
+    engine = Engine(config)
+    d = sorted(r for r in files if r.startswith("train/c0/"))
+
+    async def scenario():
+        ds = await engine.open_dataset(url)
+        await engine.read(ds, ds.file(d[0]), 0, 1 << 20, ReadStream())  # a miss: the next files are fetched
+        deadline = time.monotonic() + 10
+        ahead = d[1:1 + config.engine.dir_readahead]
+        assert len(ahead) >= 40  # (the default read-ahead covers the whole 50-file directory)
+        while not all(engine.cached_bytes(ds, ds.file(r)) == len(files[r]) for r in ahead):
+            assert time.monotonic() < deadline, "read-ahead did not fetch the following files"
+            await asyncio.sleep(0.02)
+        for r in ahead:
+            assert engine.read_local(ds, ds.file(r), 0, 1 << 20, ReadStream()) == files[r]  # local already
+
+    run(engine, scenario())
+
+
+def test_hot_directories_are_counted_and_shown_by_status(tree, config):
+    url, _root, files = tree
+    engine = Engine(config)
+    hot = [r for r in files if r.startswith("train/c1/")]
+
+    async def scenario():
+        ds = await engine.open_dataset(url)
+        for _ in range(3):
+            for r in hot:
+                await engine.read(ds, ds.file(r), 0, 10, ReadStream())
+        await engine.read(ds, ds.file("train/c2/0002.jpg"), 0, 10, ReadStream())
+        return status_report(engine)
+
+    report = run(engine, scenario())
+    dirs = report["hot_directories"]
+    assert dirs[0]["path"] == "train/c1" and dirs[0]["url"] == url.rstrip("/")
+    assert dirs[0]["score"] == pytest.approx(3 * len(hot), rel=0.01)
+    assert [d["path"] for d in dirs][:2] == ["train/c1", "train/c2"]
+    json.dumps(report)
+
+
+def test_prefetch_cli_packs_small_files_and_reports_status(tree, cache_dir):
+    url, _root, files = tree
+    r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--cache-dir", cache_dir, "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files_done"] == len(files)
+    index = Index(cache_dir)
+    assert len(list(index.packs())) == 1  # ~1 MB of files under the 1 MiB default threshold: one pack
+    status = json.loads(subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--cache-dir", cache_dir,
+                                        "--json"], capture_output=True, text=True, timeout=60).stdout)
+    assert status["datasets"][0]["cached_fraction"] == 1.0
