@@ -405,10 +405,14 @@ class Engine:
     async def origin_read(self, ds: Dataset, entry: Entry, start: int, length: int) -> bytes:
         """``length`` bytes of ``entry`` at ``start`` from the origin, within the fetch limits (concurrent GETs,
         bytes on the wire). The caller holds memory budget for them."""
+        return await self.origin_get(ds.source, ds.ref.object_url(entry.path), entry.version, start, length)
+
+    async def origin_get(self, source: Source, url: str, version: str, start: int, length: int) -> bytes:
+        """:meth:`origin_read` of any object (a mirror's pack)."""
         if self._fetch_slots is None:
             self._fetch_slots = asyncio.Semaphore(self.config.engine.max_concurrent_fetches)
         async with self._fetch_slots, self._window.reserve(length):
-            return await ds.source.read(ds.ref.object_url(entry.path), entry.version, start, start + length)
+            return await source.read(url, version, start, start + length)
 
     async def _fetch(self, ds: Dataset, entry: Entry, ob: _Open, idx: int, *, reserved: bool) -> tuple[bytes, bool]:
         bs = self.block_size

@@ -26,8 +26,9 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from .checksum import block_checksum
-from .errors import CacheFullError
+from .errors import CacheFSError, CacheFullError
 from .index.records import PackRecord, pack_key
+from .mirror import MirrorIndex, load_mirror
 from .store.packs import Member, PackStore
 from .types import Entry
 
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds after the last addition before a pending pack is written even if it is not full.
 FLUSH_DELAY = 1.0
+#: A miss on a file that a dataset's packed mirror holds fetches every member starting in the same window of
+#: the mirror's pack: one ranged GET of up to this many bytes instead of one GET per file.
+MIRROR_WINDOW = 8 * 1024 * 1024
 _MAX_OPEN_PACKS = 256
 _MAX_LISTINGS = 64
 
@@ -66,6 +70,11 @@ class SmallObjects:
         self.pack_access: dict[bytes, list] = {}  # pack key → [last access, hits] not yet in the index
         #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
         self.full_error: CacheFullError | None = None
+        self._mirrors: dict[str, MirrorIndex | None] = {}  # dataset id → its packed mirror (None: has none)
+        self._mirror_locks: dict[str, asyncio.Lock] = {}
+        self._windows: dict[tuple[str, int, int], asyncio.Future] = {}
+        #: Files fetched from a mirror, and the GETs that brought them.
+        self.mirror_files = self.mirror_gets = 0
         removed = self.store.clean(engine.index.has_pack)
         if removed:
             log.info("removed %d unfinished or orphaned pack file(s)", removed)
@@ -149,6 +158,16 @@ class SmallObjects:
         return await asyncio.shield(fut), False
 
     async def _fetch(self, ds: Dataset, okey: bytes, entry: Entry, *, reserved: bool = False) -> bytes:
+        mirror = await self._mirror(ds)
+        if mirror is not None and okey in mirror.entries:
+            try:
+                data = await self._from_mirror(ds, mirror, okey)
+            except CacheFSError as exc:  # a mirror rewritten or damaged: the source still has the file
+                log.warning("%s: %s; reading %s from the source", mirror.url, exc, entry.path)
+            else:
+                if reserved:
+                    await self.engine.budget.release(entry.size)
+                return data
         budget = self.engine.budget
         if not reserved:
             await budget.acquire(entry.size)
@@ -158,6 +177,63 @@ class SmallObjects:
             await budget.release(entry.size)
         await self._add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data))
         return data
+
+    async def _mirror(self, ds: Dataset) -> MirrorIndex | None:
+        ds_id = ds.ref.id
+        if ds_id not in self._mirrors:
+            async with self._mirror_locks.setdefault(ds_id, asyncio.Lock()):
+                if ds_id not in self._mirrors:
+                    try:
+                        self._mirrors[ds_id] = await load_mirror(self.engine, ds)
+                    except (CacheFSError, ValueError, KeyError) as exc:
+                        log.warning("%s: cannot use its packed mirror (%s); reading files one by one", ds.ref.url, exc)
+                        self._mirrors[ds_id] = None
+                    if self._mirrors[ds_id] is not None:
+                        log.info("%s: using its packed mirror %s", ds.ref.url, self._mirrors[ds_id].url)
+        return self._mirrors[ds_id]
+
+    async def _from_mirror(self, ds: Dataset, mirror: MirrorIndex, okey: bytes) -> bytes:
+        """Fetch the mirror window holding ``okey`` (single-flight) and return ``okey``'s bytes."""
+        pack, offset, _length, _ck = mirror.entries[okey]
+        key = (ds.ref.id, pack, offset // MIRROR_WINDOW)
+        fut = self._windows.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._fetch_window(ds, mirror, pack, key[2] * MIRROR_WINDOW))
+            self._windows[key] = fut
+            fut.add_done_callback(lambda f: (self._windows.pop(key, None), f.cancelled() or f.exception()))
+        got = await asyncio.shield(fut)
+        if okey not in got:
+            raise CacheFSError(f"pack {pack}: the window fetched did not hold the file")
+        return got[okey]
+
+    async def _fetch_window(self, ds: Dataset, mirror: MirrorIndex, pack: int, start: int) -> dict[bytes, bytes]:
+        members = mirror.window(pack, start, start + MIRROR_WINDOW)
+        lo, hi = members[0][0], max(m[0] + m[1] for m in members)
+        url, version = mirror.packs[pack]
+        budget = self.engine.budget
+        await budget.acquire(hi - lo)
+        try:
+            raw = await self.engine.origin_get(ds.source, url, version, lo, hi - lo)
+        finally:
+            await budget.release(hi - lo)
+        self.mirror_gets += 1
+        view, out, new = memoryview(raw), {}, []
+        for off, length, okey, checksum, path, file_version in members:
+            try:
+                if ds.stat(path).version != file_version:
+                    continue  # changed at the source since it was packed: the manifest names another version
+            except OSError:
+                continue  # not in this manifest at all
+            data = bytes(view[off - lo:off - lo + length])
+            if block_checksum(data) != checksum:
+                raise CacheFSError(f"{url}: a member failed its checksum")
+            out[okey] = data
+            if okey not in self._pending_data and self.engine.index.packed(okey) is None:
+                new.append(Member(okey, path, file_version, checksum, data))
+        for member in new:  # every file of the window joins this node's packs, not just the one asked for
+            await self._add(ds.ref.id, member)
+        self.mirror_files += len(out)
+        return out
 
     async def _add(self, ds_id: str, member: Member) -> None:
         with self._lock:

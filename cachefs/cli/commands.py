@@ -200,6 +200,39 @@ async def publish_labels(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+async def pack(args: argparse.Namespace, config: Config) -> int:
+    from ..mirror import mirror_url_for, write_mirror
+
+    to = args.to or mirror_url_for(args.url)
+    if to.rstrip("/") == args.url.rstrip("/") or to.startswith(args.url.rstrip("/") + "/"):
+        raise ConfigError(f"--to {to}: the mirror must not lie inside the dataset it mirrors")
+    engine = Engine(config)
+    try:
+        if args.refresh:
+            await engine.refresh(args.url)
+        ds = await engine.open_dataset(args.url)
+
+        def progress(s) -> None:
+            if not args.json:
+                print(f"\r{s.files} files, {human_bytes(s.bytes)} in {s.packs} packs", end="", file=sys.stderr,
+                      flush=True)
+
+        summary = await write_mirror(engine, ds, to, on_progress=progress)
+    finally:
+        await engine.aclose()
+    if args.json:
+        from .main import print_json
+
+        print_json({"url": ds.ref.url, "mirror": summary.url, "manifest_version": ds.version, "files": summary.files,
+                    "bytes": summary.bytes, "packs": summary.packs, "skipped_large_files": summary.skipped_large,
+                    "verified": summary.verified, "seconds": round(summary.seconds, 3)})
+    else:
+        print(f"\n{ds.ref.url}: {summary.files} small files ({human_bytes(summary.bytes)}) packed into "
+              f"{summary.packs} packs at {summary.url} in {summary.seconds:.1f}s, verified against manifest "
+              f"{ds.version}; {summary.skipped_large} larger files are read from the source as they are")
+    return 0
+
+
 async def mount(args: argparse.Namespace, config: Config) -> int:
     import asyncio
     import os

@@ -63,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pf.add_argument("--json", action="store_true", help="print the summary as JSON (implies --quiet)")
 
+    pk = sub.add_parser("pack", parents=[common],
+                        help="write a packed mirror of a dataset's small files to object storage (cold reads "
+                             "then fetch a few large packs instead of one object per file)")
+    pk.add_argument("url", help="dataset URL, e.g. s3://bucket/imagenet")
+    pk.add_argument("--to", help="where to write it (default: <url>.cachefs, where every node looks for it)")
+    pk.add_argument("--refresh", action="store_true", help="take a new manifest snapshot first")
+    pk.add_argument("--json", action="store_true", help="print the summary as JSON")
+
     st = sub.add_parser("status", parents=[common], help="capacity, usage and per-dataset cached fraction")
     st.add_argument("--json", action="store_true", help="machine-readable output")
 

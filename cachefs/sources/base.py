@@ -120,5 +120,12 @@ class RetryingSource(Source):
 
         return await with_retries(attempt, what=url, policy=self.policy, timeout=self.timeout)
 
+    async def write(self, url: str, data: bytes) -> Entry:
+        return await with_retries(lambda: self.inner.write(url, data), what=url, policy=self.policy,
+                                  timeout=self.timeout + len(data) / (10 * 1024 * 1024))
+
+    async def connect(self) -> None:
+        await self.inner.connect()
+
     async def close(self) -> None:
         await self.inner.close()

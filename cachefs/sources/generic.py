@@ -86,6 +86,10 @@ class FsspecSource(Source):
         info = await self._call("info", self._strip(url))
         return Entry(url, int(info.get("size") or 0), info_version(info), info_mtime(info))
 
+    async def write(self, url: str, data: bytes) -> Entry:
+        await self._call("pipe_file", self._strip(url), data)
+        return await self.stat(url)
+
     async def read(self, url: str, version: str, start: int, end: int) -> bytes:
         if version and self._checked.get(url) != version:
             current = await self.stat(url)

@@ -75,6 +75,22 @@ class LocalSource(Source):
     async def read(self, url: str, version: str, start: int, end: int) -> bytes:
         return await asyncio.to_thread(self._read, url, version, start, end)
 
+    async def write(self, url: str, data: bytes) -> Entry:
+        def put() -> os.stat_result:
+            path = _path(url)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # readers see the old object or the new one, never half of one
+            return os.stat(path)
+
+        try:
+            st = await asyncio.to_thread(put)
+        except OSError as exc:
+            raise translate_origin_error(exc, url) from exc
+        return Entry(url, st.st_size, _version(st), st.st_mtime)
+
     @staticmethod
     def _read(url: str, version: str, start: int, end: int) -> bytes:
         try:

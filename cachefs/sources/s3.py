@@ -175,6 +175,14 @@ class S3Source(Source):
         async with resp["Body"] as body:
             return await body.read()
 
+    async def write(self, url: str, data: bytes) -> Entry:
+        bucket, key = _split(url)
+        if not key:
+            raise ObjectNotFoundError(f"{url}: not an object")
+        client = await self._s3()
+        resp = await client.put_object(Bucket=bucket, Key=key, Body=data)
+        return Entry(url, len(data), _etag(resp.get("ETag")), 0.0)
+
     async def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:

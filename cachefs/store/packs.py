@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..checksum import block_checksum
 from ..errors import CacheFSError, CacheFullError
 
-__all__ = ["Member", "PackStore", "WrittenPack"]
+__all__ = ["Member", "PackStore", "WrittenPack", "serialize"]
 
 _NAME = re.compile(r"^([0-9a-f]{16})\.arrow$")
 _TMP = re.compile(r"^[0-9a-f]{16}\.arrow\.(\d+)\.tmp$")
@@ -72,30 +72,8 @@ class PackStore:
 
     def write(self, dataset: str, members: list[Member]) -> WrittenPack:
         """Write ``members`` as one new pack (crash-safely) and return where each member's bytes are."""
-        import pyarrow as pa
-
         pack_id = int.from_bytes(os.urandom(8), "big")
-        batch = pa.record_batch([pa.array([m.path for m in members], pa.string()),
-                                 pa.array([m.version for m in members], pa.string()),
-                                 pa.array([m.checksum for m in members], pa.uint64()),
-                                 pa.array([m.data for m in members], pa.binary())], schema=_schema())
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_file(sink, batch.schema) as writer:
-            writer.write_batch(batch)
-        buf = sink.getvalue()
-        # Reading the file back from memory gives zero-copy views into ``buf``: the data column's value buffer
-        # sits at a fixed place in the file, and each member at its offset within that buffer.
-        column = pa.ipc.open_file(buf).get_batch(0).column(3)
-        _validity, offsets_buf, values_buf = column.buffers()
-        base = values_buf.address - buf.address if values_buf is not None else 0
-        offsets = memoryview(offsets_buf).cast("i")[column.offset:] if len(column) else []
-        view = memoryview(buf)
-        placed = []
-        for i, m in enumerate(members):
-            off = base + offsets[i]
-            if block_checksum(view[off:off + len(m.data)]) != m.checksum:  # the layout is not what we think
-                raise CacheFSError(f"pack writer: member {m.path} is not where Arrow put it")
-            placed.append((m.okey, off, len(m.data), m.checksum))
+        view, placed = serialize(members)
         path = self.pack_path(dataset, pack_id)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -167,6 +145,35 @@ class PackStore:
             if old:
                 removed += _unlink(path)
         return removed
+
+
+def serialize(members: list[Member]) -> tuple[memoryview, list[tuple[bytes, int, int, int]]]:
+    """The bytes of a pack file holding ``members`` and, per member, (object key, offset of its bytes in
+    them, length, checksum)."""
+    import pyarrow as pa
+
+    batch = pa.record_batch([pa.array([m.path for m in members], pa.string()),
+                             pa.array([m.version for m in members], pa.string()),
+                             pa.array([m.checksum for m in members], pa.uint64()),
+                             pa.array([m.data for m in members], pa.binary())], schema=_schema())
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    buf = sink.getvalue()
+    # Reading the file back from memory gives zero-copy views into ``buf``: the data column's value buffer
+    # sits at a fixed place in the file, and each member at its offset within that buffer.
+    column = pa.ipc.open_file(buf).get_batch(0).column(3)
+    _validity, offsets_buf, values_buf = column.buffers()
+    base = values_buf.address - buf.address if values_buf is not None else 0
+    offsets = memoryview(offsets_buf).cast("i")[column.offset:] if len(column) else []
+    view = memoryview(buf)
+    placed = []
+    for i, m in enumerate(members):
+        off = base + offsets[i]
+        if block_checksum(view[off:off + len(m.data)]) != m.checksum:  # the layout is not what we think
+            raise CacheFSError(f"pack writer: member {m.path} is not where Arrow put it")
+        placed.append((m.okey, off, len(m.data), m.checksum))
+    return view, placed
 
 
 def _listdir(path: str) -> list[str]:

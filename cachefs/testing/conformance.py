@@ -87,6 +87,19 @@ class SourceConformance:
         with pytest.raises(ObjectNotFoundError):
             _run(origin.source, lambda src: _list(src, origin.missing_root))
 
+    def test_write_replaces_the_whole_object(self, populated):
+        url = f"{populated.root}/written/new.bin"
+
+        async def scenario(src):
+            first = await src.write(url, b"x" * 1000)
+            second = await src.write(url, b"second version")
+            st = await src.stat(url)
+            return first, second, st, await src.read(url, second.version, 0, 14)
+
+        first, second, st, data = _run(self._retrying(populated), scenario)
+        assert (first.size, second.size, st.size, data) == (1000, 14, 14, b"second version")
+        assert second.version == st.version
+
     def test_stat_matches_listing(self, populated):
         async def scenario(src):
             e = (await _list(src, populated.root))["dir/b.bin"]

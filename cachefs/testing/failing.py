@@ -52,6 +52,9 @@ class FailingSource(Source):
     async def stat(self, url: str) -> Entry:
         return await self.inner.stat(url)
 
+    async def write(self, url: str, data: bytes) -> Entry:
+        return await self.inner.write(url, data)
+
     async def read(self, url: str, version: str, start: int, end: int) -> bytes:
         self.reads += 1
         self.read_ranges.append((url, start, end))

@@ -232,3 +232,59 @@ def test_prefetch_cli_packs_small_files_and_reports_status(tree, cache_dir):
     status = json.loads(subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--cache-dir", cache_dir,
                                         "--json"], capture_output=True, text=True, timeout=60).stdout)
     assert status["datasets"][0]["cached_fraction"] == 1.0
+
+
+# -- the packed mirror on object storage -------------------------------------------------------------------------
+def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness_falls_back(s3, config):
+    from cachefs.sources import open_origin
+    from cachefs.testing.failing import FailingSource
+    from tests.conftest import put_tree
+
+    _server, client, bucket = s3
+    rng = __import__("random").Random(3)
+    files = {f"train/c{i % 4}/{i:04d}.jpg": rng.randbytes(rng.randint(1, 9000)) for i in range(300)}
+    files["big.bin"] = rng.randbytes(100_000)  # over the test config's 16 KiB threshold: not packed
+    put_tree(client, bucket, "ds", files)
+    url = f"s3://{bucket}/ds"
+    env = {"CACHEFS_CACHE_PACK_SIZE": "256KiB", "CACHEFS_CACHE_PACK_THRESHOLD": "16KiB"}
+    r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "pack", url, "--cache-dir", config.cache.dir,
+                        "--json"], capture_output=True, text=True, timeout=180, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["files"] == 300 and summary["verified"] and summary["skipped_large_files"] == 1
+    assert summary["mirror"] == f"{url}.cachefs" and summary["packs"] >= 5  # ~1.3 MB in 256 KiB packs
+    meta = json.loads(client.get_object(Bucket=bucket, Key="ds.cachefs/mirror.json")["Body"].read())
+    assert meta["source"] == url and len(meta["packs"]) == summary["packs"]
+    import pyarrow as pa
+
+    index = pa.ipc.open_file(pa.py_buffer(client.get_object(Bucket=bucket, Key="ds.cachefs/index.arrow")["Body"]
+                                          .read())).read_all()
+    assert sorted(index.column("path").to_pylist()) == sorted(r for r in files if r != "big.bin")
+
+    # A fresh node reads the tree cold: the files come in a few ranged GETs of the mirror's packs.
+    client.put_object(Bucket=bucket, Key="ds/train/c1/0001.jpg", Body=b"changed after packing")
+    changed = dict(files, **{"train/c1/0001.jpg": b"changed after packing"})
+    cache2 = os.path.join(os.path.dirname(config.cache.dir), "cache2")
+    import dataclasses
+
+    config2 = dataclasses.replace(config, cache=dataclasses.replace(config.cache, dir=cache2))
+    counting = FailingSource(open_origin(url, config2).inner)
+    from cachefs.sources import RetryingSource, RetryPolicy
+
+    source = RetryingSource(counting, RetryPolicy(3, 0.001, 0.01), 10.0)
+    engine = Engine(config2)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=source)  # its reads are counted
+        got = {}
+        for rel in sorted(changed):
+            got[rel] = await engine.read(ds, ds.file(rel), 0, 1 << 20, ReadStream())
+        return got, engine.small.mirror_files, engine.small.mirror_gets
+
+    got, mirror_files, mirror_gets = run(engine, scenario())
+    assert got == changed  # every byte right, the changed file's new bytes included
+    assert mirror_files == 299  # all but the changed file (its new version is not in the mirror)
+    reads = [u for u, _s, _e in counting.read_ranges]
+    per_file = [u for u in reads if ".cachefs/" not in u]  # the changed file, and the large one's two blocks
+    assert sorted(per_file) == [f"{url}/big.bin"] * 2 + [f"{url}/train/c1/0001.jpg"]
+    assert len(reads) - len(per_file) == mirror_gets <= summary["packs"] + 4  # a few pack GETs, not 299 file GETs
