@@ -7,6 +7,7 @@ network namespace made for the run (as root; otherwise loopback, said in the out
 Passes, for each cache layout (packed / per-file):
 
 * **cold prefetch** of the whole tree (``cachefs prefetch``): MB/s against the link's capacity;
+* **cold prefetch through a packed mirror** (``cachefs pack`` first, then a node with an empty cache);
 * **warm reads**, page cache dropped before every pass (cachefs's and the local tree's alike), files in a
   seeded random order, 1 and N reader processes: through the FUSE mount and through fsspec (``cachefs::``),
   against the same tree on local disk.
@@ -116,6 +117,7 @@ def run(args, server, work: str, capped: bool) -> None:
     mnt = os.path.join(work, "mnt")
     os.makedirs(mnt)
     local_paths = [os.path.join(local, n) for n in names]
+    cold: dict[str, float] = {}
 
     for layout, threshold in (("packed", "1MiB"), ("per-file", "0")):
         os.environ["CACHEFS_CACHE_PACK_THRESHOLD"] = threshold
@@ -123,6 +125,7 @@ def run(args, server, work: str, capped: bool) -> None:
         t = time.perf_counter()
         subprocess.run([*cli, "prefetch", url, "-q", "--cache-dir", cache], check=True)
         secs = time.perf_counter() - t
+        cold[layout] = secs
         rate = nbytes / secs / 1e6
         cap = f" = {rate / (args.rate_mbit / 8):.2f}× the {args.rate_mbit} Mbit/s link" if capped else ""
         print(f"{layout:>8}: cold prefetch {secs:6.1f} s, {rate:7.1f} MB/s, {len(names) / secs:7.0f} files/s{cap}")
@@ -152,6 +155,19 @@ def run(args, server, work: str, capped: bool) -> None:
             print(f"{layout:>8}: warm x{n}: mount {m:7.0f} files/s = {m / d:.2f}× local disk ({d:.0f} files/s); "
                   f"fsspec {f:7.0f} files/s = {f / d:.2f}×")
     os.environ.pop("CACHEFS_CACHE_PACK_THRESHOLD", None)
+
+    # Cold through a packed mirror: `cachefs pack` once, then a node with an empty cache prefetches.
+    t = time.perf_counter()
+    subprocess.run([*cli, "pack", url, "--cache-dir", os.path.join(work, "cache-packer"), "--json"], check=True,
+                   stdout=subprocess.DEVNULL)
+    print(f"  mirror: cachefs pack {time.perf_counter() - t:6.1f} s")
+    t = time.perf_counter()
+    subprocess.run([*cli, "prefetch", url, "-q", "--cache-dir", os.path.join(work, "cache-mirror")], check=True)
+    secs = time.perf_counter() - t
+    rate = nbytes / secs / 1e6
+    cap = f" = {rate / (args.rate_mbit / 8):.2f}× the link" if capped else ""
+    print(f"  mirror: cold prefetch {secs:6.1f} s, {rate:7.1f} MB/s, {len(names) / secs:7.0f} files/s{cap}; "
+          f"{cold['packed'] / secs:.1f}× the per-file cold path")
 
 
 if __name__ == "__main__":

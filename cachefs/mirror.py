@@ -71,6 +71,7 @@ class MirrorIndex:
 
     url: str
     packs: list[tuple[str, str]]  # (object URL, version) per pack
+    pack_sizes: list[int] = field(default_factory=list)
     entries: dict[bytes, tuple[int, int, int, int]] = field(default_factory=dict)  # okey → pack, offset, len, ck
     # Per pack, members by offset: (offset, length, okey, checksum, path, version), to find a window's members.
     layout: list[list[tuple[int, int, bytes, int, str, str]]] = field(default_factory=list)
@@ -187,7 +188,8 @@ async def load_mirror(engine: Engine, ds: Dataset, url: str | None = None, *, so
     idx = meta["index"]
     raw = await src.read(f"{url}/{idx['name']}", idx.get("version", ""), 0, int(idx["size"]))
     table = pa.ipc.open_file(pa.py_buffer(raw)).read_all()
-    mirror = MirrorIndex(url, [(f"{url}/{p['name']}", p.get("version", "")) for p in meta["packs"]])
+    mirror = MirrorIndex(url, [(f"{url}/{p['name']}", p.get("version", "")) for p in meta["packs"]],
+                         [int(p["size"]) for p in meta["packs"]])
     mirror.layout = [[] for _ in mirror.packs]
     cols = [table.column(n).to_pylist() for n in ("path", "version", "pack", "offset", "length", "checksum")]
     for path, version, pack, offset, length, checksum in zip(*cols, strict=True):

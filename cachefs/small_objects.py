@@ -44,6 +44,8 @@ FLUSH_DELAY = 1.0
 #: A miss on a file that a dataset's packed mirror holds fetches every member starting in the same window of
 #: the mirror's pack: one ranged GET of up to this many bytes instead of one GET per file.
 MIRROR_WINDOW = 8 * 1024 * 1024
+#: Windows fetched ahead of the one a reader waits for.
+MIRROR_AHEAD = 3
 _MAX_OPEN_PACKS = 256
 _MAX_LISTINGS = 64
 
@@ -195,19 +197,36 @@ class SmallObjects:
     async def _from_mirror(self, ds: Dataset, mirror: MirrorIndex, okey: bytes) -> bytes:
         """Fetch the mirror window holding ``okey`` (single-flight) and return ``okey``'s bytes."""
         pack, offset, _length, _ck = mirror.entries[okey]
-        key = (ds.ref.id, pack, offset // MIRROR_WINDOW)
-        fut = self._windows.get(key)
-        if fut is None:
-            fut = asyncio.ensure_future(self._fetch_window(ds, mirror, pack, key[2] * MIRROR_WINDOW))
-            self._windows[key] = fut
-            fut.add_done_callback(lambda f: (self._windows.pop(key, None), f.cancelled() or f.exception()))
+        fut = self._window(ds, mirror, pack, offset // MIRROR_WINDOW)
+        # Readers (and prefetch) move through a mirror in pack order: keep the next windows on the wire too.
+        for ahead in range(1, MIRROR_AHEAD + 1):
+            p, window = pack, offset // MIRROR_WINDOW + ahead
+            if window * MIRROR_WINDOW >= mirror.pack_sizes[pack]:
+                p, window = pack + 1, window - -(-mirror.pack_sizes[pack] // MIRROR_WINDOW)
+            if p >= len(mirror.packs):
+                break
+            first = mirror.window(p, window * MIRROR_WINDOW, (window + 1) * MIRROR_WINDOW)[:1]
+            if first and not self.has(first[0][2]):  # (a window already here is not fetched again)
+                self._window(ds, mirror, p, window)
         got = await asyncio.shield(fut)
         if okey not in got:
             raise CacheFSError(f"pack {pack}: the window fetched did not hold the file")
         return got[okey]
 
+    def _window(self, ds: Dataset, mirror: MirrorIndex, pack: int, window: int) -> asyncio.Future:
+        """The (single-flight) fetch of one window of a mirror pack."""
+        key = (ds.ref.id, pack, window)
+        fut = self._windows.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._fetch_window(ds, mirror, pack, window * MIRROR_WINDOW))
+            self._windows[key] = fut
+            fut.add_done_callback(lambda f: (self._windows.pop(key, None), f.cancelled() or f.exception()))
+        return fut
+
     async def _fetch_window(self, ds: Dataset, mirror: MirrorIndex, pack: int, start: int) -> dict[bytes, bytes]:
         members = mirror.window(pack, start, start + MIRROR_WINDOW)
+        if not members:
+            return {}
         lo, hi = members[0][0], max(m[0] + m[1] for m in members)
         url, version = mirror.packs[pack]
         budget = self.engine.budget

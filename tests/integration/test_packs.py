@@ -277,8 +277,12 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
     async def scenario():
         ds = await engine.open_dataset(url, source=source)  # its reads are counted
         got = {}
-        for rel in sorted(changed):
-            got[rel] = await engine.read(ds, ds.file(rel), 0, 1 << 20, ReadStream())
+        try:
+            for rel in sorted(changed):
+                got[rel] = await engine.read(ds, ds.file(rel), 0, 1 << 20, ReadStream())
+            await engine.persist()
+        finally:
+            await source.close()
         return got, engine.small.mirror_files, engine.small.mirror_gets
 
     got, mirror_files, mirror_gets = run(engine, scenario())
