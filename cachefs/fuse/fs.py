@@ -128,8 +128,13 @@ class CacheFS:
         p = self.node(parent)
         if not p.entry.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, p.path)
-        path = f"{p.path}/{name}" if p.path else name
-        entry = self.ds.stat(path)  # FileNotFoundError → ENOENT
+        entry = self.ds.stat(f"{p.path}/{name}" if p.path else name)  # FileNotFoundError → ENOENT
+        return self.adopt(entry), entry
+
+    def adopt(self, entry: Entry) -> int:
+        """The inode of ``entry`` (a manifest entry the caller has in hand), counting one kernel lookup of it;
+        READDIRPLUS uses it directly, saving the manifest lookup per child."""
+        path = entry.path
         with self._lock:
             ino = self._by_path.get(path)
             if ino is None:
@@ -142,7 +147,7 @@ class CacheFS:
                 if self.journal is not None:
                     self.journal.inode(ino, path)
             self._nodes[ino].lookups += 1
-        return ino, entry
+        return ino
 
     def forget(self, ino: int, nlookup: int) -> None:
         if ino == ROOT:
