@@ -43,7 +43,7 @@ class MountJournal:
         self.path = path
         self._fd = -1
         self._lock = threading.Lock()
-        self._size = 0
+        self._size = self._live_size = 0
         self.state = JournalState()
 
     @classmethod
@@ -94,7 +94,10 @@ class MountJournal:
         with self._lock:
             os.write(self._fd, line)
             self._size += len(line)
-            if self._size > COMPACT_BYTES:
+            # Compact once the file is twice what the last compaction left (at least COMPACT_BYTES): when the
+            # kernel holds many inodes the live state alone is large, and a fixed limit would rewrite it all
+            # on every append.
+            if self._size > max(COMPACT_BYTES, 2 * self._live_size):
                 self._rewrite_locked()
 
     def _rewrite(self) -> None:
@@ -121,7 +124,7 @@ class MountJournal:
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._size = len(data)
+        self._size = self._live_size = len(data)
 
 
 def replay(path: str) -> JournalState:
