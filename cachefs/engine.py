@@ -469,9 +469,9 @@ class Engine:
             whole, fetched = await self.small.fetch(ds, self.object_key(ds, entry), entry)
             if self.small.full_error is not None:
                 raise self.small.full_error
-            with self._stats_lock:
-                self._ds_stats.setdefault(ds.ref.id, [0, 0])[1] += len(whole) if fetched else 0
-            return len(whole) if fetched else 0
+            nbytes = len(whole) if fetched else 0
+            self._count_bytes(ds.ref.id, None, 0, nbytes)  # warming is not an access
+            return nbytes
         ob = self._acquire(ds, entry)
         try:
             missing = [i for i in range(ob.nblocks) if not self._has(ob, i)]
@@ -492,7 +492,7 @@ class Engine:
             await self.evict()
 
     def cached_bytes(self, ds: Dataset, entry: Entry) -> int:
-        okey = object_key(ds.ref.id, entry.path, entry.version)
+        okey = self.object_key(ds, entry)
         if self.small.packable(entry):
             return entry.size if entry.size == 0 or self.small.has(okey) else 0
         with self._open_lock:
@@ -545,8 +545,7 @@ class Engine:
             ds = {k: (v[0], v[1]) for k, v in self._ds_stats.items() if v[0] or v[1]}
             self._ds_stats = {}
             dirs, self._dir_hits = self._dir_hits, {}
-        with self.small._lock:
-            packs, self.small.pack_access = {k: (v[0], v[1]) for k, v in self.small.pack_access.items()}, {}
+        packs = self.small.take_pack_access()
         try:
             self.index.record_access(objs, ds, packs, dirs, half_life=self.config.engine.hot_dir_half_life)
         except Exception:

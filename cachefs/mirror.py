@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from .checksum import block_checksum
 from .errors import CacheFSError, ObjectNotFoundError
 from .store.packs import Member, serialize
-from .types import Entry, object_key
+from .types import object_key
 
 if TYPE_CHECKING:
     from .engine import Dataset, Engine
@@ -118,17 +118,10 @@ async def write_mirror(engine: Engine, ds: Dataset, to_url: str, *,
     if group:
         groups.append(group)
 
-    async def fetch(e: Entry) -> bytes:
-        await engine.budget.acquire(e.size)
-        try:
-            return await engine.origin_read(ds, e, 0, e.size)
-        finally:
-            await engine.budget.release(e.size)
-
     rows: dict[str, list] = {name: [] for name in _index_schema().names}
     packs = []
     for number, group in enumerate(groups):
-        datas = await asyncio.gather(*(fetch(e) for e in group))
+        datas = await asyncio.gather(*(engine.small.fetch_whole(ds, e) for e in group))
         members = [Member(object_key(ds.ref.id, e.path, e.version), e.path, e.version, block_checksum(d), d)
                    for e, d in zip(group, datas, strict=True)]
         view, placed = serialize(members)

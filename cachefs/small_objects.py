@@ -69,7 +69,7 @@ class SmallObjects:
         self._inflight: dict[bytes, asyncio.Future] = {}
         self._listings: OrderedDict[tuple[str, int, str], tuple[list[str], list[Entry]]] = OrderedDict()
         self._ahead: dict[tuple[str, str], int] = {}  # (dataset, dir) → listing position read-ahead reached
-        self.pack_access: dict[bytes, list] = {}  # pack key → [last access, hits] not yet in the index
+        self._pack_access: dict[bytes, list] = {}  # pack key → [last access, hits] not yet in the index
         #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
         self.full_error: CacheFullError | None = None
         self._mirrors: dict[str, MirrorIndex | None] = {}  # dataset id → its packed mirror (None: has none)
@@ -117,9 +117,15 @@ class SmallObjects:
             self.engine.index.drop_packed(ds_id, okey)
             return None
         with self._lock:
-            acc = self.pack_access.setdefault(pkey, [0.0, 0])
+            acc = self._pack_access.setdefault(pkey, [0.0, 0])
             acc[0], acc[1] = time.time(), acc[1] + 1
         return data
+
+    def take_pack_access(self) -> dict[bytes, tuple[float, int]]:
+        """Pack accesses (last access, hits) since the last call, for the index."""
+        with self._lock:
+            taken, self._pack_access = self._pack_access, {}
+        return {k: (last, hits) for k, (last, hits) in taken.items()}
 
     def _open_pack(self, ds_id: str, pack_id: int, pkey: bytes) -> int | None:
         with self._lock:
@@ -153,9 +159,7 @@ class SmallObjects:
             return data, False
         fut = self._inflight.get(okey)
         if fut is None:
-            fut = asyncio.ensure_future(self._fetch(ds, okey, entry))
-            self._inflight[okey] = fut
-            fut.add_done_callback(lambda f: (self._inflight.pop(okey, None), f.cancelled() or f.exception()))
+            fut = _single_flight(self._inflight, okey, self._fetch(ds, okey, entry))
             return await asyncio.shield(fut), True
         return await asyncio.shield(fut), False
 
@@ -170,15 +174,19 @@ class SmallObjects:
                 if reserved:
                     await self.engine.budget.release(entry.size)
                 return data
+        data = await self.fetch_whole(ds, entry, reserved=reserved)
+        await self._add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data))
+        return data
+
+    async def fetch_whole(self, ds: Dataset, entry: Entry, *, reserved: bool = False) -> bytes:
+        """The whole object from the origin, under the memory budget (``reserved``: already held for it)."""
         budget = self.engine.budget
         if not reserved:
             await budget.acquire(entry.size)
         try:
-            data = await self.engine.origin_read(ds, entry, 0, entry.size)
+            return await self.engine.origin_read(ds, entry, 0, entry.size)
         finally:
             await budget.release(entry.size)
-        await self._add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data))
-        return data
 
     async def _mirror(self, ds: Dataset) -> MirrorIndex | None:
         ds_id = ds.ref.id
@@ -218,9 +226,7 @@ class SmallObjects:
         key = (ds.ref.id, pack, window)
         fut = self._windows.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._fetch_window(ds, mirror, pack, window * MIRROR_WINDOW))
-            self._windows[key] = fut
-            fut.add_done_callback(lambda f: (self._windows.pop(key, None), f.cancelled() or f.exception()))
+            fut = _single_flight(self._windows, key, self._fetch_window(ds, mirror, pack, window * MIRROR_WINDOW))
         return fut
 
     async def _fetch_window(self, ds: Dataset, mirror: MirrorIndex, pack: int, start: int) -> dict[bytes, bytes]:
@@ -374,10 +380,7 @@ class SmallObjects:
                 if okey not in self._inflight and not self.has(okey):
                     if not budget.try_reserve(e.size):
                         break  # read-ahead uses spare budget only; the next miss carries on from here
-                    fut = asyncio.ensure_future(self._fetch(ds, okey, e, reserved=True))
-                    self._inflight[okey] = fut
-                    fut.add_done_callback(
-                        lambda f, k=okey: (self._inflight.pop(k, None), f.cancelled() or f.exception()))
+                    _single_flight(self._inflight, okey, self._fetch(ds, okey, e, reserved=True))
             reached += 1
         self._ahead[key] = reached
 
@@ -400,3 +403,12 @@ class SmallObjects:
         self.close_pack(rec.key())
         self.store.remove(rec.dataset, rec.pack_id)
         return freed
+
+
+def _single_flight(table: dict, key, coro) -> asyncio.Future:
+    """Run ``coro`` as ``table[key]`` until it finishes (then the entry goes; its outcome is marked seen, the
+    awaiters get any exception themselves)."""
+    fut = asyncio.ensure_future(coro)
+    table[key] = fut
+    fut.add_done_callback(lambda f: (table.pop(key, None), f.cancelled() or f.exception()))
+    return fut

@@ -202,8 +202,7 @@ class CacheFS:
         return fh, h
 
     def _packed_here(self, entry) -> bool:
-        small = self.engine.small
-        return small.packable(entry) and (entry.size == 0 or small.has(self.engine.object_key(self.ds, entry)))
+        return self.engine.small.packable(entry) and self.engine.cached_bytes(self.ds, entry) == entry.size
 
     def _register_backing(self, n: Node) -> bool:
         """Hand the complete local file of ``n`` to the kernel (once per inode; concurrent opens share it)."""

@@ -146,8 +146,7 @@ class Index:
             rec.cached_bytes += length
             txn.put(okey, rec.pack(), db=self._objects)
             self._add_stats(txn, rec.dataset, cached=length)
-            total, count = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
-            txn.put(b"totals", TOTALS.pack(total + length, count + new_object), db=self._meta)
+            self._add_totals(txn, length, int(new_object))
         return True
 
     def drop_block(self, okey: bytes, idx: int) -> None:
@@ -163,8 +162,7 @@ class Index:
                 rec.cached_bytes -= length
                 txn.put(okey, rec.pack(), db=self._objects)
                 self._add_stats(txn, rec.dataset, cached=-length)
-            total, count = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
-            txn.put(b"totals", TOTALS.pack(max(0, total - length), count), db=self._meta)
+            self._add_totals(txn, -length, 0)
 
     def remove_object(self, okey: bytes) -> int:
         """Forget an object and all its blocks; returns the bytes it held."""
@@ -179,8 +177,7 @@ class Index:
                     if not cur.delete():
                         break
             self._add_stats(txn, rec.dataset, cached=-rec.cached_bytes)
-            total, count = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
-            txn.put(b"totals", TOTALS.pack(max(0, total - rec.cached_bytes), max(0, count - 1)), db=self._meta)
+            self._add_totals(txn, -rec.cached_bytes, -1)
             return rec.cached_bytes
 
     def objects(self, dataset: str | None = None) -> Iterator[tuple[bytes, ObjectRecord]]:
@@ -212,8 +209,7 @@ class Index:
             rec = PackRecord(dataset, pack_id, size, live, count, last_access=time.time())
             txn.put(pkey, rec.pack(), db=self._packs)
             self._add_stats(txn, dataset, cached=live)
-            total, objects = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
-            txn.put(b"totals", TOTALS.pack(total + size, objects + count), db=self._meta)
+            self._add_totals(txn, size, count)
         return count
 
     def drop_packed(self, dataset: str, okey: bytes) -> None:
@@ -231,8 +227,7 @@ class Index:
                 rec.live_bytes, rec.members = max(0, rec.live_bytes - length), max(0, rec.members - 1)
                 txn.put(pkey, rec.pack(), db=self._packs)
             self._add_stats(txn, dataset, cached=-length)
-            total, objects = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
-            txn.put(b"totals", TOTALS.pack(total, max(0, objects - 1)), db=self._meta)
+            self._add_totals(txn, 0, -1)
 
     def has_pack(self, dataset: str, pack_id: int) -> bool:
         with self.env.begin() as txn:
@@ -269,8 +264,7 @@ class Index:
                     if not cur.delete():
                         break
             self._add_stats(txn, dataset, cached=-rec.live_bytes)
-            total, objects = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
-            txn.put(b"totals", TOTALS.pack(max(0, total - rec.size), max(0, objects - gone)), db=self._meta)
+            self._add_totals(txn, -rec.size, -gone)
             return rec.size
 
     # -- hot directories ----------------------------------------------------------------------------------
@@ -321,6 +315,11 @@ class Index:
                 txn.put(okey, rec.pack(), db=self._objects)
             for ds, (hit, miss) in datasets.items():
                 self._add_stats(txn, ds, hit=hit, miss=miss)
+
+    def _add_totals(self, txn, nbytes: int, objects: int) -> None:
+        """Add to the node's cached bytes and object count (never below zero)."""
+        total, count = TOTALS.unpack(txn.get(b"totals", db=self._meta) or TOTALS.pack(0, 0))
+        txn.put(b"totals", TOTALS.pack(max(0, total + nbytes), max(0, count + objects)), db=self._meta)
 
     def _add_stats(self, txn, ds: str, cached: int = 0, hit: int = 0, miss: int = 0) -> None:
         key = ds.encode()
