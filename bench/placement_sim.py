@@ -1,6 +1,6 @@
 """Placement simulator: one seeded GPU cluster and job stream, placed by three policies.
 
-    python -m bench.placement_sim [--nodes 1024] [--jobs 1500] [--seed 7]
+    python -m bench.placement_sim [--nodes 1024] [--jobs 1500] [--seeds 7,3,5,11] [--locality-wait HOURS]
 
 Cluster: ``nodes`` × 8 GPUs; NVLink cliques of 8 nodes, leaves (network blocks, also the cache groups) of 32.
 Each node has ``cache_tib`` of NVMe. Datasets (10 GB–10 TB, log-uniform, Zipf popularity) start cached on a
@@ -12,12 +12,15 @@ pods; whatever a pod reads is then cached on its node (LRU by dataset). Policies
 (a+g) ``default+gang`` (a) with the same all-or-nothing gang admission as ours (like coscheduling), to compare
                  fragmentation with placement alone changed;
 (c) ``cachefs``  our extender's scoring functions (byte-weighted locality with cache-group credit, GPU
-                 packing, gang topology) plus its gang admission (a gang is placed whole or not at all).
+                 packing, gang topology), its gang admission (a gang is placed whole or not at all) and its
+                 delay scheduling (a job that could run now, but only on nodes holding clearly less of its
+                 data than the best ones, waits up to ``locality_wait`` for those to have room).
 
 Reported: fraction of bytes read from the pod's own node, bytes pulled from object storage, mean and p95
 gang wait, partial-gang deadlocks (no job running, partial gangs holding GPUs, nothing placeable; broken by
 releasing the newest partial gang, as a permit timeout would), GPUs stranded on fragmented nodes (time-mean
-of free GPUs on partly used nodes while an 8-GPU pod waits), and gangs spread over more than one leaf.
+of free GPUs on partly used nodes while an 8-GPU job is held up for want of whole free nodes), and gangs
+spread over more than one leaf.
 """
 
 from __future__ import annotations
@@ -35,14 +38,11 @@ from scheduler_hints.scoring import (
     NodeState,
     PodNeeds,
     Weights,
-    combine,
-    domain_free,
-    first_member_locality,
-    gang_domain_locality,
-    gpu_packing,
+    best_slots_locality,
+    defer_for_locality,
     group_best,
     locality_scorer,
-    topology_affinity,
+    score_nodes,
 )
 
 GPUS = 8
@@ -50,6 +50,9 @@ CLIQUE = 8
 LEAF = 32
 TB = 10**12
 POLICIES = ("default", "default+gang", "fluid", "cachefs")
+#: The extender's ``locality_wait`` in simulated hours (jobs run 8 h on average) and its ``locality_slack``.
+LOCALITY_WAIT = 1.0
+LOCALITY_SLACK = 0.2
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Job:
     dataset: str
     duration: float
     placed: list[str] = field(default_factory=list)
+    ready_at: float | None = None  # when the whole job first fit (the locality wait counts from there)
 
 
 @dataclass
@@ -140,14 +144,18 @@ def make_world(n_nodes: int, n_jobs: int, seed: int, cache_tib: float = 15.0, n_
 
 
 class Simulation:
-    def __init__(self, policy: str, nodes: list[Node], sizes: dict[str, int], jobs: list[Job], seed: int) -> None:
+    def __init__(self, policy: str, nodes: list[Node], sizes: dict[str, int], jobs: list[Job], seed: int,
+                 locality_wait: float = LOCALITY_WAIT, locality_slack: float = LOCALITY_SLACK) -> None:
         self.policy, self.sizes = policy, sizes
+        self.locality_wait, self.locality_slack = locality_wait, locality_slack
         self.nodes = {n.name: n for n in nodes}
         self.jobs = jobs
         self.rng = random.Random(seed)
         self.result = Result(policy)
         self.weights = Weights(topology_levels=("clique", "leaf"))
         self._states: dict[str, NodeState] = {}
+        self.version = 0  # bumped whenever GPUs or caches change (keys the deferral's per-dataset scores)
+        self._scored: dict[tuple, list] = {}
 
     # -- node views for the cachefs scorer --------------------------------------------------------------
     def state(self, n: Node) -> NodeState:
@@ -163,6 +171,7 @@ class Simulation:
         return s
 
     def touch(self, n: Node) -> None:
+        self.version += 1
         self._states.pop(n.name, None)
 
     # -- placement --------------------------------------------------------------------------------------
@@ -179,43 +188,53 @@ class Simulation:
             best = max(n.free for n in pool)
             return self.rng.choice([n.name for n in pool if n.free == best])
         needs = PodNeeds({job.dataset: self.sizes[job.dataset]}, job.gpus)
-        gang = job.pods > 1
         states = [self.state(n) for n in feasible]
-        cluster = [self.state(n) for n in self.nodes.values()] if gang and not placed else []
-        score_locality = locality_scorer(needs, groups, self.weights)
-        free_by_domain = domain_free(cluster, self.weights.topology_levels) if cluster else None
-        dom_loc = gang_domain_locality(needs, cluster, job.pods, groups, self.weights,
-                                       score=score_locality) if cluster else {}
-        placed_states = [self.state(self.nodes[p]) for p in placed]
-        best_score, best = -1, []
-        for s in states:
-            loc = score_locality(s)
-            if dom_loc:
-                loc = first_member_locality(loc, s, dom_loc, self.weights)
-            score = combine({
-                "locality": loc,
-                "packing": gpu_packing(needs, s),
-                "topology": topology_affinity(s, placed_states, gang_gpus=job.pods * job.gpus, w=self.weights,
-                                              free_by_domain=free_by_domain) if gang else None,
-            }, self.weights)
-            if score > best_score:
-                best_score, best = score, [s.name]
-            elif score == best_score:
-                best.append(s.name)
-        return self.rng.choice(best)
+        cluster = [self.state(n) for n in self.nodes.values()] if job.pods > 1 and not placed else []
+        scores = score_nodes(needs, states, locality_scorer(needs, groups, self.weights), self.weights,
+                             gang_size=job.pods if job.pods > 1 else 0,
+                             placed=[self.state(self.nodes[p]) for p in placed], cluster=cluster)
+        top = max(scores)
+        return self.rng.choice([s.name for s, score in zip(states, scores, strict=True) if score == top])
 
     def take(self, job: Job, name: str) -> None:
         self.nodes[name].free -= job.gpus
+        self.version += 1
         job.placed.append(name)
 
     def release(self, job: Job) -> None:
         for name in job.placed:
             self.nodes[name].free += job.gpus
+        self.version += 1
         job.placed = []
 
-    def place_whole(self, job: Job, groups) -> bool:
+    def defer(self, job: Job, groups, now: float) -> bool:
+        """The extender's delay scheduling: wait (up to ``locality_wait`` since the job first fit) while the
+        free slots hold clearly less of the job's data than the best slots would if they were free."""
+        if self.locality_wait <= 0:
+            return False
+        if job.ready_at is None:
+            job.ready_at = now
+            heapq.heappush(self.events, (now + self.locality_wait, 2, job.id))  # a retry tick when the wait ends
+        if now - job.ready_at >= self.locality_wait:
+            return False
+        key = (job.dataset, job.gpus, self.version)
+        scored = self._scored.get(key)
+        if scored is None:
+            needs = PodNeeds({job.dataset: self.sizes[job.dataset]}, job.gpus)
+            score = locality_scorer(needs, groups, self.weights)
+            scored = [(score(s), s.gpu_free // job.gpus, s.gpu_allocatable // job.gpus)
+                      for s in map(self.state, self.nodes.values())]
+            self._scored = {key: scored}
+        achievable = best_slots_locality(((loc, free) for loc, free, _ in scored), job.pods)
+        possible = best_slots_locality(((loc, cap) for loc, _, cap in scored), job.pods)
+        return defer_for_locality(achievable, possible, now - job.ready_at, wait=self.locality_wait,
+                                  slack=self.locality_slack)
+
+    def place_whole(self, job: Job, groups, now: float = 0.0) -> bool:
         """Gang admission: place every pod of ``job`` or none."""
         if sum(n.free // job.gpus for n in self.nodes.values()) < job.pods:
+            return False
+        if self.policy == "cachefs" and self.defer(job, groups, now):
             return False
         for _ in range(job.pods):
             name = self.pick(job, job.placed, groups)
@@ -244,6 +263,7 @@ class Simulation:
         r = self.result
         events: list[tuple[float, int, int]] = [(j.arrival, 0, j.id) for j in self.jobs]  # (time, kind, job)
         heapq.heapify(events)
+        self.events = events
         queue: list[Job] = []
         running = 0
         last_t = 0.0
@@ -272,7 +292,7 @@ class Simulation:
             groups = group_best([self.state(n) for n in self.nodes.values()]) if self.policy == "cachefs" else None
             if self.policy in ("cachefs", "default+gang"):  # gang admission: whole or nothing, in queue order
                 for q in list(queue):
-                    if self.place_whole(q, groups):
+                    if self.place_whole(q, groups, t):
                         start(q, t)
                         groups = group_best([self.state(n) for n in self.nodes.values()])
             else:  # kube-scheduler without gangs: one pod at a time, pods of queued jobs interleaved
@@ -312,15 +332,13 @@ class Simulation:
         if t1 <= t0:
             return
         self.result.partial_gpu_hours += sum(len(q.placed) * q.gpus for q in queue) * (t1 - t0)
-        if not any(q.gpus == GPUS and len(q.placed) < q.pods for q in queue):
+        # Stranded: free GPUs on partly used nodes while a whole-node job is held up for want of whole free
+        # nodes (not while it waits by choice, e.g. for its data, with enough whole nodes free).
+        whole = sum(n.free == GPUS for n in self.nodes.values())
+        if not any(q.gpus == GPUS and q.pods - len(q.placed) > whole for q in queue):
             return
         stranded = sum(n.free for n in self.nodes.values() if 0 < n.free < GPUS)
         self.result.stranded_area += stranded * (t1 - t0)
-
-
-def simulate(policy: str, *, nodes: int = 1024, jobs: int = 1500, seed: int = 7) -> Result:
-    world = make_world(nodes, jobs, seed)
-    return Simulation(policy, *world, seed=seed).run()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -343,22 +361,40 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def report(results: list[Result]) -> tuple[float, float, float, int]:
+    """Print the target lines; returns (local vs default, local vs fluid, stranded ours − default, deadlocks)."""
+    by = {r.policy: r for r in results}
+    a, ag, b, c = by["default"], by["default+gang"], by["fluid"], by["cachefs"]
+    vs_a = c.local_fraction / max(a.local_fraction, 1e-9)
+    vs_b = c.local_fraction / max(b.local_fraction, 1e-9)
+    print(f"local fraction: cachefs/default = {vs_a:.2f}× (target ≥ 1.5), cachefs/fluid = {vs_b:.3f}× (target ≥ 1.0)")
+    frag = [r.stranded_area / r.span if r.span else 0.0 for r in (a, ag, c)]
+    print(f"stranded GPUs: cachefs {frag[2]:.1f} vs default {frag[0]:.1f} / default+gang {frag[1]:.1f}; "
+          f"deadlocks: cachefs {c.deadlocks}, default {a.deadlocks}, fluid {b.deadlocks}")
+    return vs_a, vs_b, frag[2] - frag[0], c.deadlocks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=1024)
     ap.add_argument("--jobs", type=int, default=1500)
-    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--seeds", default="7", help="comma-separated seeds; one table each, then a summary")
+    ap.add_argument("--locality-wait", type=float, default=LOCALITY_WAIT, help="hours (0: no delay scheduling)")
     args = ap.parse_args()
-    results = [simulate(p, nodes=args.nodes, jobs=args.jobs, seed=args.seed) for p in POLICIES]
-    print(f"placement simulation: {args.nodes} nodes × {GPUS} GPUs, {args.jobs} jobs, seed {args.seed}")
-    print(table(results))
-    by = {r.policy: r for r in results}
-    a, ag, b, c = by["default"], by["default+gang"], by["fluid"], by["cachefs"]
-    print(f"local fraction: cachefs/default = {c.local_fraction / max(a.local_fraction, 1e-9):.2f}× (target ≥ 1.5), "
-          f"cachefs/fluid = {c.local_fraction / max(b.local_fraction, 1e-9):.2f}× (target ≥ 1.0)")
-    frag = [r.stranded_area / r.span if r.span else 0.0 for r in (a, ag, c)]
-    print(f"stranded GPUs: cachefs {frag[2]:.1f} vs default {frag[0]:.1f} / default+gang {frag[1]:.1f}; "
-          f"deadlocks: cachefs {c.deadlocks}, default {a.deadlocks}, fluid {b.deadlocks}")
+    rows = []
+    for seed in (int(x) for x in args.seeds.split(",")):
+        results = [Simulation(p, *make_world(args.nodes, args.jobs, seed), seed=seed,
+                              locality_wait=args.locality_wait).run() for p in POLICIES]
+        print(f"placement simulation: {args.nodes} nodes × {GPUS} GPUs, {args.jobs} jobs, seed {seed}")
+        print(table(results))
+        rows.append((seed, *report(results)))
+        print(flush=True)
+    if len(rows) > 1:
+        print("seed  local/default  local/fluid  stranded ours−default  deadlocks")
+        for seed, vs_a, vs_b, frag, dead in rows:
+            print(f"{seed:>4}  {vs_a:>13.2f}  {vs_b:>11.3f}  {frag:>+21.1f}  {dead:>9}")
+        print(f"mean  {statistics.fmean(r[1] for r in rows):>13.2f}  {statistics.fmean(r[2] for r in rows):>11.3f}  "
+              f"{statistics.fmean(r[3] for r in rows):>+21.1f}")
 
 
 if __name__ == "__main__":

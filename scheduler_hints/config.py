@@ -20,6 +20,10 @@ class ExtenderConfig:
     gang_ttl: float = 300.0
     #: Seconds a gang that one topology domain could hold waits for room there before it may span domains.
     topology_wait: float = 60.0
+    #: Delay scheduling: seconds a pod or gang that could run now, but only where it reads clearly less of its
+    #: data locally (by more than ``locality_slack`` of its bytes) than on the best nodes, waits for those.
+    locality_wait: float = 300.0
+    locality_slack: float = 0.2
 
 
 def load_extender_config(path: str | None) -> ExtenderConfig:
@@ -52,6 +56,9 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
         raise ConfigError(f"{path}: {exc}") from None
     if min(cfg.weights.local, cfg.weights.domain, cfg.weights.packing, cfg.weights.topology) < 0:
         raise ConfigError(f"{path}: weights must not be negative")
-    if cfg.bind_timeout <= 0 or cfg.gang_ttl <= 0 or cfg.topology_wait < 0:
-        raise ConfigError(f"{path}: bind_timeout and gang_ttl must be positive, topology_wait not negative")
+    if cfg.bind_timeout <= 0 or cfg.gang_ttl <= 0 or min(cfg.topology_wait, cfg.locality_wait) < 0:
+        raise ConfigError(f"{path}: bind_timeout and gang_ttl must be positive, topology_wait and locality_wait "
+                          "not negative")
+    if not 0 <= cfg.locality_slack <= 1:
+        raise ConfigError(f"{path}: locality_slack is a fraction of the pod's bytes, 0 to 1")
     return cfg

@@ -33,14 +33,12 @@ from .scoring import (
     NodeState,
     PodNeeds,
     Weights,
-    combine,
+    best_slots_locality,
+    defer_for_locality,
     domain_free,
-    first_member_locality,
-    gang_domain_locality,
-    gpu_packing,
     group_best,
     locality_scorer,
-    topology_affinity,
+    score_nodes,
 )
 
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
@@ -156,9 +154,18 @@ class Extender:
     bound_pods: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: Seconds a gang that fits one topology domain waits for room there before being admitted across domains.
     topology_wait: float = 60.0
+    #: Delay scheduling: seconds a pod (or gang) that could run now, but only on nodes holding clearly less of
+    #: its data than the best nodes, waits for those to have room (0: never). "Clearly less": by more than
+    #: ``locality_slack`` (fraction of the pod's bytes).
+    locality_wait: float = 300.0
+    locality_slack: float = 0.2
+    clock: Callable[[], float] = time.monotonic
     _pods: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     _gang_first_seen: dict[str, float] = field(default_factory=dict)
+    _ready_since: dict[str, float] = field(default_factory=dict)
     _locality_memo: dict[tuple, dict[str, float | None]] = field(default_factory=dict)
+    _totals_memo: dict[tuple, dict[str, int]] = field(default_factory=dict)
+    _possible_memo: dict[tuple, float] = field(default_factory=dict)
 
     # -- parsing --------------------------------------------------------------------------------------------
     def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
@@ -207,13 +214,21 @@ class Extender:
             return replace(base, gpu_free=max(0, base.gpu_allocatable - held[base.name]))
         return base
 
-    def _needs(self, pod: Mapping[str, Any], states: list[NodeState]) -> PodNeeds:
-        ids = pod_datasets(pod, self.volumes)
-        totals = {}
-        for ds in ids:
-            known = [n.cache.cached_bytes.get(ds, 0) / n.cache.fractions[ds]
-                     for n in states if n.cache.fractions.get(ds) and n.cache.cached_bytes.get(ds)]
-            totals[ds] = int(max(known, default=0))
+    def _needs(self, pod: Mapping[str, Any]) -> PodNeeds:
+        """The pod's datasets with their total bytes (as the nodes holding them report it) and its GPUs."""
+        ids = tuple(sorted(pod_datasets(pod, self.volumes)))
+        key = (ids, self.node_cache.generation)
+        totals = self._totals_memo.get(key)
+        if totals is None:
+            states = self.node_cache.cluster()[0]
+            totals = {}
+            for ds in ids:
+                known = [n.cache.cached_bytes.get(ds, 0) / n.cache.fractions[ds]
+                         for n in states if n.cache.fractions.get(ds) and n.cache.cached_bytes.get(ds)]
+                totals[ds] = int(max(known, default=0))
+            if len(self._totals_memo) >= 64:
+                self._totals_memo.pop(next(iter(self._totals_memo)))
+            self._totals_memo[key] = totals
         return PodNeeds(totals, pod_gpus(pod))
 
     # -- verbs ----------------------------------------------------------------------------------------------
@@ -223,11 +238,13 @@ class Extender:
         gpus = pod_gpus(pod)
         failed: dict[str, str] = {}
         passed = items
-        if gang is not None and gang.min_member > 1 and gpus > 0 and not self.gangs.admitted(gang):
-            reason = self._admission_refusal(gang, gpus)
-            if reason:
-                failed = {str((n.get("metadata") or {}).get("name", "")): reason for n in items}
-                passed = []
+        if gang is not None and gang.min_member > 1 and gpus > 0:
+            reason = None if self.gangs.admitted(gang) else self._admission_refusal(pod, gang, gpus)
+        else:
+            reason = self._locality_refusal(pod_key(pod), pod, 1, gpus, items) if items else None
+        if reason:
+            failed = {str((n.get("metadata") or {}).get("name", "")): reason for n in items}
+            passed = []
         names = [str((n.get("metadata") or {}).get("name", "")) for n in passed]
         return {
             "Nodes": None if by_name else {"metadata": {}, "items": list(passed)},
@@ -237,15 +254,57 @@ class Extender:
             "Error": "",
         }
 
-    def _admission_refusal(self, gang, gpus: int) -> str | None:
+    def _locality_refusal(self, key: str, pod: Mapping[str, Any], count: int, gpus: int,
+                          candidates: list[Mapping[str, Any]] | None = None) -> str | None:
+        """Delay scheduling (:func:`~scheduler_hints.scoring.defer_for_locality`): say why ``count`` pods of
+        ``gpus`` GPUs each (one pod, or a whole gang under ``key``) wait for nodes holding more of their data,
+        or None to let them run. The wait counts from the first time they could run; a pod's own candidates
+        are the nodes kube-scheduler found feasible, a gang's the free pod slots of the whole cluster."""
+        if self.locality_wait <= 0:
+            return None
+        now = self.clock()
+        if len(self._ready_since) > 10_000:
+            self._ready_since.pop(next(iter(self._ready_since)))
+        waited = now - self._ready_since.setdefault(key, now)
+        if waited >= self.locality_wait:
+            return None
+        base_cluster, groups = self.node_cache.cluster()
+        needs = self._needs(pod)
+        if not needs.datasets:
+            return None
+        score = self._locality_cache(needs, groups)
+        per = max(1, gpus)
+        memo_key = (tuple(sorted(needs.datasets.items())), gpus, count, self.node_cache.generation)
+        possible = self._possible_memo.get(memo_key)
+        if possible is None:  # the best slots as if every node were free: changes only with the node cache
+            if len(self._possible_memo) >= 256:
+                self._possible_memo.pop(next(iter(self._possible_memo)))
+            possible = self._possible_memo[memo_key] = best_slots_locality(
+                ((score(n), n.gpu_allocatable // per if gpus else 1) for n in base_cluster), count)
+        if possible <= self.locality_slack:  # nowhere holds enough of its data to be worth waiting for
+            return None
+        held = self._held()
+        if candidates is None:
+            pool = [(score(n), n.gpu_free // per) for n in (self._net(b, held) for b in base_cluster)]
+        else:
+            pool = [(score(n), n.gpu_free // per if gpus else 1) for n in self._states(candidates, held)]
+        achievable = best_slots_locality(pool, count)
+        if not defer_for_locality(achievable, possible, waited, wait=self.locality_wait, slack=self.locality_slack):
+            return None
+        what = f"gang {key} ({count} pods)" if count > 1 else f"pod {key}"
+        return (f"{what} waits up to {self.locality_wait - waited:.0f}s more for nodes holding its data: the free "
+                f"ones hold {achievable:.0%} of it, the best ones {possible:.0%}")
+
+    def _admission_refusal(self, pod: Mapping[str, Any], gang, gpus: int) -> str | None:
         """Admit ``gang`` (every member ``gpus`` GPUs) or say why it waits. Capacity is counted in whole pod
-        slots per node. A gang that one topology domain (clique, leaf …) could hold waits up to
-        ``topology_wait`` seconds for such a domain to have room before it is admitted anywhere it fits."""
+        slots per node. A gang that fits waits first for nodes holding its data (:meth:`_locality_refusal`);
+        then a gang that one topology domain (clique, leaf …) could hold waits up to ``topology_wait`` seconds
+        for such a domain to have room before it is admitted anywhere it fits."""
         held = self._held()
         cluster = [self._net(n, held) for n in self.node_cache.cluster()[0]]
         slots = sum(n.gpu_free // gpus for n in cluster)
         need = gang.min_member
-        now = time.monotonic()
+        now = self.clock()
         if len(self._gang_first_seen) > 10_000:
             self._gang_first_seen.pop(next(iter(self._gang_first_seen)))
         if not self.gangs.fits(gang, gpus, slots * gpus):
@@ -253,6 +312,9 @@ class Extender:
             # that queued behind another must not skip that wait and spread out while the other one leaves).
             self._gang_first_seen[gang.key] = now
             return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
+        reason = self._locality_refusal(gang.key, pod, need, gpus)
+        if reason:
+            return reason
         first = self._gang_first_seen.setdefault(gang.key, now)
         if now - first < self.topology_wait:
             levels = self.weights.topology_levels
@@ -292,35 +354,17 @@ class Extender:
         held = self._held()
         states = self._states(items, held)
         base_cluster, groups = self.node_cache.cluster()
-        needs = self._needs(pod, states)
+        needs = self._needs(pod)
         gang = pod_gang(pod, self.min_members)
-        cluster = base_cluster
+        cluster: list[NodeState] = []
         placed: list[NodeState] = []
-        free_by_domain = None
-        dom_loc: dict = {}
-        score_locality = self._locality_cache(needs, groups)
         if gang is not None:  # only gang topology needs the cluster's free GPUs
             cluster = [self._net(n, held) for n in base_cluster]
-            by_name = {s.name: s for s in cluster}
-            placed = [by_name[n] for n, _ in self.gangs.placed(gang) if n in by_name]
-            free_by_domain = domain_free(cluster, self.weights.topology_levels)
-            if not placed:
-                dom_loc = gang_domain_locality(needs, cluster, gang.min_member, groups, self.weights,
-                                               score=score_locality)
-        out = []
-        for s in states:
-            loc = score_locality(s)
-            if dom_loc:
-                loc = first_member_locality(loc, s, dom_loc, self.weights)
-            parts = {
-                "locality": loc,
-                "packing": gpu_packing(needs, s),
-                "topology": topology_affinity(s, placed, cluster=cluster,
-                                              gang_gpus=gang.min_member * needs.gpus if gang else 0,
-                                              w=self.weights, free_by_domain=free_by_domain) if gang else None,
-            }
-            out.append({"Host": s.name, "Score": combine(parts, self.weights)})
-        return out
+            on = {n for n, _ in self.gangs.placed(gang)}
+            placed = [s for s in cluster if s.name in on]
+        scores = score_nodes(needs, states, self._locality_cache(needs, groups), self.weights,
+                             gang_size=gang.min_member if gang else 0, placed=placed, cluster=cluster)
+        return [{"Host": s.name, "Score": score} for s, score in zip(states, scores, strict=True)]
 
     async def bind(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, Mapping):

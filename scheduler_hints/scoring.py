@@ -9,7 +9,7 @@ plugins', so inflating small differences would override them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .labels import NodeCacheView
@@ -19,14 +19,16 @@ __all__ = [
     "NodeState",
     "PodNeeds",
     "Weights",
+    "best_slots_locality",
     "combine",
+    "combine_scores",
+    "defer_for_locality",
     "domain_free",
-    "first_member_locality",
     "gang_domain_locality",
     "gpu_packing",
     "locality",
     "locality_scorer",
-    "topology_affinity",
+    "score_nodes",
 ]
 
 MAX_SCORE = 10  # k8s.io/kube-scheduler/extender/v1 MaxExtenderPriority
@@ -153,82 +155,115 @@ def gang_domain_locality(needs: PodNeeds, cluster: Sequence[NodeState], gang_siz
     :func:`locality_scorer` when the caller already has one."""
     if not needs.datasets or needs.gpus <= 0 or gang_size <= 0:
         return {}
-    slots: dict[tuple[str, str], list[float]] = {}
+    members: dict[tuple[str, str], list[tuple[float, int]]] = {}
     score = score or locality_scorer(needs, groups, w)
+    levels = w.topology_levels
     for n in cluster:
         k = n.gpu_free // needs.gpus
         if k <= 0:
             continue
-        loc = score(n) or 0.0
-        for key in w.topology_levels:
-            value = n.labels.get(key)
+        entry = (score(n) or 0.0, k)
+        labels = n.labels
+        for key in levels:
+            value = labels.get(key)
             if value is not None:
-                slots.setdefault((key, value), []).extend([loc] * min(k, gang_size))
-    out = {}
-    for dom, values in slots.items():
-        if len(values) >= gang_size:
-            values.sort(reverse=True)
-            out[dom] = sum(values[:gang_size]) / gang_size
-    return out
+                dom = members.get((key, value))
+                if dom is None:
+                    members[(key, value)] = [entry]
+                else:
+                    dom.append(entry)
+    return {dom: best_slots_locality(entries, gang_size) for dom, entries in members.items()
+            if sum(k for _, k in entries) >= gang_size}
 
 
-def first_member_locality(own: float | None, node: NodeState, by_domain: Mapping[tuple[str, str], float],
-                          w: Weights = Weights()) -> float | None:
-    """The locality score of a gang's first member: its own node's, averaged with that of the innermost domain
-    around it that can hold the whole gang (:func:`gang_domain_locality`)."""
-    if own is None:
-        return None
-    for key in w.topology_levels:
-        value = node.labels.get(key)
-        if value is not None and (key, value) in by_domain:
-            return (own + by_domain[(key, value)]) / 2
-    return own
-
-
-def topology_affinity(node: NodeState, placed: Sequence[NodeState], *, cluster: Sequence[NodeState] = (),
-                      gang_gpus: int = 0, w: Weights = Weights(),
-                      free_by_domain: Mapping[tuple[str, str], int] | None = None) -> float | None:
-    """For gang members: how close the node is to where the gang's other members are placed — full credit
-    for the innermost shared topology level, less for outer ones. For the first member, how small a
-    topology domain around the node could hold the whole gang (``gang_gpus`` free GPUs in ``cluster``, or
-    ``free_by_domain`` from :func:`domain_free`). None for pods outside a gang."""
-    levels = w.topology_levels
-    if not placed:
-        if gang_gpus <= 0:
-            return None
-        if free_by_domain is None:
-            free_by_domain = domain_free(cluster, levels)
-        for depth, key in enumerate(levels):
-            value = node.labels.get(key)
-            if value is None:
-                continue
-            free = free_by_domain.get((key, value), 0)
-            if free >= gang_gpus:
-                return 1.0 - depth / (len(levels) + 1)
+def best_slots_locality(nodes: Iterable[tuple[float | None, int]], count: int) -> float:
+    """Mean locality of the ``count`` best pod slots, given (locality, pod slots) per node: how much of its
+    data a job of ``count`` pods would read locally at best. Missing slots count as 0."""
+    if count <= 0:
         return 0.0
-    best = 0.0
-    for other in placed:
-        if other.name == node.name:
-            return 1.0
-        for depth, key in enumerate(levels):
-            value = node.labels.get(key)
-            if value is not None and value == other.labels.get(key):
-                best = max(best, 1.0 - depth / (len(levels) + 1))
-                break
-    return best
+    if count == 1:
+        return max(((loc or 0.0) for loc, slots in nodes if slots > 0), default=0.0)
+    total, left = 0.0, count
+    for loc, slots in sorted(((loc or 0.0, slots) for loc, slots in nodes if slots > 0), reverse=True):
+        take = min(slots, left)
+        total += take * loc
+        left -= take
+        if not left:
+            break
+    return total / count
+
+
+def defer_for_locality(achievable: float, possible: float, waited: float, *, wait: float, slack: float) -> bool:
+    """Delay scheduling: whether a pod (or a whole gang) that could be placed now, but only where it reads
+    ``achievable`` of its data locally, should rather wait — up to ``wait`` seconds since it first could have
+    run — for nodes that hold ``possible`` (computed as if every node were free) to have room. Waiting pays
+    only when the gap is more than ``slack``; running elsewhere pulls the difference from peers or the origin."""
+    return waited < wait and achievable < possible - slack
 
 
 def combine(parts: Mapping[str, float | None], w: Weights = Weights()) -> int:
     """Weighted mean of the components that have a signal, as an integer 0–10. No signal at all → 0
-    (neutral: every node gets the same)."""
-    weights = {"locality": w.local, "packing": w.packing, "topology": w.topology}
+    (neutral: every node gets the same). ``parts`` names them: locality, packing, topology."""
+    return combine_scores(parts.get("locality"), parts.get("packing"), parts.get("topology"), w)
+
+
+def combine_scores(loc: float | None, packing: float | None, topology: float | None, w: Weights = Weights()) -> int:
+    """:func:`combine` with the components as arguments (the per-node hot path)."""
     num = den = 0.0
-    for name, value in parts.items():
-        if value is None:
-            continue
-        weight = weights[name]
-        num += weight * min(1.0, max(0.0, value))
-        den += weight
+    for value, weight in ((loc, w.local), (packing, w.packing), (topology, w.topology)):
+        if value is not None:
+            num += weight * (0.0 if value < 0.0 else 1.0 if value > 1.0 else value)
+            den += weight
     if den == 0:
         return 0
     return round(MAX_SCORE * num / den)
+
+
+def score_nodes(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callable[[NodeState], float | None],
+                w: Weights = Weights(), *, gang_size: int = 0, placed: Sequence[NodeState] = (),
+                cluster: Sequence[NodeState] = ()) -> list[int]:
+    """The score (0–10) of each of ``nodes`` for one pod: :func:`combine` of its locality (``locality_of``, from
+    :func:`locality_scorer`), GPU packing and, for a member of a gang of ``gang_size`` pods, topology: affinity
+    to the members already ``placed`` or, for the first member, the smallest domain around the node that can
+    hold the whole gang, with the node's locality averaged with that domain's (both from ``cluster``, the
+    whole cluster's free GPUs)."""
+    levels = w.topology_levels
+    step = 1.0 / (len(levels) + 1)
+    first = gang_size > 0 and not placed
+    free_by_domain: dict = {}
+    by_domain: dict = {}
+    if first:
+        free_by_domain = domain_free(cluster, levels)
+        by_domain = gang_domain_locality(needs, cluster, gang_size, w=w, score=locality_of)
+    gang_gpus = gang_size * needs.gpus
+    # per level, the values the placed members have there: the innermost shared level gives the affinity
+    placed_values = [{v for o in placed if (v := o.labels.get(key)) is not None} for key in levels]
+    placed_names = {o.name for o in placed}
+    out = []
+    for n in nodes:
+        loc = locality_of(n)
+        topology = None
+        if gang_size > 0:
+            topology = 0.0
+            labels = n.labels
+            if first:
+                mixed = loc is None
+                for depth, key in enumerate(levels):
+                    value = labels.get(key)
+                    if value is None:
+                        continue
+                    dom = (key, value)
+                    if not mixed and dom in by_domain:
+                        loc, mixed = (loc + by_domain[dom]) / 2, True
+                    if not topology and free_by_domain.get(dom, 0) >= gang_gpus:
+                        topology = 1.0 - depth * step
+            elif n.name in placed_names:
+                topology = 1.0
+            else:
+                for depth, key in enumerate(levels):
+                    value = labels.get(key)
+                    if value is not None and value in placed_values[depth]:
+                        topology = 1.0 - depth * step
+                        break
+        out.append(combine_scores(loc, gpu_packing(needs, n), topology, w))
+    return out

@@ -144,7 +144,8 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
     cfg = load_extender_config(args.extender_config)
     ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout),
-                   topology_wait=cfg.topology_wait)
+                   topology_wait=cfg.topology_wait, locality_wait=cfg.locality_wait,
+                   locality_slack=cfg.locality_slack)
     if args.standalone:
         await serve(ext, host.strip("[]"), int(port))
         return 0

@@ -14,7 +14,7 @@ from cachefs.types import dataset_id
 from scheduler_hints.extender import MAX_BODY, Extender, make_app
 from scheduler_hints.gang import GangManager
 from scheduler_hints.labels import dataset_key
-from scheduler_hints.pods import StaticVolumes
+from scheduler_hints.pods import StaticVolumes, pod_gang
 
 URL = "s3://bucket/imagenet"
 DS = dataset_id(URL)
@@ -244,3 +244,48 @@ def test_gang_members_prefer_the_clique_of_those_already_placed(server):
         loop.run_until_complete(asyncio.wait_for(task, 5))
     finally:
         loop.close()
+
+
+def test_pod_waits_for_the_busy_node_holding_its_data_then_runs_elsewhere(server):
+    """Delay scheduling: the only holder is full, so the pod is refused on the free node without data for up to
+    ``locality_wait``; it passes at once when the holder frees up, or anywhere once the wait is over."""
+    base, ext = server
+    now = [1000.0]
+    ext.clock = lambda: now[0]
+    nodes = [node("holder", fraction=1.0), node("empty")]
+    for n in nodes:
+        ext.node_cache.update(n)
+    ext.bound_pods["ml/other"] = ("holder", 8)  # the holder's GPUs are taken
+    p = pod("p", annotation=URL, gpus=8)
+    _, out = post(base, "filter", args(p, [node("empty")]))  # kube-scheduler's candidates: only the free node
+    assert out["Nodes"]["items"] == [] and "holding its data" in out["FailedNodes"]["empty"], out
+    assert "the free ones hold 0%" in out["FailedNodes"]["empty"] and "the best ones 100%" in out["FailedNodes"]["empty"]
+    ext.pod_gone("ml/other")  # the holder frees up within the wait: the pod goes there
+    _, out = post(base, "filter", args(p, nodes))
+    assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["holder", "empty"] and not out["FailedNodes"]
+    ext.bound_pods["ml/other"] = ("holder", 8)
+    now[0] += ext.locality_wait  # the wait is over: it runs where there is room
+    _, out = post(base, "filter", args(p, [node("empty")]))
+    assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["empty"]
+    # a pod whose data no node holds, or a pod without data, never waits
+    for q in (pod("q", annotation="s3://bucket/elsewhere", gpus=8), pod("r", gpus=8)):
+        assert post(base, "filter", args(q, [node("empty")]))[1]["Nodes"]["items"]
+
+
+def test_gang_waits_for_its_data_before_admission(server):
+    """A gang that fits but whose data sits on busy nodes is not admitted (holds nothing) until the holders free
+    up or the wait ends; then it is admitted as usual."""
+    base, ext = server
+    now = [0.0]
+    ext.clock = lambda: now[0]
+    nodes = [node("h1", fraction=0.9), node("h2", fraction=0.9), node("e1"), node("e2")]
+    for n in nodes:
+        ext.node_cache.update(n)
+    ext.bound_pods["ml/x"] = ("h1", 8)
+    members = [pod(f"g{i}", annotation=URL, gpus=8, gang="g", gang_size=2) for i in range(2)]
+    _, out = post(base, "filter", args(members[0], nodes[2:]))
+    assert not out["Nodes"]["items"] and "gang ml/g (2 pods)" in out["FailedNodes"]["e1"], out
+    assert not ext.gangs.admitted(pod_gang(members[0], {}))
+    now[0] += ext.locality_wait
+    _, out = post(base, "filter", args(members[0], nodes[2:]))
+    assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["e1", "e2"]

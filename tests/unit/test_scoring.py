@@ -9,11 +9,15 @@ from scheduler_hints.scoring import (
     NodeState,
     PodNeeds,
     Weights,
+    best_slots_locality,
     combine,
+    defer_for_locality,
+    gang_domain_locality,
     gpu_packing,
     group_best,
     locality,
-    topology_affinity,
+    locality_scorer,
+    score_nodes,
 )
 
 A, B = "a" * 16, "b" * 16
@@ -57,24 +61,28 @@ def test_gpu_packing(gpus, alloc, free, want):
     assert gpu_packing(PodNeeds(gpus=gpus), node("n", alloc=alloc, free=free)) == want
 
 
+ONLY_TOPOLOGY = Weights(local=0, packing=0, topology=1)
+
+
 def test_topology_prefers_same_clique_then_leaf():
     levels = Weights().topology_levels
     placed = [node("p", labels={levels[0]: "c1", levels[1]: "leaf1"})]
     same_clique = node("a", labels={levels[0]: "c1", levels[1]: "leaf1"})
     same_leaf = node("b", labels={levels[0]: "c2", levels[1]: "leaf1"})
     elsewhere = node("c", labels={levels[0]: "c3", levels[1]: "leaf2"})
-    scores = [topology_affinity(n, placed) for n in (same_clique, same_leaf, elsewhere)]
-    assert scores[0] > scores[1] > scores[2] == 0.0
-    assert topology_affinity(elsewhere, []) is None  # not a gang
+    nodes = [placed[0], same_clique, same_leaf, elsewhere]
+    needs = PodNeeds(gpus=8)
+    scores = score_nodes(needs, nodes, lambda n: None, ONLY_TOPOLOGY, gang_size=3, placed=placed)
+    assert scores == [10, 10, 8, 0]  # its own node, same clique, same leaf (1 - 1/4), elsewhere
+    assert score_nodes(needs, nodes, lambda n: None, ONLY_TOPOLOGY) == [0, 0, 0, 0]  # not a gang: no signal
 
 
 def test_first_gang_member_prefers_a_domain_that_fits_the_whole_gang():
     k = Weights().topology_levels[0]
     cluster = [node("a1", labels={k: "c1"}, alloc=8, free=8), node("a2", labels={k: "c1"}, alloc=8, free=8),
                node("b1", labels={k: "c2"}, alloc=8, free=8), node("b2", labels={k: "c2"}, alloc=8, free=0)]
-    fits = topology_affinity(cluster[0], [], cluster=cluster, gang_gpus=16)
-    too_small = topology_affinity(cluster[2], [], cluster=cluster, gang_gpus=16)
-    assert fits == 1.0 and too_small == 0.0
+    scores = score_nodes(PodNeeds(gpus=8), cluster, lambda n: None, ONLY_TOPOLOGY, gang_size=2, cluster=cluster)
+    assert scores[:3] == [10, 10, 0]
 
 
 @pytest.mark.parametrize(("parts", "want"), [
@@ -88,10 +96,7 @@ def test_combine(parts, want):
 
 
 def test_gang_first_member_prefers_the_domain_holding_the_data():
-    from scheduler_hints.labels import NodeCacheView
-    from scheduler_hints.scoring import NodeState, PodNeeds, Weights, first_member_locality, gang_domain_locality
-
-    w = Weights(topology_levels=("clique",))
+    w = Weights(local=1, packing=0, topology=0, topology_levels=("clique",))
 
     def node(name, clique, frac, free=8):
         return NodeState(name, NodeCacheView(name, {"d": frac} if frac else {}), {"clique": clique}, 8, free)
@@ -102,9 +107,36 @@ def test_gang_first_member_prefers_the_domain_holding_the_data():
     needs = PodNeeds({"d": 100}, 8)
     by_domain = gang_domain_locality(needs, cluster, 2, None, w)
     assert by_domain == {("clique", "a"): 0.9, ("clique", "b"): 0.0}
-    # A data-less node in the data-rich clique beats a data-less node in the empty clique.
-    a_empty = node("a3", "a", 0.0)
-    assert first_member_locality(0.0, a_empty, by_domain, w) == 0.45
-    assert first_member_locality(0.0, cluster[2], by_domain, w) == 0.0
-    assert first_member_locality(None, a_empty, by_domain, w) is None  # no data needs: no signal
-    assert gang_domain_locality(PodNeeds({}, 8), cluster, 2, None, w) == {}
+    # A data-less node in the data-rich clique beats a data-less node in the empty clique: its own 0 averaged
+    # with its clique's 0.9.
+    a_empty, b_empty = node("a3", "a", 0.0), cluster[2]
+    loc = locality_scorer(needs, None, w)
+    assert score_nodes(needs, [a_empty, b_empty], loc, w, gang_size=2, cluster=cluster) == [round(4.5), 0]
+    no_data = PodNeeds({}, 8)  # no data needs: no locality signal at all
+    assert score_nodes(no_data, [a_empty], locality_scorer(no_data), w, gang_size=2, cluster=cluster) == [0]
+    assert gang_domain_locality(no_data, cluster, 2, None, w) == {}
+
+
+@pytest.mark.parametrize(("nodes", "count", "want"), [
+    ([], 2, 0.0),  # no slots at all
+    ([(0.9, 1), (0.5, 4)], 2, 0.7),  # the best slot, then the next node's
+    ([(0.9, 2), (0.5, 4)], 2, 0.9),  # one node with two slots holds both pods
+    ([(0.9, 0), (0.5, 4)], 1, 0.5),  # a node without a free slot does not count
+    ([(None, 3), (0.4, 1)], 2, 0.2),  # no signal counts as nothing cached
+    ([(1.0, 1)], 4, 0.25),  # too few slots: the missing ones read nothing locally
+    ([(1.0, 1)], 0, 0.0),
+])
+def test_best_slots_locality(nodes, count, want):
+    assert best_slots_locality(nodes, count) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(("achievable", "possible", "waited", "want"), [
+    (0.1, 0.9, 0, True),  # the data is elsewhere, the wait has just begun
+    (0.1, 0.9, 299, True),
+    (0.1, 0.9, 300, False),  # waited long enough: run where there is room
+    (0.75, 0.9, 0, False),  # within the slack: not worth waiting
+    (0.9, 0.9, 0, False),
+    (0.0, 0.0, 0, False),  # the data is nowhere: nothing to wait for
+])
+def test_defer_for_locality(achievable, possible, waited, want):
+    assert defer_for_locality(achievable, possible, waited, wait=300, slack=0.2) is want
