@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from .gang import GangManager
-from .labels import read_node
+from .labels import DATASET_PREFIX, FREE_LABEL, read_node
 from .pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
 from .scoring import (
     NodeState,
@@ -36,6 +36,7 @@ from .scoring import (
     best_slots_locality,
     defer_for_locality,
     domain_free,
+    domain_index,
     group_best,
     locality_scorer,
     score_nodes,
@@ -44,6 +45,9 @@ from .scoring import (
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
 
 log = logging.getLogger(__name__)
+
+#: Labels the node agents rewrite as caches change; they do not move a node between topology domains.
+OWN_LABEL_PREFIXES = (DATASET_PREFIX + "/", FREE_LABEL)
 
 #: Largest request accepted: 5,000 full Node objects of ~10 KiB each, with room to spare.
 MAX_BODY = 256 * 1024 * 1024
@@ -68,32 +72,61 @@ class NodeCache:
     each node's parsed cache view kept until the node's labels or annotations change (parsing 5,000 nodes'
     annotations on every request would dominate the latency)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refresh_interval: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.nodes: dict[str, Mapping[str, Any]] = {}
         self._parsed: dict[str, tuple[Any, NodeState]] = {}
-        #: Bumped whenever the set of nodes or any node's parsed state changes.
-        self.generation = 0
-        self._cluster: tuple[int, list[NodeState], dict] | None = None
+        #: How often the cluster-wide view (and every score memoised on it) follows cache-label changes: 5,000
+        #: node agents publishing every 30 s change some node's labels every few milliseconds, and rebuilding
+        #: the view and re-scoring every node for each would put that cost into nearly every request.
+        self.refresh_interval = refresh_interval
+        self._clock = clock
+        self._changes = 0  # bumped whenever the set of nodes or any node's parsed state changes
+        self._layout_changes = 0  # … only when nodes come or go, or their topology labels or GPUs change
+        self._published = (0, -float("inf"), 0)  # (changes, when, layout changes)
+        self._layout: dict[str, tuple] = {}
+        self._cluster: tuple[int, list[NodeState], dict, int] | None = None
+        self._domains: tuple[int, tuple[str, ...], list] | None = None
+
+    @property
+    def generation(self) -> int:
+        """Identifies the cluster-wide view: follows cache-label changes at most once per ``refresh_interval``,
+        nodes coming or going and changes of their topology labels or GPUs at once."""
+        changes, at, layout = self._published
+        if changes != self._changes and (layout != self._layout_changes or self._clock() - at >= self.refresh_interval):
+            self._published = (self._changes, self._clock(), self._layout_changes)
+        return self._published[0]
 
     def update(self, node: Mapping[str, Any]) -> None:
         name = (node.get("metadata") or {}).get("name")
         if name:
             if name not in self.nodes:
-                self.generation += 1
+                self._changes += 1
             self.nodes[name] = node
-            self._parse(node)  # parse now (bumps the generation if it changed)
+            self._parse(node)  # parse now (counts a change if it changed)
 
     def remove(self, name: str) -> None:
         if self.nodes.pop(name, None) is not None:
-            self.generation += 1
+            self._changes += 1
+            self._layout_changes += 1
         self._parsed.pop(name, None)
+        self._layout.pop(name, None)
 
     def cluster(self) -> tuple[list[NodeState], dict]:
-        """Every node's base state and the per-group best holders, recomputed only when something changed."""
-        if self._cluster is None or self._cluster[0] != self.generation:
+        """Every node's base state and the per-group best holders, as of :attr:`generation`."""
+        generation = self.generation
+        if self._cluster is None or self._cluster[0] != generation:
             states = [self._parsed[name][1] for name in self.nodes]
-            self._cluster = (self.generation, states, group_best(states))
+            self._cluster = (generation, states, group_best(states), self._layout_changes)
         return self._cluster[1], self._cluster[2]
+
+    def domains(self, levels: tuple[str, ...]) -> list:
+        """The :func:`~scheduler_hints.scoring.domain_index` of :meth:`cluster` for ``levels``, rebuilt only
+        when the nodes or their topology labels changed."""
+        states = self.cluster()[0]
+        layout = self._cluster[3]
+        if self._domains is None or self._domains[:2] != (layout, levels):
+            self._domains = (layout, levels, domain_index(states, levels))
+        return self._domains[2]
 
     def base_state(self, node: Mapping[str, Any]) -> NodeState:
         """The node's NodeState with ``gpu_free`` = allocatable (callers subtract usage)."""
@@ -120,7 +153,12 @@ class NodeCache:
             alloc = 0
         state = NodeState(name, read_node(name, labels, annotations), labels, alloc, alloc)
         self._parsed[name] = (version, state)
-        self.generation += 1
+        self._changes += 1
+        if self.nodes.get(name) is node:  # a cached node: did its place in the topology change?
+            layout = (alloc, *sorted((k, v) for k, v in labels.items() if not k.startswith(OWN_LABEL_PREFIXES)))
+            if self._layout.get(name) != layout:
+                self._layout[name] = layout
+                self._layout_changes += 1
         return state
 
 
@@ -363,7 +401,8 @@ class Extender:
             on = {n for n, _ in self.gangs.placed(gang)}
             placed = [s for s in cluster if s.name in on]
         scores = score_nodes(needs, states, self._locality_cache(needs, groups), self.weights,
-                             gang_size=gang.min_member if gang else 0, placed=placed, cluster=cluster)
+                             gang_size=gang.min_member if gang else 0, placed=placed, cluster=cluster,
+                             index=self.node_cache.domains(self.weights.topology_levels) if gang else None)
         return [{"Host": s.name, "Score": score} for s, score in zip(states, scores, strict=True)]
 
     async def bind(self, body: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ __all__ = [
     "combine_scores",
     "defer_for_locality",
     "domain_free",
+    "domain_index",
     "gang_domain_locality",
     "gpu_packing",
     "locality",
@@ -73,10 +74,14 @@ def group_best(nodes: Sequence[NodeState]) -> dict[str, dict[str, list[tuple[flo
             continue
         per = out.setdefault(g, {})
         for ds, frac in n.cache.fractions.items():
-            top = per.setdefault(ds, [])
-            top.append((frac, n.name))
-            top.sort(reverse=True)
-            del top[2:]
+            entry = (frac, n.name)
+            top = per.get(ds)
+            if top is None:
+                per[ds] = [entry]
+            elif len(top) == 1:
+                top.insert(0 if entry > top[0] else 1, entry)
+            elif entry > top[1]:
+                top[:] = [entry, top[0]] if entry > top[0] else [top[0], entry]
     return out
 
 
@@ -155,25 +160,42 @@ def gang_domain_locality(needs: PodNeeds, cluster: Sequence[NodeState], gang_siz
     :func:`locality_scorer` when the caller already has one."""
     if not needs.datasets or needs.gpus <= 0 or gang_size <= 0:
         return {}
-    members: dict[tuple[str, str], list[tuple[float, int]]] = {}
-    score = score or locality_scorer(needs, groups, w)
-    levels = w.topology_levels
-    for n in cluster:
-        k = n.gpu_free // needs.gpus
-        if k <= 0:
-            continue
-        entry = (score(n) or 0.0, k)
-        labels = n.labels
+    return _gang_domains(needs, cluster, gang_size, w.topology_levels, score or locality_scorer(needs, groups, w))[1]
+
+
+def domain_index(cluster: Sequence[NodeState], levels: Sequence[str]) -> list[tuple[tuple[str, str], list[int]]]:
+    """Each topology domain ``(level label, value)`` with the positions of its nodes in ``cluster``. Depends only
+    on labels, so callers keep it while the node set is unchanged."""
+    index: dict[tuple[str, str], list[int]] = {}
+    for i, n in enumerate(cluster):
         for key in levels:
-            value = labels.get(key)
+            value = n.labels.get(key)
             if value is not None:
-                dom = members.get((key, value))
-                if dom is None:
-                    members[(key, value)] = [entry]
-                else:
-                    dom.append(entry)
-    return {dom: best_slots_locality(entries, gang_size) for dom, entries in members.items()
-            if sum(k for _, k in entries) >= gang_size}
+                index.setdefault((key, value), []).append(i)
+    return list(index.items())
+
+
+def _gang_domains(needs: PodNeeds, cluster: Sequence[NodeState], gang_size: int, levels: Sequence[str],
+                  score: Callable[[NodeState], float | None],
+                  index: Sequence[tuple[tuple[str, str], Sequence[int]]] | None = None
+                  ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
+    """For a gang's first member: free GPUs per domain (:func:`domain_free`) and :func:`gang_domain_locality`,
+    from a :func:`domain_index` of ``cluster``."""
+    if index is None:
+        index = domain_index(cluster, levels)
+    scored = bool(needs.datasets) and needs.gpus > 0 and gang_size > 0
+    free_gpus = [n.gpu_free for n in cluster]
+    slots = [g // needs.gpus if scored and g > 0 else 0 for g in free_gpus]
+    loc = [(score(n) or 0.0) if k > 0 else 0.0 for n, k in zip(cluster, slots, strict=True)]
+    free: dict[tuple[str, str], int] = {}
+    by_domain: dict[tuple[str, str], float] = {}
+    for dom, members in index:
+        f = sum(free_gpus[i] for i in members)
+        if f > 0:
+            free[dom] = f
+        if scored and sum(slots[i] for i in members) >= gang_size:
+            by_domain[dom] = best_slots_locality([(loc[i], slots[i]) for i in members], gang_size)
+    return free, by_domain
 
 
 def best_slots_locality(nodes: Iterable[tuple[float | None, int]], count: int) -> float:
@@ -221,20 +243,20 @@ def combine_scores(loc: float | None, packing: float | None, topology: float | N
 
 def score_nodes(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callable[[NodeState], float | None],
                 w: Weights = Weights(), *, gang_size: int = 0, placed: Sequence[NodeState] = (),
-                cluster: Sequence[NodeState] = ()) -> list[int]:
+                cluster: Sequence[NodeState] = (),
+                index: Sequence[tuple[tuple[str, str], Sequence[int]]] | None = None) -> list[int]:
     """The score (0–10) of each of ``nodes`` for one pod: :func:`combine` of its locality (``locality_of``, from
     :func:`locality_scorer`), GPU packing and, for a member of a gang of ``gang_size`` pods, topology: affinity
     to the members already ``placed`` or, for the first member, the smallest domain around the node that can
     hold the whole gang, with the node's locality averaged with that domain's (both from ``cluster``, the
-    whole cluster's free GPUs)."""
+    whole cluster's free GPUs; ``index`` its :func:`domain_index` when the caller keeps one)."""
     levels = w.topology_levels
     step = 1.0 / (len(levels) + 1)
     first = gang_size > 0 and not placed
     free_by_domain: dict = {}
     by_domain: dict = {}
     if first:
-        free_by_domain = domain_free(cluster, levels)
-        by_domain = gang_domain_locality(needs, cluster, gang_size, w=w, score=locality_of)
+        free_by_domain, by_domain = _gang_domains(needs, cluster, gang_size, levels, locality_of, index)
     gang_gpus = gang_size * needs.gpus
     # per level, the values the placed members have there: the innermost shared level gives the affinity
     placed_values = [{v for o in placed if (v := o.labels.get(key)) is not None} for key in levels]
