@@ -10,6 +10,10 @@ Python per request, which would make the server, not the client under test, the 
 range in time proportional to the range. Everything else (listing, HEAD, PUT, versioned or
 virtual-host-style requests) still goes to moto.
 
+``POST /_cachefs/seed?bucket=B&prefix=P&count=N&dirs=D`` (tests only) puts N empty objects
+``P/d<k>/f<i>`` spread over D directories straight into moto's store: a 100,000-object listing test would
+otherwise spend minutes on PUTs (moto takes ~330 a second here). Listing them still goes through moto's S3 API.
+
 The server runs in a separate process (not a thread of the test process) so that its request handling does
 not compete with the code under test for the GIL.
 """
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
-    app = DomainDispatcherApplication(create_backend_app)
+    app = _seeding(DomainDispatcherApplication(create_backend_app))
     if args.fast_get:
         app = _fast_get(app)
     delay = args.delay_ms / 1000.0
@@ -51,6 +55,27 @@ def main(argv: list[str] | None = None) -> None:
     server = make_server(args.host, args.port, app, threaded=True)
     print(f"PORT {server.server_port}", flush=True)
     server.serve_forever()
+
+
+def _seeding(inner):
+    """WSGI middleware: ``POST /_cachefs/seed`` fills a bucket with empty objects from inside the server."""
+    from urllib.parse import parse_qs
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") != "/_cachefs/seed" or environ["REQUEST_METHOD"] != "POST":
+            return inner(environ, start_response)
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        q = {k: v[0] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
+        backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+        count, dirs, prefix = int(q["count"]), max(1, int(q.get("dirs", "1"))), q.get("prefix", "").strip("/")
+        for i in range(count):
+            backend.put_object(q["bucket"], f"{prefix}/d{i % dirs}/f{i:07d}".lstrip("/"), b"")
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [f"{count}\n".encode()]
+
+    return app
 
 
 def _fast_get(inner):
@@ -132,6 +157,15 @@ class S3Server:
             raise RuntimeError(f"moto server did not start (said {line!r})")
         self.port = int(line.split()[1])
         return self
+
+    def seed(self, bucket: str, prefix: str, count: int, dirs: int = 1) -> None:
+        """Put ``count`` empty objects ``prefix/d<k>/f<i>`` (``dirs`` directories) into ``bucket``, in-process."""
+        from urllib.parse import urlencode
+
+        query = urlencode({"bucket": bucket, "prefix": prefix, "count": count, "dirs": dirs})
+        req = urllib.request.Request(f"{self.endpoint}/_cachefs/seed?{query}", method="POST")
+        with urllib.request.urlopen(req, timeout=600):
+            pass
 
     def reset(self) -> None:
         """Drop every bucket and object (moto's reset API)."""
