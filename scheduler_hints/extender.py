@@ -63,6 +63,14 @@ def _ci(obj: Any, key: str) -> Any:
     return next((v for k, v in obj.items() if isinstance(k, str) and k.lower() == lk), None)
 
 
+def _room(d: dict, limit: int) -> dict:
+    """``d`` with its oldest entries dropped so that one more fits under ``limit`` (every memo and clock here
+    is bounded this way)."""
+    while len(d) >= limit:
+        d.pop(next(iter(d)))
+    return d
+
+
 class BadRequest(Exception):
     pass
 
@@ -227,10 +235,8 @@ class Extender:
             by_name = True
         else:
             raise BadRequest("ExtenderArgs needs Nodes.items (nodeCacheCapable: false) or NodeNames (true)")
-        self._pods[pod_key(pod)] = pod
-        if len(self._pods) > 100_000:  # bounded: bind looks pods up by uid shortly after filter/prioritize
-            for k in list(self._pods)[:50_000]:
-                del self._pods[k]
+        # bounded: bind looks pods up by uid shortly after filter/prioritize
+        _room(self._pods, 100_000)[pod_key(pod)] = pod
         return pod, items, by_name
 
     def _held(self) -> dict[str, int]:
@@ -264,9 +270,7 @@ class Extender:
                 known = [n.cache.cached_bytes.get(ds, 0) / n.cache.fractions[ds]
                          for n in states if n.cache.fractions.get(ds) and n.cache.cached_bytes.get(ds)]
                 totals[ds] = int(max(known, default=0))
-            if len(self._totals_memo) >= 64:
-                self._totals_memo.pop(next(iter(self._totals_memo)))
-            self._totals_memo[key] = totals
+            _room(self._totals_memo, 64)[key] = totals
         return PodNeeds(totals, pod_gpus(pod))
 
     # -- verbs ----------------------------------------------------------------------------------------------
@@ -279,7 +283,7 @@ class Extender:
         if gang is not None and gang.min_member > 1 and gpus > 0:
             reason = None if self.gangs.admitted(gang) else self._admission_refusal(pod, gang, gpus)
         else:
-            reason = self._locality_refusal(pod_key(pod), pod, 1, gpus, items) if items else None
+            reason = self._locality_refusal(pod_key(pod), pod, 1, gpus, lambda: self._states(items)) if items else None
         if reason:
             failed = {str((n.get("metadata") or {}).get("name", "")): reason for n in items}
             passed = []
@@ -293,17 +297,19 @@ class Extender:
         }
 
     def _locality_refusal(self, key: str, pod: Mapping[str, Any], count: int, gpus: int,
-                          candidates: list[Mapping[str, Any]] | None = None) -> str | None:
+                          candidates: Callable[[], list[NodeState]]) -> str | None:
         """Delay scheduling (:func:`~scheduler_hints.scoring.defer_for_locality`): say why ``count`` pods of
         ``gpus`` GPUs each (one pod, or a whole gang under ``key``) wait for nodes holding more of their data,
-        or None to let them run. The wait counts from the first time they could run; a pod's own candidates
-        are the nodes kube-scheduler found feasible, a gang's the free pod slots of the whole cluster."""
+        or None to let them run. The wait counts from the first time they could run. ``candidates`` gives the
+        nodes it could run on now, net of held GPUs (asked only when needed): for a pod the nodes
+        kube-scheduler found feasible, for a gang the whole cluster."""
         if self.locality_wait <= 0:
             return None
         now = self.clock()
-        if len(self._ready_since) > 10_000:
-            self._ready_since.pop(next(iter(self._ready_since)))
-        waited = now - self._ready_since.setdefault(key, now)
+        ready = self._ready_since.get(key)
+        if ready is None:
+            ready = _room(self._ready_since, 10_000)[key] = now
+        waited = now - ready
         if waited >= self.locality_wait:
             return None
         base_cluster, groups = self.node_cache.cluster()
@@ -315,18 +321,11 @@ class Extender:
         memo_key = (tuple(sorted(needs.datasets.items())), gpus, count, self.node_cache.generation)
         possible = self._possible_memo.get(memo_key)
         if possible is None:  # the best slots as if every node were free: changes only with the node cache
-            if len(self._possible_memo) >= 256:
-                self._possible_memo.pop(next(iter(self._possible_memo)))
-            possible = self._possible_memo[memo_key] = best_slots_locality(
+            possible = _room(self._possible_memo, 256)[memo_key] = best_slots_locality(
                 ((score(n), n.gpu_allocatable // per if gpus else 1) for n in base_cluster), count)
         if possible <= self.locality_slack:  # nowhere holds enough of its data to be worth waiting for
             return None
-        held = self._held()
-        if candidates is None:
-            pool = [(score(n), n.gpu_free // per) for n in (self._net(b, held) for b in base_cluster)]
-        else:
-            pool = [(score(n), n.gpu_free // per if gpus else 1) for n in self._states(candidates, held)]
-        achievable = best_slots_locality(pool, count)
+        achievable = best_slots_locality(((score(n), n.gpu_free // per if gpus else 1) for n in candidates()), count)
         if not defer_for_locality(achievable, possible, waited, wait=self.locality_wait, slack=self.locality_slack):
             return None
         what = f"gang {key} ({count} pods)" if count > 1 else f"pod {key}"
@@ -343,14 +342,14 @@ class Extender:
         slots = sum(n.gpu_free // gpus for n in cluster)
         need = gang.min_member
         now = self.clock()
-        if len(self._gang_first_seen) > 10_000:
-            self._gang_first_seen.pop(next(iter(self._gang_first_seen)))
+        if gang.key not in self._gang_first_seen:
+            _room(self._gang_first_seen, 10_000)
         if not self.gangs.fits(gang, gpus, slots * gpus):
             # It fits nowhere yet: the wait for one domain starts when it could run somewhere, not before (a gang
             # that queued behind another must not skip that wait and spread out while the other one leaves).
             self._gang_first_seen[gang.key] = now
             return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
-        reason = self._locality_refusal(gang.key, pod, need, gpus)
+        reason = self._locality_refusal(gang.key, pod, need, gpus, lambda: cluster)
         if reason:
             return reason
         first = self._gang_first_seen.setdefault(gang.key, now)
@@ -374,9 +373,7 @@ class Extender:
         key = (tuple(sorted(needs.datasets.items())), self.node_cache.generation)
         memo = self._locality_memo.get(key)
         if memo is None:
-            if len(self._locality_memo) >= 64:
-                self._locality_memo.pop(next(iter(self._locality_memo)))
-            memo = self._locality_memo[key] = {}
+            memo = _room(self._locality_memo, 64)[key] = {}
         score = locality_scorer(needs, groups, self.weights)
 
         def cached(node: NodeState) -> float | None:
