@@ -178,8 +178,8 @@ def run(args, server, work: str) -> None:
     from cachefs.config import load_config
     from cachefs.engine import Engine, ReadStream
 
-    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-    os.environ.update(AWS_ENDPOINT_URL=server.endpoint, **creds)
+    creds = server.env()
+    os.environ.update(creds)
     client = server.client()
     client.create_bucket(Bucket="bench")
     rng = random.Random(args.seed)

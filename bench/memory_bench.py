@@ -42,8 +42,7 @@ def main() -> None:
         client.create_bucket(Bucket="mem")
         for i in range(args.objects):
             client.put_object(Bucket="mem", Key=f"ds/o{i}.bin", Body=os.urandom(args.object_mib << 20))
-        os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID="t", AWS_SECRET_ACCESS_KEY="t",
-                          AWS_REGION="us-east-1")
+        os.environ.update(server.env())
         fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=tempfile.mkdtemp(prefix="cachefs-mem-"),
                                dataset="s3://mem/ds", engine_memory_budget=args.budget)
         fs._open_dataset("s3://mem/ds")

@@ -114,8 +114,7 @@ def origin_on_link(rate_mbit: int, delay_ms: float, *, fast_get: bool = True):
 
 def run(args, server, work: str, capped: bool) -> None:
     rng = random.Random(args.seed)
-    os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_REGION="us-east-1")
+    os.environ.update(server.env())
     client = server.client()
     bucket = "bench"
     client.create_bucket(Bucket=bucket)

@@ -79,8 +79,7 @@ def main() -> None:
 
 
 def run(args, server, work: str, capped: bool) -> None:
-    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-    os.environ.update(AWS_ENDPOINT_URL=server.endpoint, **creds)
+    os.environ.update(server.env())
     client = server.client()
     client.create_bucket(Bucket="bench")
     rng = random.Random(args.seed)

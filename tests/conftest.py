@@ -15,8 +15,6 @@ import pytest
 from cachefs.config import load_config
 from cachefs.testing.s3server import S3Server
 
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-
 
 @pytest.fixture(scope="session")
 def s3_server():
@@ -28,9 +26,8 @@ def s3_server():
 def s3(s3_server, monkeypatch):
     """A clean S3 origin: ``(server, boto3 client, bucket name)``; env points the AWS chain at it."""
     s3_server.reset()
-    for k, v in CREDS.items():
+    for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     client = s3_server.client()
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)

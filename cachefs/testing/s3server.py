@@ -27,7 +27,10 @@ import sys
 import time
 import urllib.request
 
-__all__ = ["S3Server", "main"]
+__all__ = ["CREDENTIALS", "S3Server", "main"]
+
+#: What moto accepts (any key works); clients of the test server use these.
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,12 +176,17 @@ class S3Server:
         with urllib.request.urlopen(req, timeout=30):
             pass
 
+    def env(self) -> dict[str, str]:
+        """The environment that points the AWS chain (boto3, s3fs, the cachefs CLI) at this server."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, **CREDENTIALS}
+
     def client(self):
         import boto3
         from botocore.config import Config
 
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                            aws_access_key_id="testing", aws_secret_access_key="testing",
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name=CREDENTIALS["AWS_REGION"],
+                            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
                             config=Config(max_pool_connections=64))
 
     def stop(self) -> None:

@@ -53,12 +53,17 @@ class Plugin:
 
     def stop(self) -> str:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(20)
-        out = self.proc.stdout.read()
-        self.proc.stdout.close()
-        return out
+        return _stop(self.proc)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """Terminate a plugin or mounter process; what it printed."""
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(20)
+    out = proc.stdout.read()
+    proc.stdout.close()
+    return out
 
 
 @pytest.fixture
@@ -319,12 +324,7 @@ class MounterProcess:
             time.sleep(0.1)
 
     def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(20)
-        out = self.proc.stdout.read()
-        self.proc.stdout.close()
-        return out
+        return _stop(self.proc)
 
 
 def _ppid(pid: int) -> int:

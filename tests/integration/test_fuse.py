@@ -22,7 +22,7 @@ import pytest
 from cachefs.fuse import unmount
 from cachefs.fuse.registry import list_mounts
 from cachefs.testing.s3server import S3Server
-from tests.conftest import CREDS, make_files, put_tree
+from tests.conftest import make_files, put_tree
 
 pytestmark = pytest.mark.root
 
@@ -180,9 +180,8 @@ def test_fio_sequential_and_random_reads(mounted):
 
 def test_origin_down_cached_files_read_uncached_fail_fast(cache_dir, tmp_path, monkeypatch):
     with S3Server() as server:
-        for k, v in CREDS.items():
+        for k, v in server.env().items():
             monkeypatch.setenv(k, v)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
         client = server.client()
         client.create_bucket(Bucket="down")
         files = make_files(n_small=10, big_sizes=(200_000,))
