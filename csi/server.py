@@ -91,8 +91,11 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
             signal.signal(sig, lambda *_: stop.set())
     if ready is not None:
         ready.set()
-    stop.wait()
-    server.stop(grace=5).wait()
+    # A timed wait: a signal the kernel hands to one of gRPC's threads only runs its Python handler once the
+    # main thread wakes, and an untimed wait may never wake.
+    while not stop.wait(1.0):
+        pass
+    server.stop(grace=5).wait(10)
 
 
 def _repair_loop(sessions: SessionManager, stop: threading.Event, idle_timeout: float) -> None:

@@ -124,6 +124,8 @@ class MountHolder:
         threading.Thread(target=self._hand_over_loop, name="cachefs-fuse-holder", daemon=True).start()
 
     def _hand_over_loop(self) -> None:
+        # SIGTERM/SIGINT must reach the main thread, which waits for the daemon: a handler only runs there.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         while not self._stopping.is_set():
             try:
                 conn, _ = self._listener.accept()

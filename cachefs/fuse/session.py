@@ -68,7 +68,8 @@ class FuseSession:
                    for i in range(self.workers)]
         for t in threads:
             t.start()
-        self.stopped.wait()
+        while not self.stopped.wait(1.0):  # timed, so that signal handlers run (see csi.server.serve)
+            pass
         for t in threads:
             t.join(timeout=0.1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,12 +59,29 @@ class Plugin:
 
 def _stop(proc: subprocess.Popen) -> str:
     """Terminate a plugin or mounter process; what it printed."""
+    hung = ""
     if proc.poll() is None:
         proc.terminate()
-        proc.wait(20)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:  # say where it is stuck: kernel wait channels and Python stacks
+            hung = " ".join(_read(f"/proc/{proc.pid}/task/{t}/wchan") for t in os.listdir(f"/proc/{proc.pid}/task"))
+            os.kill(proc.pid, signal.SIGUSR1)  # cachefs prints every thread's stack
+            time.sleep(1)
+            proc.kill()
+            proc.wait()
     out = proc.stdout.read()
     proc.stdout.close()
+    assert not hung, f"{proc.args[:4]} ignored SIGTERM for 20 s; threads wait in: {hung}\n{out}"
     return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip() or "-"
+    except OSError:
+        return "?"
 
 
 @pytest.fixture
@@ -82,8 +100,10 @@ def plugin(tmp_path):
     try:
         yield p
     finally:
-        log = p.stop()
-        unmount_under(tmp_path)
+        try:
+            log = p.stop()
+        finally:
+            unmount_under(tmp_path)
         assert "Traceback" not in log, log
         assert SECRET not in log
 
@@ -217,8 +237,6 @@ def test_bad_requests_get_clear_codes_and_mount_nothing(plugin, tmp_path):
 
 
 def test_kubelet_style_publishes_survive_killing_daemon_and_plugin_mid_read(tmp_path, dataset):
-    import signal
-
     from cachefs.fuse.registry import list_mounts
 
     url, files = dataset
@@ -250,10 +268,12 @@ def test_kubelet_style_publishes_survive_killing_daemon_and_plugin_mid_read(tmp_
         inline_publish(second, url, c, "pod-c")  # new publishes work after both restarts
         assert tree_hashes(c) == expected and tree_hashes(b) == expected
     finally:
-        for p in (first, second):
-            if p is not None:
-                p.stop()
-        unmount_under(tmp_path)
+        try:
+            for p in (first, second):
+                if p is not None:
+                    p.stop()
+        finally:
+            unmount_under(tmp_path)
 
 
 def test_plugin_restart_keeps_serving_and_repairs_missing_targets(tmp_path, dataset):
@@ -278,13 +298,13 @@ def test_plugin_restart_keeps_serving_and_repairs_missing_targets(tmp_path, data
             log = second.stop()
         assert "repaired 1 published volume" in log
     finally:
-        first.stop()
-        unmount_under(tmp_path)
+        try:
+            first.stop()
+        finally:
+            unmount_under(tmp_path)
 
 
 def test_killed_fuse_daemon_under_a_published_target_is_replaced_and_pods_keep_reading(plugin, dataset, tmp_path):
-    import signal
-
     from cachefs.fuse.registry import list_mounts
 
     url, files = dataset
@@ -387,13 +407,15 @@ def test_restarting_the_plugin_container_leaves_sessions_in_the_mounter_containe
         inline_publish(second, other, d, "pod-d")
         assert tree_hashes(d) == {rel.split("/", 1)[1]: h for rel, h in expected.items() if rel.startswith("d0/")}
     finally:
-        for p in (first, second):
-            if p is not None:
-                log += p.stop()
-        log += mounter.stop()
-        unmount_under(tmp_path)
-        for ct in (plugin_ct, plugin_ct2, mounter_ct):
-            ct.remove()
+        try:
+            for p in (first, second):
+                if p is not None:
+                    log += p.stop()
+            log += mounter.stop()
+        finally:
+            unmount_under(tmp_path)
+            for ct in (plugin_ct, plugin_ct2, mounter_ct):
+                ct.remove()
     assert "Traceback" not in log
 
 
