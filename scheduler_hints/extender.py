@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -41,6 +40,7 @@ from .scoring import (
     locality_scorer,
     score_nodes,
 )
+from .wire import BadJSON, decode_args, encode
 
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
 
@@ -224,8 +224,10 @@ class Extender:
         names = _ci(body, "NodeNames")
         if isinstance(nodes, Mapping) and isinstance(nodes.get("items"), list):
             items = [n for n in nodes["items"] if isinstance(n, Mapping)]
+            cached = self.node_cache.nodes
             for n in items:
-                self.node_cache.update(n)
+                if cached.get((n.get("metadata") or {}).get("name")) is not n:  # not known at this version
+                    self.node_cache.update(n)
             by_name = False
         elif isinstance(names, list):
             items = [self.node_cache.nodes.get(n) or {"metadata": {"name": n}} for n in names if isinstance(n, str)]
@@ -440,16 +442,19 @@ class Extender:
 def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
     """The aiohttp application: one handler per verb, JSON in and out, errors as 4xx JSON."""
 
+    def reply(obj: Any, status: int = 200) -> web.Response:
+        return web.Response(body=encode(obj), status=status, content_type="application/json")
+
     async def handle(request: web.Request) -> web.Response:
         verb = request.match_info["verb"]
         if verb not in ("filter", "prioritize", "bind"):
-            return web.json_response({"Error": f"unknown verb {verb!r} (filter, prioritize, bind)"}, status=404)
+            return reply({"Error": f"unknown verb {verb!r} (filter, prioritize, bind)"}, 404)
         try:
-            body = json.loads(await request.read())
+            body = decode_args(await request.read(), ext.node_cache.nodes.get)
         except web.HTTPRequestEntityTooLarge:
-            return web.json_response({"Error": f"request larger than {max_body} bytes"}, status=413)
-        except (ValueError, UnicodeDecodeError):
-            return web.json_response({"Error": "request body is not valid JSON"}, status=400)
+            return reply({"Error": f"request larger than {max_body} bytes"}, 413)
+        except BadJSON:
+            return reply({"Error": "request body is not valid JSON"}, 400)
         try:
             if verb == "filter":
                 result: Any = ext.filter(body)
@@ -458,8 +463,8 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
             else:
                 result = await ext.bind(body)
         except BadRequest as exc:
-            return web.json_response({"Error": str(exc)}, status=400)
-        return web.json_response(result)
+            return reply({"Error": str(exc)}, 400)
+        return reply(result)
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -134,7 +134,11 @@ def test_node_cache_capable_mode_uses_names(server):
 
 @pytest.mark.parametrize(("verb", "raw", "status"), [
     ("filter", b"{not json", 400),
+    ("filter", b"\xff\xfe{}", 400),
+    ("filter", b'{"Pod": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),  # nested past any decoder's depth
+    ("filter", b'{"Pod": {}, "Nodes": {"items": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}}", 400),
     ("filter", b"[]", 400),
+    ("filter", b'{"Pod": {}, "Nodes": {"items": 7}}', 400),
     ("prioritize", b'{"Pod": {}}', 400),
     ("bind", b'{"PodName": 3}', 400),
     ("preempt-everything", b"{}", 404),
