@@ -175,7 +175,7 @@ class Simulation:
         self._states.pop(n.name, None)
 
     # -- placement --------------------------------------------------------------------------------------
-    def pick(self, job: Job, placed: list[str], groups) -> str | None:
+    def pick(self, job: Job, placed: list[str], groups, short: bool = False) -> str | None:
         feasible = [n for n in self.nodes.values() if n.free >= job.gpus]
         if not feasible:
             return None
@@ -192,7 +192,8 @@ class Simulation:
         cluster = [self.state(n) for n in self.nodes.values()] if job.pods > 1 and not placed else []
         scores = score_nodes(needs, states, locality_scorer(needs, groups, self.weights), self.weights,
                              gang_size=job.pods if job.pods > 1 else 0,
-                             placed=[self.state(self.nodes[p]) for p in placed], cluster=cluster)
+                             placed=[self.state(self.nodes[p]) for p in placed], cluster=cluster,
+                             whole_nodes_short=short and job.gpus < GPUS)
         top = max(scores)
         return self.rng.choice([s.name for s, score in zip(states, scores, strict=True) if score == top])
 
@@ -236,13 +237,20 @@ class Simulation:
             return False
         if self.policy == "cachefs" and self.defer(job, groups, now):
             return False
+        short = self.policy == "cachefs" and self.whole_nodes_short(job)
         for _ in range(job.pods):
-            name = self.pick(job, job.placed, groups)
+            name = self.pick(job, job.placed, groups, short)
             if name is None:  # cannot happen after the admission check, but never leave a partial gang
                 self.release(job)
                 return False
             self.take(job, name)
         return True
+
+    def whole_nodes_short(self, job: Job) -> bool:
+        """What the extender sees from its pod watch: pending pods (other than ``job``'s) that need whole nodes
+        outnumber the whole free nodes."""
+        demand = sum(q.pods - len(q.placed) for q in self.queue if q.gpus == GPUS and q is not job)
+        return demand > sum(n.free == GPUS for n in self.nodes.values())
 
     def account(self, job: Job) -> None:
         size = self.sizes[job.dataset]
@@ -265,6 +273,7 @@ class Simulation:
         heapq.heapify(events)
         self.events = events
         queue: list[Job] = []
+        self.queue = queue
         running = 0
         last_t = 0.0
 

@@ -54,7 +54,8 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
         cfg = ExtenderConfig(weights=weights, **{k: float(v) for k, v in data.items()})
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    if min(cfg.weights.local, cfg.weights.domain, cfg.weights.packing, cfg.weights.topology) < 0:
+    if min(cfg.weights.local, cfg.weights.domain, cfg.weights.packing, cfg.weights.packing_when_short,
+           cfg.weights.topology) < 0:
         raise ConfigError(f"{path}: weights must not be negative")
     if cfg.bind_timeout <= 0 or cfg.gang_ttl <= 0 or min(cfg.topology_wait, cfg.locality_wait) < 0:
         raise ConfigError(f"{path}: bind_timeout and gang_ttl must be positive, topology_wait and locality_wait "

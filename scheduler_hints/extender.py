@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from .gang import GangManager
-from .labels import DATASET_PREFIX, FREE_LABEL, read_node
+from .node_cache import NodeCache
 from .pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
 from .scoring import (
     NodeState,
@@ -35,8 +35,6 @@ from .scoring import (
     best_slots_locality,
     defer_for_locality,
     domain_free,
-    domain_index,
-    group_best,
     locality_scorer,
     score_nodes,
 )
@@ -45,9 +43,6 @@ from .wire import BadJSON, decode_args, encode
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
 
 log = logging.getLogger(__name__)
-
-#: Labels the node agents rewrite as caches change; they do not move a node between topology domains.
-OWN_LABEL_PREFIXES = (DATASET_PREFIX + "/", FREE_LABEL)
 
 #: Largest request accepted: 5,000 full Node objects of ~10 KiB each, with room to spare.
 MAX_BODY = 256 * 1024 * 1024
@@ -73,101 +68,6 @@ def _room(d: dict, limit: int) -> dict:
 
 class BadRequest(Exception):
     pass
-
-
-class NodeCache:
-    """Node objects by name, for ``nodeCacheCapable: true`` (fed by a watch) and for cluster-wide views, with
-    each node's parsed cache view kept until the node's labels or annotations change (parsing 5,000 nodes'
-    annotations on every request would dominate the latency)."""
-
-    def __init__(self, refresh_interval: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.nodes: dict[str, Mapping[str, Any]] = {}
-        self._parsed: dict[str, tuple[Any, NodeState]] = {}
-        #: How often the cluster-wide view (and every score memoised on it) follows cache-label changes: 5,000
-        #: node agents publishing every 30 s change some node's labels every few milliseconds, and rebuilding
-        #: the view and re-scoring every node for each would put that cost into nearly every request.
-        self.refresh_interval = refresh_interval
-        self._clock = clock
-        self._changes = 0  # bumped whenever the set of nodes or any node's parsed state changes
-        self._layout_changes = 0  # … only when nodes come or go, or their topology labels or GPUs change
-        self._published = (0, -float("inf"), 0)  # (changes, when, layout changes)
-        self._layout: dict[str, tuple] = {}
-        self._cluster: tuple[int, list[NodeState], dict, int] | None = None
-        self._domains: tuple[int, tuple[str, ...], list] | None = None
-
-    @property
-    def generation(self) -> int:
-        """Identifies the cluster-wide view: follows cache-label changes at most once per ``refresh_interval``,
-        nodes coming or going and changes of their topology labels or GPUs at once."""
-        changes, at, layout = self._published
-        if changes != self._changes and (layout != self._layout_changes or self._clock() - at >= self.refresh_interval):
-            self._published = (self._changes, self._clock(), self._layout_changes)
-        return self._published[0]
-
-    def update(self, node: Mapping[str, Any]) -> None:
-        name = (node.get("metadata") or {}).get("name")
-        if name:
-            if name not in self.nodes:
-                self._changes += 1
-            self.nodes[name] = node
-            self._parse(node)  # parse now (counts a change if it changed)
-
-    def remove(self, name: str) -> None:
-        if self.nodes.pop(name, None) is not None:
-            self._changes += 1
-            self._layout_changes += 1
-        self._parsed.pop(name, None)
-        self._layout.pop(name, None)
-
-    def cluster(self) -> tuple[list[NodeState], dict]:
-        """Every node's base state and the per-group best holders, as of :attr:`generation`."""
-        generation = self.generation
-        if self._cluster is None or self._cluster[0] != generation:
-            states = [self._parsed[name][1] for name in self.nodes]
-            self._cluster = (generation, states, group_best(states), self._layout_changes)
-        return self._cluster[1], self._cluster[2]
-
-    def domains(self, levels: tuple[str, ...]) -> list:
-        """The :func:`~scheduler_hints.scoring.domain_index` of :meth:`cluster` for ``levels``, rebuilt only
-        when the nodes or their topology labels changed."""
-        states = self.cluster()[0]
-        layout = self._cluster[3]
-        if self._domains is None or self._domains[:2] != (layout, levels):
-            self._domains = (layout, levels, domain_index(states, levels))
-        return self._domains[2]
-
-    def base_state(self, node: Mapping[str, Any]) -> NodeState:
-        """The node's NodeState with ``gpu_free`` = allocatable (callers subtract usage)."""
-        meta = node.get("metadata") or {}
-        name = str(meta.get("name", ""))
-        if self.nodes.get(name) is node and name in self._parsed:  # the cached object itself: parsed on update
-            return self._parsed[name][1]
-        return self._parse(node)
-
-    def _parse(self, node: Mapping[str, Any]) -> NodeState:
-        meta = node.get("metadata") or {}
-        name = str(meta.get("name", ""))
-        labels = meta.get("labels") or {}
-        annotations = meta.get("annotations") or {}
-        status = node.get("status") or {}
-        alloc_raw = (status.get("allocatable") or {}).get("nvidia.com/gpu", 0) if isinstance(status, Mapping) else 0
-        version = meta.get("resourceVersion") or (labels, annotations, alloc_raw)
-        hit = self._parsed.get(name)
-        if hit is not None and hit[0] == version:
-            return hit[1]
-        try:
-            alloc = max(0, int(str(alloc_raw)))
-        except ValueError:
-            alloc = 0
-        state = NodeState(name, read_node(name, labels, annotations), labels, alloc, alloc)
-        self._parsed[name] = (version, state)
-        self._changes += 1
-        if self.nodes.get(name) is node:  # a cached node: did its place in the topology change?
-            layout = (alloc, *sorted((k, v) for k, v in labels.items() if not k.startswith(OWN_LABEL_PREFIXES)))
-            if self._layout.get(name) != layout:
-                self._layout[name] = layout
-                self._layout_changes += 1
-        return state
 
 
 class Binder:
@@ -198,6 +98,9 @@ class Extender:
     min_members: dict[str, int] = field(default_factory=dict)
     #: Pods this extender bound: pod key -> (node, GPUs). A pod watch calls :meth:`pod_gone` on deletion.
     bound_pods: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: Pods not yet on a node that request GPUs: pod key -> GPUs (from the pod watch). While those that need a
+    #: whole node outnumber the whole free nodes, smaller pods pack harder (``Weights.packing_when_short``).
+    pending_pods: dict[str, int] = field(default_factory=dict)
     #: Seconds a gang that fits one topology domain waits for room there before being admitted across domains.
     topology_wait: float = 60.0
     #: Delay scheduling: seconds a pod (or gang) that could run now, but only on nodes holding clearly less of
@@ -401,8 +304,26 @@ class Extender:
             placed = [s for s in cluster if s.name in on]
         scores = score_nodes(needs, states, self._locality_cache(needs, groups), self.weights,
                              gang_size=gang.min_member if gang else 0, placed=placed, cluster=cluster,
-                             index=self.node_cache.domains(self.weights.topology_levels) if gang else None)
+                             index=self.node_cache.domains(self.weights.topology_levels) if gang else None,
+                             whole_nodes_short=self._whole_nodes_short(pod_key(pod), needs.gpus, base_cluster, held))
         return [{"Host": s.name, "Score": score} for s, score in zip(states, scores, strict=True)]
+
+    def _whole_nodes_short(self, key: str, gpus: int, cluster: list[NodeState], held: dict[str, int]) -> bool:
+        """Whether pending pods (other than ``key``) that need a whole node outnumber the whole free nodes, for
+        a pod of ``gpus`` GPUs that needs less than a node (the only kind packing harder can help)."""
+        if gpus <= 0 or not self.pending_pods:
+            return False
+        whole = max((n.gpu_allocatable for n in cluster), default=0)
+        if gpus >= whole:
+            return False
+        demand = sum(1 for k, g in self.pending_pods.items() if g >= whole and k != key)
+        if not demand:
+            return False
+        return demand > sum(1 for n in cluster if n.gpu_allocatable == whole and not held.get(n.name))
+
+    def pod_pending(self, key: str, gpus: int) -> None:
+        """The pod watch saw a pod that requests GPUs and is on no node yet."""
+        _room(self.pending_pods, 1_000_000)[key] = gpus
 
     async def bind(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, Mapping):
@@ -429,6 +350,7 @@ class Extender:
             log.warning("binding %s/%s to %s failed: %s", namespace, name, node, exc)
             return {"Error": f"binding {namespace}/{name} to {node} failed: {exc}"}
         self.bound_pods[key] = (node, gpus)
+        self.pending_pods.pop(key, None)
         if gang is not None:
             self.gangs.bound(gang, key)
         return {"Error": ""}
@@ -436,6 +358,7 @@ class Extender:
     def pod_gone(self, key: str) -> None:
         """A pod was deleted or finished: its GPUs are free again."""
         self.bound_pods.pop(key, None)
+        self.pending_pods.pop(key, None)
         self._pods.pop(key, None)
 
 

@@ -10,7 +10,7 @@ plugins', so inflating small differences would override them).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .labels import NodeCacheView
 
@@ -41,6 +41,9 @@ class Weights:
     #: Credit for bytes cached elsewhere in the node's cache group (a peer fetch is cheaper than the origin).
     domain: float = 0.3
     packing: float = 0.5
+    #: Packing's weight while pods that need whole nodes wait for them: then a pod smaller than a node fills a
+    #: partly used node before it breaks a whole free one, even at some cost in locality (KAI-style).
+    packing_when_short: float = 2.0
     topology: float = 0.8
     #: Node labels naming topology levels, innermost first (NVLink domain, leaf switch, rack …).
     topology_levels: tuple[str, ...] = ("nvidia.com/gpu.clique", "network.topology.nvidia.com/block",
@@ -244,12 +247,16 @@ def combine_scores(loc: float | None, packing: float | None, topology: float | N
 def score_nodes(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callable[[NodeState], float | None],
                 w: Weights = Weights(), *, gang_size: int = 0, placed: Sequence[NodeState] = (),
                 cluster: Sequence[NodeState] = (),
-                index: Sequence[tuple[tuple[str, str], Sequence[int]]] | None = None) -> list[int]:
+                index: Sequence[tuple[tuple[str, str], Sequence[int]]] | None = None,
+                whole_nodes_short: bool = False) -> list[int]:
     """The score (0–10) of each of ``nodes`` for one pod: :func:`combine` of its locality (``locality_of``, from
     :func:`locality_scorer`), GPU packing and, for a member of a gang of ``gang_size`` pods, topology: affinity
     to the members already ``placed`` or, for the first member, the smallest domain around the node that can
     hold the whole gang, with the node's locality averaged with that domain's (both from ``cluster``, the
-    whole cluster's free GPUs; ``index`` its :func:`domain_index` when the caller keeps one)."""
+    whole cluster's free GPUs; ``index`` its :func:`domain_index` when the caller keeps one). With
+    ``whole_nodes_short`` (pods needing whole nodes wait for them) packing weighs ``w.packing_when_short``."""
+    if whole_nodes_short:
+        w = replace(w, packing=w.packing_when_short)
     levels = w.topology_levels
     step = 1.0 / (len(levels) + 1)
     first = gang_size > 0 and not placed

@@ -168,6 +168,9 @@ class ClusterWatch:
             self.ext.pod_gone(key)
         elif node:
             self.ext.bound_pods[key] = (str(node), pod_gpus(pod))
+            self.ext.pending_pods.pop(key, None)
+        elif phase in (None, "Pending") and (gpus := pod_gpus(pod)) > 0:
+            self.ext.pod_pending(key, gpus)
 
     def _on_podgroup(self, kind: str, pg: Mapping[str, Any]) -> None:
         meta = pg.get("metadata") or {}

@@ -149,6 +149,31 @@ def test_bad_requests_get_clear_4xx(server, verb, raw, status):
     assert got == status and body["Error"]
 
 
+def test_pods_smaller_than_a_node_keep_whole_nodes_free_while_whole_node_pods_wait(server):
+    """A 1-GPU pod prefers the whole free node that holds its data, until pods needing a whole node are
+    pending and outnumber the whole free nodes: then it fills a partly used node instead."""
+    base, ext = server
+    nodes = [node("holder", fraction=1.0), node("busy")]
+    ext.bound_pods["ml/running"] = ("busy", 7)  # one GPU left on "busy"
+    small = pod("small", annotation=URL, gpus=1)
+
+    def scores():
+        status, body = post(base, "prioritize", args(small, nodes))
+        assert status == 200
+        return {s["Host"]: s["Score"] for s in body}
+
+    calm = scores()
+    assert calm["holder"] > calm["busy"]
+    ext.pod_pending("uid-big-0", 8)  # one whole-node pod pending, one whole free node: not short yet
+    assert scores() == calm
+    ext.pod_pending("uid-big-1", 8)
+    short = scores()
+    assert short["busy"] > short["holder"]
+    ext.pod_gone("uid-big-0")
+    ext.pod_gone("uid-big-1")
+    assert scores() == calm and not ext.pending_pods
+
+
 def test_oversized_request_is_refused():
     import io
 
@@ -293,3 +318,19 @@ def test_gang_waits_for_its_data_before_admission(server):
     now[0] += ext.locality_wait
     _, out = post(base, "filter", args(members[0], nodes[2:]))
     assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["e1", "e2"]
+
+
+def test_pod_watch_tracks_pending_gpu_pods_until_they_are_bound_or_gone():
+    from scheduler_hints.watch import ClusterWatch
+
+    ext = Extender()
+    watch = ClusterWatch(None, ext)  # the reflectors are not started: events are fed by hand
+    big, cpu_only = pod("big", gpus=8), pod("cpu-only")
+    watch._on_pod("ADDED", big)
+    watch._on_pod("ADDED", cpu_only)
+    assert ext.pending_pods == {"uid-big": 8}  # keyed by uid, as every pod record is
+    watch._on_pod("MODIFIED", {**big, "spec": {**big["spec"], "nodeName": "n1"}})
+    assert not ext.pending_pods and list(ext.bound_pods.values()) == [("n1", 8)]
+    watch._on_pod("ADDED", pod("other", gpus=2))
+    watch._on_pod("DELETED", pod("other", gpus=2))
+    assert not ext.pending_pods

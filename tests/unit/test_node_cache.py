@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler_hints.extender import NodeCache
 from scheduler_hints.labels import dataset_key
+from scheduler_hints.node_cache import NodeCache
 
 DS = "0123456789abcdef"
 

@@ -61,6 +61,19 @@ def test_gpu_packing(gpus, alloc, free, want):
     assert gpu_packing(PodNeeds(gpus=gpus), node("n", alloc=alloc, free=free)) == want
 
 
+def test_small_pods_fill_holes_only_while_whole_node_pods_wait():
+    needs = PodNeeds({A: 0}, gpus=1)
+    holder_whole = node("holder", {A: 1.0}, alloc=8, free=8)  # holds the data, but is a whole free node
+    hole = node("hole", alloc=8, free=1)  # holds nothing, one GPU free on a busy node
+    score = locality_scorer(needs, group_best([holder_whole, hole]))
+    calm = score_nodes(needs, [holder_whole, hole], score)
+    short = score_nodes(needs, [holder_whole, hole], score, whole_nodes_short=True)
+    assert calm[0] > calm[1]  # nobody needs whole nodes: the data wins
+    assert short[1] > short[0]  # whole-node pods wait: fill the hole, keep the whole node
+    assert score_nodes(needs, [holder_whole], score, Weights(packing_when_short=0.5), whole_nodes_short=True) == \
+        score_nodes(needs, [holder_whole], score)  # the weight is configurable
+
+
 ONLY_TOPOLOGY = Weights(local=0, packing=0, topology=1)
 
 

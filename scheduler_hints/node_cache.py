@@ -1,0 +1,111 @@
+"""The extender's view of the cluster's nodes: Node objects by name (fed by a watch, or by requests carrying
+full Node objects), each node's parsed cache view, and the cluster-wide view scoring uses."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .labels import DATASET_PREFIX, FREE_LABEL, read_node
+from .scoring import NodeState, domain_index, group_best
+
+__all__ = ["OWN_LABEL_PREFIXES", "NodeCache"]
+
+#: Labels the node agents rewrite as caches change; they do not move a node between topology domains.
+OWN_LABEL_PREFIXES = (DATASET_PREFIX + "/", FREE_LABEL)
+
+
+class NodeCache:
+    """Node objects by name, for ``nodeCacheCapable: true`` (fed by a watch) and for cluster-wide views, with
+    each node's parsed cache view kept until the node's labels or annotations change (parsing 5,000 nodes'
+    annotations on every request would dominate the latency)."""
+
+    def __init__(self, refresh_interval: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.nodes: dict[str, Mapping[str, Any]] = {}
+        self._parsed: dict[str, tuple[Any, NodeState]] = {}
+        #: How often the cluster-wide view (and every score memoised on it) follows cache-label changes: 5,000
+        #: node agents publishing every 30 s change some node's labels every few milliseconds, and rebuilding
+        #: the view and re-scoring every node for each would put that cost into nearly every request.
+        self.refresh_interval = refresh_interval
+        self._clock = clock
+        self._changes = 0  # bumped whenever the set of nodes or any node's parsed state changes
+        self._layout_changes = 0  # … only when nodes come or go, or their topology labels or GPUs change
+        self._published = (0, -float("inf"), 0)  # (changes, when, layout changes)
+        self._layout: dict[str, tuple] = {}
+        self._cluster: tuple[int, list[NodeState], dict, int] | None = None
+        self._domains: tuple[int, tuple[str, ...], list] | None = None
+
+    @property
+    def generation(self) -> int:
+        """Identifies the cluster-wide view: follows cache-label changes at most once per ``refresh_interval``,
+        nodes coming or going and changes of their topology labels or GPUs at once."""
+        changes, at, layout = self._published
+        if changes != self._changes and (layout != self._layout_changes or self._clock() - at >= self.refresh_interval):
+            self._published = (self._changes, self._clock(), self._layout_changes)
+        return self._published[0]
+
+    def update(self, node: Mapping[str, Any]) -> None:
+        name = (node.get("metadata") or {}).get("name")
+        if name:
+            if name not in self.nodes:
+                self._changes += 1
+            self.nodes[name] = node
+            self._parse(node)  # parse now (counts a change if it changed)
+
+    def remove(self, name: str) -> None:
+        if self.nodes.pop(name, None) is not None:
+            self._changes += 1
+            self._layout_changes += 1
+        self._parsed.pop(name, None)
+        self._layout.pop(name, None)
+
+    def cluster(self) -> tuple[list[NodeState], dict]:
+        """Every node's base state and the per-group best holders, as of :attr:`generation`."""
+        generation = self.generation
+        if self._cluster is None or self._cluster[0] != generation:
+            states = [self._parsed[name][1] for name in self.nodes]
+            self._cluster = (generation, states, group_best(states), self._layout_changes)
+        return self._cluster[1], self._cluster[2]
+
+    def domains(self, levels: tuple[str, ...]) -> list:
+        """The :func:`~scheduler_hints.scoring.domain_index` of :meth:`cluster` for ``levels``, rebuilt only
+        when the nodes or their topology labels changed."""
+        states = self.cluster()[0]
+        layout = self._cluster[3]
+        if self._domains is None or self._domains[:2] != (layout, levels):
+            self._domains = (layout, levels, domain_index(states, levels))
+        return self._domains[2]
+
+    def base_state(self, node: Mapping[str, Any]) -> NodeState:
+        """The node's NodeState with ``gpu_free`` = allocatable (callers subtract usage)."""
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name", ""))
+        if self.nodes.get(name) is node and name in self._parsed:  # the cached object itself: parsed on update
+            return self._parsed[name][1]
+        return self._parse(node)
+
+    def _parse(self, node: Mapping[str, Any]) -> NodeState:
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name", ""))
+        labels = meta.get("labels") or {}
+        annotations = meta.get("annotations") or {}
+        status = node.get("status") or {}
+        alloc_raw = (status.get("allocatable") or {}).get("nvidia.com/gpu", 0) if isinstance(status, Mapping) else 0
+        version = meta.get("resourceVersion") or (labels, annotations, alloc_raw)
+        hit = self._parsed.get(name)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        try:
+            alloc = max(0, int(str(alloc_raw)))
+        except ValueError:
+            alloc = 0
+        state = NodeState(name, read_node(name, labels, annotations), labels, alloc, alloc)
+        self._parsed[name] = (version, state)
+        self._changes += 1
+        if self.nodes.get(name) is node:  # a cached node: did its place in the topology change?
+            layout = (alloc, *sorted((k, v) for k, v in labels.items() if not k.startswith(OWN_LABEL_PREFIXES)))
+            if self._layout.get(name) != layout:
+                self._layout[name] = layout
+                self._layout_changes += 1
+        return state
