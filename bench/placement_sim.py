@@ -51,7 +51,7 @@ LEAF = 32
 TB = 10**12
 POLICIES = ("default", "default+gang", "fluid", "cachefs")
 #: The extender's ``locality_wait`` in simulated hours (jobs run 8 h on average) and its ``locality_slack``.
-LOCALITY_WAIT = 1.0
+LOCALITY_WAIT = 2.0
 LOCALITY_SLACK = 0.2
 
 
