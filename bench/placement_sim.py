@@ -43,6 +43,7 @@ from scheduler_hints.scoring import (
     group_best,
     locality_scorer,
     score_nodes,
+    whole_nodes_short,
 )
 
 GPUS = 8
@@ -193,7 +194,7 @@ class Simulation:
         scores = score_nodes(needs, states, locality_scorer(needs, groups, self.weights), self.weights,
                              gang_size=job.pods if job.pods > 1 else 0,
                              placed=[self.state(self.nodes[p]) for p in placed], cluster=cluster,
-                             whole_nodes_short=short and job.gpus < GPUS)
+                             whole_nodes_short=short)
         top = max(scores)
         return self.rng.choice([s.name for s, score in zip(states, scores, strict=True) if score == top])
 
@@ -237,7 +238,7 @@ class Simulation:
             return False
         if self.policy == "cachefs" and self.defer(job, groups, now):
             return False
-        short = self.policy == "cachefs" and self.whole_nodes_short(job)
+        short = self.policy == "cachefs" and whole_nodes_short(job.gpus, GPUS, self.waiting_whole(job), self.whole_free())
         for _ in range(job.pods):
             name = self.pick(job, job.placed, groups, short)
             if name is None:  # cannot happen after the admission check, but never leave a partial gang
@@ -246,11 +247,12 @@ class Simulation:
             self.take(job, name)
         return True
 
-    def whole_nodes_short(self, job: Job) -> bool:
-        """What the extender sees from its pod watch: pending pods (other than ``job``'s) that need whole nodes
-        outnumber the whole free nodes."""
-        demand = sum(q.pods - len(q.placed) for q in self.queue if q.gpus == GPUS and q is not job)
-        return demand > sum(n.free == GPUS for n in self.nodes.values())
+    def waiting_whole(self, job: Job) -> int:
+        """What the extender sees from its pod watch: pending pods (other than ``job``'s) that need whole nodes."""
+        return sum(q.pods - len(q.placed) for q in self.queue if q.gpus == GPUS and q is not job)
+
+    def whole_free(self) -> int:
+        return sum(n.free == GPUS for n in self.nodes.values())
 
     def account(self, job: Job) -> None:
         size = self.sizes[job.dataset]
@@ -343,7 +345,7 @@ class Simulation:
         self.result.partial_gpu_hours += sum(len(q.placed) * q.gpus for q in queue) * (t1 - t0)
         # Stranded: free GPUs on partly used nodes while a whole-node job is held up for want of whole free
         # nodes (not while it waits by choice, e.g. for its data, with enough whole nodes free).
-        whole = sum(n.free == GPUS for n in self.nodes.values())
+        whole = self.whole_free()
         if not any(q.gpus == GPUS and q.pods - len(q.placed) > whole for q in queue):
             return
         stranded = sum(n.free for n in self.nodes.values() if 0 < n.free < GPUS)

@@ -37,6 +37,7 @@ from .scoring import (
     domain_free,
     locality_scorer,
     score_nodes,
+    whole_nodes_short,
 )
 from .wire import BadJSON, decode_args, encode
 
@@ -309,17 +310,14 @@ class Extender:
         return [{"Host": s.name, "Score": score} for s, score in zip(states, scores, strict=True)]
 
     def _whole_nodes_short(self, key: str, gpus: int, cluster: list[NodeState], held: dict[str, int]) -> bool:
-        """Whether pending pods (other than ``key``) that need a whole node outnumber the whole free nodes, for
-        a pod of ``gpus`` GPUs that needs less than a node (the only kind packing harder can help)."""
-        if gpus <= 0 or not self.pending_pods:
+        """:func:`~scheduler_hints.scoring.whole_nodes_short` for pod ``key`` of ``gpus`` GPUs: pending pods
+        from the watch against the cluster's whole free nodes (net of ``held``)."""
+        if gpus <= 0 or not self.pending_pods:  # the common cases, without a pass over the cluster
             return False
         whole = max((n.gpu_allocatable for n in cluster), default=0)
-        if gpus >= whole:
-            return False
-        demand = sum(1 for k, g in self.pending_pods.items() if g >= whole and k != key)
-        if not demand:
-            return False
-        return demand > sum(1 for n in cluster if n.gpu_allocatable == whole and not held.get(n.name))
+        waiting = sum(1 for k, g in self.pending_pods.items() if g >= whole and k != key)
+        free = sum(1 for n in cluster if n.gpu_allocatable == whole and not held.get(n.name)) if waiting else 0
+        return whole_nodes_short(gpus, whole, waiting, free)
 
     def pod_pending(self, key: str, gpus: int) -> None:
         """The pod watch saw a pod that requests GPUs and is on no node yet."""

@@ -30,6 +30,7 @@ __all__ = [
     "locality",
     "locality_scorer",
     "score_nodes",
+    "whole_nodes_short",
 ]
 
 MAX_SCORE = 10  # k8s.io/kube-scheduler/extender/v1 MaxExtenderPriority
@@ -216,6 +217,13 @@ def best_slots_locality(nodes: Iterable[tuple[float | None, int]], count: int) -
         if not left:
             break
     return total / count
+
+
+def whole_nodes_short(pod_gpus: int, whole_gpus: int, waiting_whole: int, whole_free: int) -> bool:
+    """Whether a pod of ``pod_gpus`` GPUs should pack hard (``Weights.packing_when_short``) to keep whole nodes
+    free: it needs less than a whole node (``whole_gpus``), and the pending pods that need one
+    (``waiting_whole``, not counting this pod) outnumber the whole free nodes (``whole_free``)."""
+    return 0 < pod_gpus < whole_gpus and waiting_whole > whole_free
 
 
 def defer_for_locality(achievable: float, possible: float, waited: float, *, wait: float, slack: float) -> bool:

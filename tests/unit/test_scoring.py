@@ -18,6 +18,7 @@ from scheduler_hints.scoring import (
     locality,
     locality_scorer,
     score_nodes,
+    whole_nodes_short,
 )
 
 A, B = "a" * 16, "b" * 16
@@ -72,6 +73,17 @@ def test_small_pods_fill_holes_only_while_whole_node_pods_wait():
     assert short[1] > short[0]  # whole-node pods wait: fill the hole, keep the whole node
     assert score_nodes(needs, [holder_whole], score, Weights(packing_when_short=0.5), whole_nodes_short=True) == \
         score_nodes(needs, [holder_whole], score)  # the weight is configurable
+
+
+@pytest.mark.parametrize(("pod_gpus", "waiting_whole", "whole_free", "want"), [
+    (1, 2, 1, True),  # more whole-node pods wait than there are whole free nodes
+    (1, 1, 1, False),  # they all fit
+    (1, 0, 0, False),  # nobody waits for a whole node
+    (8, 5, 0, False),  # a whole-node pod itself: packing cannot help it
+    (0, 5, 0, False),  # no GPUs: no packing signal
+])
+def test_whole_nodes_short(pod_gpus, waiting_whole, whole_free, want):
+    assert whole_nodes_short(pod_gpus, 8, waiting_whole, whole_free) is want
 
 
 ONLY_TOPOLOGY = Weights(local=0, packing=0, topology=1)
