@@ -39,7 +39,7 @@ from .scoring import (
     score_nodes,
     whole_nodes_short,
 )
-from .wire import BadJSON, decode_args, encode
+from .wire import ArgsDecoder, BadJSON, NodeItems, as_sent, encode
 
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
 
@@ -127,7 +127,9 @@ class Extender:
         nodes = _ci(body, "Nodes")
         names = _ci(body, "NodeNames")
         if isinstance(nodes, Mapping) and isinstance(nodes.get("items"), list):
-            items = [n for n in nodes["items"] if isinstance(n, Mapping)]
+            items = nodes["items"]
+            if not (isinstance(items, NodeItems) and all(isinstance(n, Mapping) for n in items)):
+                items = [n for n in items if isinstance(n, Mapping)]
             cached = self.node_cache.nodes
             for n in items:
                 if cached.get((n.get("metadata") or {}).get("name")) is not n:  # not known at this version
@@ -195,7 +197,7 @@ class Extender:
             passed = []
         names = [str((n.get("metadata") or {}).get("name", "")) for n in passed]
         return {
-            "Nodes": None if by_name else {"metadata": {}, "items": list(passed)},
+            "Nodes": None if by_name else {"metadata": {}, "items": as_sent(passed)},
             "NodeNames": names if by_name else None,
             "FailedNodes": failed,
             "FailedAndUnresolvableNodes": {},
@@ -366,12 +368,14 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
     def reply(obj: Any, status: int = 200) -> web.Response:
         return web.Response(body=encode(obj), status=status, content_type="application/json")
 
+    decoder = ArgsDecoder(ext.node_cache.nodes.get)
+
     async def handle(request: web.Request) -> web.Response:
         verb = request.match_info["verb"]
         if verb not in ("filter", "prioritize", "bind"):
             return reply({"Error": f"unknown verb {verb!r} (filter, prioritize, bind)"}, 404)
         try:
-            body = decode_args(await request.read(), ext.node_cache.nodes.get)
+            body = decoder.decode(await request.read())
         except web.HTTPRequestEntityTooLarge:
             return reply({"Error": f"request larger than {max_body} bytes"}, 413)
         except BadJSON:

@@ -3,10 +3,11 @@
 With ``nodeCacheCapable: false`` kube-scheduler sends every candidate Node object on every call: 1–10 KiB each,
 5–50 MB per request at 5,000 nodes. Building Python objects for all of it cost 50–70 ms per request
 (``bench/extender_bench.py``), more than the whole latency target. So the request is split into its parts
-without building them (``msgspec.Raw``), each node's name and ``resourceVersion`` are read, and only a node the
-extender has not seen at that version is decoded in full; for the others the extender's own copy stands in.
-The API server changes ``resourceVersion`` on every write, so equal versions mean equal objects. Keys are
-matched case-insensitively at the levels the extender protocol defines (Go's decoder does the same).
+without building them (``msgspec.Raw``; one pass for a body with the keys Go writes), each node's name and
+``resourceVersion`` are read, and only a node the extender has not seen at that version is decoded in full; for
+the others the extender's own copy stands in. The API server changes ``resourceVersion`` on every write, so
+equal versions mean equal objects. Nodes returned by filter are written back as the bytes they came in as.
+Keys are matched case-insensitively at the levels the extender protocol defines (Go's decoder does the same).
 """
 
 from __future__ import annotations
@@ -16,11 +17,23 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["BadJSON", "decode_args", "encode"]
+__all__ = ["ArgsDecoder", "BadJSON", "NodeItems", "as_sent", "decode_args", "encode"]
 
 
 class BadJSON(ValueError):
     """The body is not JSON (or nests deeper than a decoder allows)."""
+
+
+class NodeItems(list):
+    """The Node objects of a request, with ``raw``: each one's JSON exactly as it arrived, so that a reply
+    returning them (filter with ``nodeCacheCapable: false``) writes those bytes back instead of encoding 5 MB
+    of objects again."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, nodes: list[Any], raw: list[msgspec.Raw]) -> None:
+        super().__init__(nodes)
+        self.raw = raw
 
 
 class _Meta(msgspec.Struct):
@@ -32,24 +45,104 @@ class _Ident(msgspec.Struct):
     metadata: _Meta = msgspec.field(default_factory=_Meta)
 
 
+def _absent() -> msgspec.Raw:
+    return msgspec.Raw()  # empty: the key was not there (a JSON null arrives as b"null")
+
+
+class _NodeList(msgspec.Struct, forbid_unknown_fields=True):
+    items: list[msgspec.Raw] | None = None
+    metadata: msgspec.Raw = msgspec.field(default_factory=_absent)
+    kind: msgspec.Raw = msgspec.field(default_factory=_absent)
+    apiVersion: msgspec.Raw = msgspec.field(default_factory=_absent)
+
+
+class _Args(msgspec.Struct, forbid_unknown_fields=True):
+    """ExtenderArgs with exactly the keys Go writes (its struct has no json tags), split in one pass; any other
+    key, or these in another case, fails validation and the body takes the general path."""
+
+    Pod: msgspec.Raw = msgspec.field(default_factory=_absent)
+    Nodes: _NodeList | None = None
+    NodeNames: msgspec.Raw = msgspec.field(default_factory=_absent)
+
+
 _any = msgspec.json.Decoder()
 _fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _items = msgspec.json.Decoder(list[msgspec.Raw])
 _idents = msgspec.json.Decoder(list[_Ident])
+_ident = msgspec.json.Decoder(_Ident)
+_args = msgspec.json.Decoder(_Args)
 _encoder = msgspec.json.Encoder()
 
+Known = Callable[[str], Mapping[str, Any] | None]
 
-def decode_args(data: bytes, known: Callable[[str], Mapping[str, Any] | None]) -> Any:
+
+class ArgsDecoder:
+    """Decodes request bodies for one extender (see :func:`decode_args`). It also remembers the last node
+    list: kube-scheduler sends the same candidates to filter and then, when all pass, to prioritize, and pod
+    after pod while no node changes, so equal bytes reuse the objects decoded last time."""
+
+    def __init__(self, known: Known) -> None:
+        self.known = known
+        self._last: tuple[bytes, NodeItems] | None = None
+
+    def decode(self, data: bytes) -> Any:
+        """The request body as Python objects. :class:`BadJSON` if ``data`` is not JSON."""
+        try:
+            return self._decode(data)
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+            raise BadJSON(str(exc)) from None
+
+    def _decode(self, data: bytes) -> Any:
+        try:
+            args = _args.decode(data)
+        except msgspec.ValidationError:  # other keys or shapes: the general path keeps them as sent
+            return _decode_general(data, self.known)
+        if args.Nodes is None or args.Nodes.items is None:
+            return _decode_general(data, self.known)
+        nodes: dict[str, Any] = {"items": self._items(args.Nodes.items)}
+        for key in ("metadata", "kind", "apiVersion"):
+            value = getattr(args.Nodes, key)
+            if value:
+                nodes[key] = _any.decode(value)
+        body: dict[str, Any] = {"Nodes": nodes}
+        if args.Pod:
+            body["Pod"] = _any.decode(args.Pod)
+        if args.NodeNames:
+            body["NodeNames"] = _any.decode(args.NodeNames)
+        return body
+
+    def _items(self, raws: list[msgspec.Raw]) -> NodeItems:
+        whole = b"\0".join(raws)  # what identifies the list: its nodes' bytes, in order
+        last = self._last
+        if last is not None and last[0] == whole:
+            return last[1]
+        nodes = NodeItems([_known_or_decoded(raw, self.known) for raw in raws], raws)
+        self._last = (whole, nodes)
+        return nodes
+
+
+def decode_args(data: bytes, known: Known) -> Any:
     """The request body as Python objects, with each Node object that ``known(name)`` holds at the same
     ``resourceVersion`` replaced by that copy (not decoded). Anything unexpected in shape is decoded as is,
     for the caller to judge. :class:`BadJSON` if ``data`` is not JSON."""
+    return ArgsDecoder(known).decode(data)
+
+
+def as_sent(nodes: list[Any]) -> list[Any]:
+    """``nodes`` for a reply: the bytes they arrived as when they are a request's whole :class:`NodeItems`."""
+    return nodes.raw if isinstance(nodes, NodeItems) else list(nodes)
+
+
+def _known_or_decoded(raw: msgspec.Raw, known: Known) -> Any:
     try:
-        return _decode_args(data, known)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise BadJSON(str(exc)) from None
+        meta = _ident.decode(raw).metadata
+    except msgspec.ValidationError:  # not a Node-shaped object: as sent, for the caller to judge
+        return _any.decode(raw)
+    node = _known_at(meta, known)
+    return _any.decode(raw) if node is None else node
 
 
-def _decode_args(data: bytes, known: Callable[[str], Mapping[str, Any] | None]) -> Any:
+def _decode_general(data: bytes, known: Known) -> Any:
     try:
         fields = _fields.decode(data)
     except msgspec.ValidationError:  # valid JSON, but not an object
@@ -60,7 +153,7 @@ def _decode_args(data: bytes, known: Callable[[str], Mapping[str, Any] | None]) 
     return body
 
 
-def _nodes(raw: msgspec.Raw, known: Callable[[str], Mapping[str, Any] | None]) -> Any:
+def _nodes(raw: msgspec.Raw, known: Known) -> Any:
     try:
         fields = _fields.decode(raw)
     except msgspec.ValidationError:  # null, or not a NodeList
@@ -74,7 +167,7 @@ def _nodes(raw: msgspec.Raw, known: Callable[[str], Mapping[str, Any] | None]) -
     return out
 
 
-def _node_items(raw: msgspec.Raw, known: Callable[[str], Mapping[str, Any] | None]) -> Any:
+def _node_items(raw: msgspec.Raw, known: Known) -> Any:
     try:
         idents = _idents.decode(raw)  # one pass; usually every node is known and nothing more is decoded
     except msgspec.ValidationError:  # not a list of objects with string names: decode it as it is
@@ -86,7 +179,7 @@ def _node_items(raw: msgspec.Raw, known: Callable[[str], Mapping[str, Any] | Non
     return nodes
 
 
-def _known_at(meta: _Meta, known: Callable[[str], Mapping[str, Any] | None]) -> Mapping[str, Any] | None:
+def _known_at(meta: _Meta, known: Known) -> Mapping[str, Any] | None:
     """The extender's copy of this node if it has it at this ``resourceVersion``."""
     if not (meta.name and meta.resourceVersion):
         return None

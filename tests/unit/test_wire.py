@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from scheduler_hints.wire import BadJSON, decode_args, encode
+from scheduler_hints.wire import ArgsDecoder, BadJSON, NodeItems, as_sent, decode_args, encode
 
 
 def node(name: str, version: str, **labels: str) -> dict:
@@ -48,3 +48,38 @@ def test_bad_json_is_one_error(raw):
 def test_encode_round_trips():
     obj = {"Nodes": None, "NodeNames": ["a"], "FailedNodes": {"b": "no room"}, "Error": "", "Score": 10}
     assert json.loads(encode(obj)) == obj
+
+
+def test_nodes_keep_the_bytes_they_came_in_and_go_back_as_those_bytes():
+    cache = {"a": node("a", "1")}
+    sent = [node("a", "1"), node("b", "2", zone="y")]
+    raw = json.dumps({"Pod": {}, "Nodes": {"metadata": {}, "items": sent}, "NodeNames": None}).encode()
+    body = decode_args(raw, cache.get)
+    items = body["Nodes"]["items"]
+    assert isinstance(items, NodeItems) and items == sent and items[0] is cache["a"]
+    assert body["Nodes"]["metadata"] == {} and body["NodeNames"] is None
+    reply = encode({"Nodes": {"items": as_sent(items)}})
+    assert json.loads(reply)["Nodes"]["items"] == sent
+    assert reply == b'{"Nodes":{"items":[' + b",".join(json.dumps(n).encode() for n in sent) + b"]}}"
+    assert as_sent(items[:1]) == [cache["a"]]  # a subset is encoded as objects
+
+
+def test_the_same_node_list_is_decoded_once():
+    cache: dict = {}
+    decoder = ArgsDecoder(cache.get)
+    sent = [node("a", "1"), node("b", "1")]
+    first = decoder.decode(json.dumps({"Pod": {"n": 1}, "Nodes": {"items": sent}}).encode())["Nodes"]["items"]
+    again = decoder.decode(json.dumps({"Pod": {"n": 2}, "Nodes": {"items": sent}}).encode())
+    assert again["Nodes"]["items"] is first and again["Pod"] == {"n": 2}
+    sent[1] = node("b", "2", zone="new")
+    changed = decoder.decode(json.dumps({"Pod": {}, "Nodes": {"items": sent}}).encode())["Nodes"]["items"]
+    assert changed is not first and changed == sent
+
+
+@pytest.mark.parametrize("payload", [
+    {"Pod": {}, "Nodes": {"items": [node("a", "1")]}, "Extra": 1},  # a key Go does not write: kept
+    {"Pod": {}, "Nodes": {"Items": [node("a", "1")], "kind": "NodeList"}},
+    {"Pod": {}, "Nodes": {"items": [node("a", "1")], "other": [1]}},
+])
+def test_bodies_with_other_keys_keep_them(payload):
+    assert decode_args(json.dumps(payload).encode(), {"a": node("a", "1")}.get) == payload
