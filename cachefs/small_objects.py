@@ -9,6 +9,11 @@ find every member either nowhere (they fetch it too: same version, same bytes) o
 Reads verify the member's xxh3 every time (a member is at most ``pack_threshold`` bytes, so that is cheaper
 than remembering what was verified); a mismatch drops the member from the index and it is fetched again.
 
+Pack read-ahead: a single member is read with exactly one ``pread`` (the device's read-ahead is off for packs,
+see :meth:`PackStore.open`), but a pack that several different reads hit within a few seconds is being swept (an
+epoch over the dataset, a directory read in order), and the whole pack is then read into the page cache in one
+sequential pass, so its other members cost no disk request each — the advantage of a pack over a file per object.
+
 Directory read-ahead: when a reader misses on a small file, the next ``engine.dir_readahead`` small files of
 the same directory (in listing order) are fetched in the background, with spare memory budget only, so a
 directory read in order is fetched ahead of its reader. Each directory's listing is cached for this.
@@ -47,7 +52,19 @@ MIRROR_WINDOW = 8 * 1024 * 1024
 #: Windows fetched ahead of the one a reader waits for.
 MIRROR_AHEAD = 3
 _MAX_OPEN_PACKS = 256
+#: A pack read this many times within SWEEP_WINDOW seconds is read ahead whole (see the module docstring).
+SWEEP_READS = 3
+SWEEP_WINDOW = 5.0
+_READ_AHEAD_PIECE = 2 * 1024 * 1024
 _MAX_LISTINGS = 64
+
+
+def _read_ahead(fd: int) -> None:
+    """Start reading the whole file into the page cache (asynchronously). One WILLNEED reads at most the
+    device's read-ahead maximum, so the file is asked for in pieces."""
+    size = os.fstat(fd).st_size
+    for start in range(0, size, _READ_AHEAD_PIECE):
+        os.posix_fadvise(fd, start, _READ_AHEAD_PIECE, os.POSIX_FADV_WILLNEED)
 
 
 class SmallObjects:
@@ -70,6 +87,7 @@ class SmallObjects:
         self._listings: OrderedDict[tuple[str, int, str], tuple[list[str], list[Entry]]] = OrderedDict()
         self._ahead: dict[tuple[str, str], int] = {}  # (dataset, dir) → listing position read-ahead reached
         self._pack_access: dict[bytes, list] = {}  # pack key → [last access, hits] not yet in the index
+        self._sweeps: dict[bytes, list] = {}  # pack key → [window start, reads in it, read ahead at]
         #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
         self.full_error: CacheFullError | None = None
         self._mirrors: dict[str, MirrorIndex | None] = {}  # dataset id → its packed mirror (None: has none)
@@ -110,6 +128,8 @@ class SmallObjects:
             return None
         try:
             data = os.pread(fd, length, offset)
+            if self._swept(pkey):
+                _read_ahead(fd)
         finally:
             self._put_back(pkey, fd)
         if len(data) != length or block_checksum(data) != checksum:
@@ -120,6 +140,23 @@ class SmallObjects:
             acc = self._pack_access.setdefault(pkey, [0.0, 0])
             acc[0], acc[1] = time.time(), acc[1] + 1
         return data
+
+    def _swept(self, pkey: bytes) -> bool:
+        """Count a read of pack ``pkey``; True once when it is being swept (then again a window later)."""
+        now = time.monotonic()
+        with self._lock:
+            sweep = self._sweeps.get(pkey)
+            if sweep is None:
+                if len(self._sweeps) >= 4 * _MAX_OPEN_PACKS:
+                    self._sweeps = {k: v for k, v in self._sweeps.items() if now - v[0] < SWEEP_WINDOW}
+                sweep = self._sweeps[pkey] = [now, 0, -SWEEP_WINDOW]
+            elif now - sweep[0] > SWEEP_WINDOW:
+                sweep[0], sweep[1] = now, 0
+            sweep[1] += 1
+            if sweep[1] < SWEEP_READS or now - sweep[2] < SWEEP_WINDOW:
+                return False
+            sweep[2] = now
+            return True
 
     def take_pack_access(self) -> dict[bytes, tuple[float, int]]:
         """Pack accesses (last access, hits) since the last call, for the index."""
