@@ -113,8 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--foreground", action="store_true",
                     help="stay in the foreground until unmounted (this process holds the mount and restarts "
                          "the serving daemon if it dies)")
-    mt.add_argument("--workers", type=int, default=2,
-                    help="FUSE request threads (default 2: they never wait on the origin, and more only contend)")
+    mt.add_argument("--workers", type=int, default=4,
+                    help="FUSE request threads (default 4): one reads and answers quick requests, the others "
+                         "copy large reads meanwhile; none waits on the origin")
     mt.add_argument("--no-passthrough", action="store_true",
                     help="serve every read from userspace, even for fully cached files")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket

@@ -27,6 +27,8 @@ MAX_WRITE = 1 << 20
 MAX_PAGES = 256
 #: A handler's answer that comes later (from a callback), not now.
 DEFERRED = object()
+#: READs larger than this are answered while another thread reads the next request (see ``_worker``).
+HANDOVER_READ = 128 * 1024
 #: Set in ``unique`` of requests the kernel sends again after FUSE_NOTIFY_RESEND.
 UNIQUE_RESEND = 1 << 63
 
@@ -47,6 +49,7 @@ class FuseSession:
         self._dirs: dict[int, list] = {}
         self._next_dir = ((fs.journal.state.generation if fs.journal else 0) << 40) + 1
         self._lock = threading.Lock()
+        self._turn = threading.Lock()  # held by the thread reading /dev/fuse (see _worker)
         self._inflight: dict[int, Future] = {}  # READs waiting on the origin, by unique (INTERRUPT cancels them)
         self.ops: dict[int, Callable[[int, int, memoryview], bytes | None]] = {
             Op.INIT: self._init, Op.LOOKUP: self._lookup, Op.GETATTR: self._getattr, Op.OPEN: self._open,
@@ -74,8 +77,23 @@ class FuseSession:
             t.join(timeout=0.1)
 
     def _worker(self) -> None:
+        """Leader/followers: one thread at a time reads /dev/fuse and answers what is quick itself (lookups,
+        opens, small reads: microseconds of Python), handing the reading over to a waiting thread only before
+        a large READ, whose copy runs without the GIL. Every thread reading at once measured half the rate on
+        small files: each request then woke a second thread to fight over the GIL (bench/fuse_bench.py)."""
         buf = bytearray(MAX_WRITE + 4096 + 8192)
         view = memoryview(buf)
+        while not self.stopped.is_set():
+            with self._turn:
+                n = self._next_request(buf)
+                while n and not self._slow(view, n):
+                    self._handle(view[:n])
+                    n = self._next_request(buf)
+            if n:
+                self._handle(view[:n])
+
+    def _next_request(self, buf: bytearray) -> int:
+        """Read one request (its length), or 0 when there is none to handle (retry, or the session ended)."""
         while not self.stopped.is_set():
             try:
                 n = os.readv(self.fd, [buf])
@@ -85,10 +103,18 @@ class FuseSession:
                 if exc.errno != errno.ENODEV:
                     log.error("reading /dev/fuse: %s", exc)
                 self.stopped.set()
-                return
-            if n < wire.IN_HEADER.size:
-                continue
-            self._handle(view[:n])
+                return 0
+            if n >= wire.IN_HEADER.size:
+                return n
+        return 0
+
+    @staticmethod
+    def _slow(req: memoryview, n: int) -> bool:
+        """Whether a request is worth another thread reading the next one meanwhile: a READ of more than
+        HANDOVER_READ bytes."""
+        if wire.OPCODE.unpack_from(req, 4)[0] != Op.READ or n < wire.IN_HEADER.size + wire.READ_IN.size:
+            return False
+        return wire.READ_IN.unpack_from(req, wire.IN_HEADER.size)[2] > HANDOVER_READ
 
     def _handle(self, req: memoryview) -> None:
         length, opcode, unique, nodeid, _uid, _gid, _pid, extlen, _ = wire.IN_HEADER.unpack_from(req)
