@@ -73,7 +73,7 @@ async def warm(
     missing credentials or an unreachable origin stop the whole run (raised)."""
     files = list(select_files(ds.walk_files(), include, exclude))
     prog = Progress(files_total=len(files), bytes_total=sum(e.size for e in files))
-    todo: list[Entry] = []
+    todo: list[tuple[Entry, int]] = []  # with the bytes it had when the run started
     for e in files:
         have = engine.cached_bytes(ds, e)
         if have >= e.size:
@@ -83,23 +83,24 @@ async def warm(
         else:
             prog.bytes_done += have
             prog.bytes_skipped += have
-            todo.append(e)
+            todo.append((e, have))
     if on_progress:
         on_progress(prog)
     it = iter(todo)
 
     async def worker() -> None:
-        for e in it:
-            before = engine.cached_bytes(ds, e)
+        for e, have in it:
             try:
-                fetched = await engine.ensure_cached(ds, e)
+                await engine.ensure_cached(ds, e)
             except (CacheFullError, CredentialsError, OriginUnavailableError):
                 raise
             except CacheFSError as exc:
                 prog.failed.append((e.path, str(exc)))
                 continue
-            prog.bytes_fetched += fetched
-            prog.bytes_done += e.size - before
+            # Counted per file from the start of the run: a file that came in with another one (a window of a
+            # packed mirror holds hundreds) was fetched by this run all the same.
+            prog.bytes_fetched += e.size - have
+            prog.bytes_done += e.size - have
             prog.files_done += 1
             if on_progress:
                 on_progress(prog)

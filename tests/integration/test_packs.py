@@ -338,3 +338,12 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
     per_file = [u for u in reads if ".cachefs/" not in u]  # the changed file, and the large one's two blocks
     assert sorted(per_file) == [f"{url}/big.bin"] * 2 + [f"{url}/train/c1/0001.jpg"]
     assert len(reads) - len(per_file) == mirror_gets <= summary["packs"] + 4  # a few pack GETs, not 299 file GETs
+
+    # The prefetch CLI through the mirror counts every file it brought in, also those that came with another's window.
+    r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--json", "--cache-dir",
+                        os.path.join(os.path.dirname(config.cache.dir), "cache3")], capture_output=True, text=True,
+                       timeout=180, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    done = json.loads(r.stdout)
+    total = sum(len(d) for d in changed.values())
+    assert done["files_done"] == len(changed) and done["bytes_fetched"] == done["bytes_done"] == total
