@@ -9,7 +9,9 @@ Retries are ours (botocore's are switched off) so there is one backoff policy an
 from __future__ import annotations
 
 import asyncio
+import email.utils
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 from ..config import EngineConfig, OriginConfig
@@ -29,6 +31,21 @@ def _split(url: str) -> tuple[str, str]:
     if not bucket:
         raise InvalidURLError(f"{url!r}: no bucket name")
     return bucket, key
+
+
+def parse_timestamp(value: str) -> datetime:
+    """An S3 timestamp (ISO 8601 in listings, RFC 1123 in headers) as an aware datetime, for botocore's parsers.
+    Their default goes through dateutil, which was a quarter of the CPU time of listing 20,000 objects."""
+    try:
+        parsed = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        try:
+            parsed = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            from botocore.utils import parse_timestamp as slow_but_general
+
+            return slow_but_general(value)
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 def _etag(raw: str | None) -> str:
@@ -89,6 +106,12 @@ class S3Source(Source):
                         kw[nested] = {**kw.get(nested, {}), **user.pop(nested)}
                 kw.update(user)
                 fs = s3fs.S3FileSystem(**kw)
+                if fs.session is None:  # the session s3fs would make, with our timestamp parser
+                    from aiobotocore.session import AioSession
+
+                    fs.session = AioSession(**fs.kwargs)
+                    fs.session.get_component("response_parser_factory").set_parser_defaults(
+                        timestamp_parser=parse_timestamp)
                 self._client = await with_retries(fs.set_session, what="connect to S3", policy=self._policy)
                 self._fs = fs
         return self._client
