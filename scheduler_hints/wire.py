@@ -68,7 +68,6 @@ class _Args(msgspec.Struct, forbid_unknown_fields=True):
 _any = msgspec.json.Decoder()
 _fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _items = msgspec.json.Decoder(list[msgspec.Raw])
-_idents = msgspec.json.Decoder(list[_Ident])
 _ident = msgspec.json.Decoder(_Ident)
 _args = msgspec.json.Decoder(_Args)
 _encoder = msgspec.json.Encoder()
@@ -96,9 +95,9 @@ class ArgsDecoder:
         try:
             args = _args.decode(data)
         except msgspec.ValidationError:  # other keys or shapes: the general path keeps them as sent
-            return _decode_general(data, self.known)
+            return self._decode_general(data)
         if args.Nodes is None or args.Nodes.items is None:
-            return _decode_general(data, self.known)
+            return self._decode_general(data)
         nodes: dict[str, Any] = {"items": self._items(args.Nodes.items)}
         for key in ("metadata", "kind", "apiVersion"):
             value = getattr(args.Nodes, key)
@@ -110,6 +109,28 @@ class ArgsDecoder:
         if args.NodeNames:
             body["NodeNames"] = _any.decode(args.NodeNames)
         return body
+
+    def _decode_general(self, data: bytes) -> Any:
+        """Any JSON: keys matched in any case, as Go's decoder does; node lists as in the typed path."""
+        try:
+            fields = _fields.decode(data)
+        except msgspec.ValidationError:  # valid JSON, but not an object
+            return _any.decode(data)
+        return {key: self._node_list(raw) if key.lower() == "nodes" else _any.decode(raw)
+                for key, raw in fields.items()}
+
+    def _node_list(self, raw: msgspec.Raw) -> Any:
+        try:
+            fields = _fields.decode(raw)
+        except msgspec.ValidationError:  # null, or not a NodeList
+            return _any.decode(raw)
+        out: dict[str, Any] = {}
+        for key, value in fields.items():
+            try:
+                out[key] = self._items(_items.decode(value)) if key.lower() == "items" else _any.decode(value)
+            except msgspec.ValidationError:  # items that are not a list: as sent, for the caller to judge
+                out[key] = _any.decode(value)
+        return out
 
     def _items(self, raws: list[msgspec.Raw]) -> NodeItems:
         whole = b"\0".join(raws)  # what identifies the list: its nodes' bytes, in order
@@ -140,43 +161,6 @@ def _known_or_decoded(raw: msgspec.Raw, known: Known) -> Any:
         return _any.decode(raw)
     node = _known_at(meta, known)
     return _any.decode(raw) if node is None else node
-
-
-def _decode_general(data: bytes, known: Known) -> Any:
-    try:
-        fields = _fields.decode(data)
-    except msgspec.ValidationError:  # valid JSON, but not an object
-        return _any.decode(data)
-    body: dict[str, Any] = {}
-    for key, raw in fields.items():
-        body[key] = _nodes(raw, known) if key.lower() == "nodes" else _any.decode(raw)
-    return body
-
-
-def _nodes(raw: msgspec.Raw, known: Known) -> Any:
-    try:
-        fields = _fields.decode(raw)
-    except msgspec.ValidationError:  # null, or not a NodeList
-        return _any.decode(raw)
-    out: dict[str, Any] = {}
-    for key, value in fields.items():
-        if key.lower() != "items":
-            out[key] = _any.decode(value)
-            continue
-        out[key] = _node_items(value, known)
-    return out
-
-
-def _node_items(raw: msgspec.Raw, known: Known) -> Any:
-    try:
-        idents = _idents.decode(raw)  # one pass; usually every node is known and nothing more is decoded
-    except msgspec.ValidationError:  # not a list of objects with string names: decode it as it is
-        return _any.decode(raw)
-    nodes = [_known_at(ident.metadata, known) for ident in idents]
-    if any(node is None for node in nodes):
-        raws = _items.decode(raw)
-        nodes = [_any.decode(item) if node is None else node for item, node in zip(raws, nodes, strict=True)]
-    return nodes
 
 
 def _known_at(meta: _Meta, known: Known) -> Mapping[str, Any] | None:
