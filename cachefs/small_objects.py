@@ -128,23 +128,24 @@ class SmallObjects:
             return None
         try:
             data = os.pread(fd, length, offset)
-            if self._swept(pkey):
+            intact = len(data) == length and block_checksum(data) == checksum
+            if intact and self._count_read(pkey):
                 _read_ahead(fd)
         finally:
             self._put_back(pkey, fd)
-        if len(data) != length or block_checksum(data) != checksum:
+        if not intact:
             log.warning("pack %016x: a member failed its checksum; dropping it so it is fetched again", pack_id)
             self.engine.index.drop_packed(ds_id, okey)
             return None
+        return data
+
+    def _count_read(self, pkey: bytes) -> bool:
+        """Count a read of pack ``pkey`` (its access for the index, and its sweep); True once when it is being
+        swept (then again a window later)."""
+        now = time.monotonic()
         with self._lock:
             acc = self._pack_access.setdefault(pkey, [0.0, 0])
             acc[0], acc[1] = time.time(), acc[1] + 1
-        return data
-
-    def _swept(self, pkey: bytes) -> bool:
-        """Count a read of pack ``pkey``; True once when it is being swept (then again a window later)."""
-        now = time.monotonic()
-        with self._lock:
             sweep = self._sweeps.get(pkey)
             if sweep is None:
                 if len(self._sweeps) >= 4 * _MAX_OPEN_PACKS:
