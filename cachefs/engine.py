@@ -462,23 +462,21 @@ class Engine:
     def object_key(ds: Dataset, entry: Entry) -> bytes:
         return object_key(ds.ref.id, entry.path, entry.version)
 
-    async def ensure_cached(self, ds: Dataset, entry: Entry) -> int:
-        """Make every block of ``entry`` present (prefetch); returns bytes fetched. Raises CacheFullError."""
+    async def ensure_cached(self, ds: Dataset, entry: Entry) -> None:
+        """Make every block of ``entry`` present (prefetch). Raises CacheFullError."""
         self._start_background()
         if self.small.packable(entry):
             whole, fetched = await self.small.fetch(ds, self.object_key(ds, entry), entry)
             if self.small.full_error is not None:
                 raise self.small.full_error
-            nbytes = len(whole) if fetched else 0
-            self._count_bytes(ds.ref.id, None, 0, nbytes)  # warming is not an access
-            return nbytes
+            self._count_bytes(ds.ref.id, None, 0, len(whole) if fetched else 0)  # warming is not an access
+            return
         ob = self._acquire(ds, entry)
         try:
             missing = [i for i in range(ob.nblocks) if not self._has(ob, i)]
             got = await asyncio.gather(*(self._block(ds, entry, ob, i, strict=True) for i in missing))
             fetched = sum(len(b) for b in got if b is not None)
             self._count(ob, ds.ref.id, ReadStream(counted=True), miss=fetched)  # warming is not an access
-            return fetched
         finally:
             self._release(ob)
 
