@@ -1,9 +1,10 @@
 """Extender latency with 5,000 nodes: filter + prioritize round trips over HTTP, p50/p99, in both
 ``nodeCacheCapable`` modes, against kube-scheduler's 5 s extender timeout and our 50 ms target. The extender
-runs in its own process, as deployed. Two figures per mode: the round trip as kube-scheduler sees it (sending
+runs in its own process, as deployed. Three figures per mode: the round trip as kube-scheduler sees it (sending
 the request and reading the reply, from a minimal blocking HTTP client: aiohttp's client alone added ~13 ms per
 15 MB round trip here, which kube-scheduler's Go client does not pay), and the time inside the extender
-(request handed to the handler until its reply is ready, measured in the extender's process).
+(request handed to the handler until its reply is ready, measured in the extender's process), and the same-run
+baseline: the same requests and the extender's own replies through an aiohttp server that computes nothing.
 
     python -m bench.extender_bench [--nodes 5000] [--rounds 100]
 """
@@ -19,6 +20,7 @@ import multiprocessing
 import random
 import statistics
 import time
+from functools import partial
 
 from aiohttp import web
 
@@ -57,7 +59,7 @@ GANG_POD = {"metadata": {"name": "gang-0", "namespace": "ml", "uid": "u2",
             "spec": {"containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}
 
 
-def _serve(nodes: list[dict], churn: bool, port_out, times_out) -> None:
+def _serve(nodes: list[dict], churn: bool, port_out) -> None:
     """The extender in its own process, as deployed (the client must not share its event loop and GIL)."""
 
     async def main() -> None:
@@ -88,7 +90,7 @@ def _serve(nodes: list[dict], churn: bool, port_out, times_out) -> None:
                 inside.append(time.perf_counter() - t)
 
         async def report(_request):
-            times_out.send(inside[:])
+            port_out.send(inside[:])
             inside.clear()
             return web.Response(text="ok")
 
@@ -105,20 +107,62 @@ def _serve(nodes: list[dict], churn: bool, port_out, times_out) -> None:
     asyncio.run(main())
 
 
-def measure(port: int, body: bytes, rounds: int) -> list[float]:
-    """Round trips of filter then prioritize on one kept-alive connection, in ms."""
+def _serve_fixed(replies: dict[str, bytes], port_out) -> None:
+    """The same-run baseline: an aiohttp server that reads each request and answers the extender's own reply
+    bytes, computing nothing — what the same bytes cost on the wire and in aiohttp."""
+
+    async def main() -> None:
+        async def handle(request):
+            await request.read()
+            return web.Response(body=replies[request.match_info["verb"]], content_type="application/json")
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/{verb}", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port_out.send(site._server.sockets[0].getsockname()[1])
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def measure(port: int, body: bytes, rounds: int) -> tuple[list[float], dict[str, bytes]]:
+    """Round trips of filter then prioritize on one kept-alive connection, in ms, and the last replies."""
     conn = http.client.HTTPConnection("127.0.0.1", port)
-    times = []
+    times, replies = [], {}
     for _ in range(rounds):
         t = time.perf_counter()
         for verb in ("filter", "prioritize"):
             conn.request("POST", f"/{verb}", body=body, headers={"Content-Type": "application/json"})
             r = conn.getresponse()
-            reply = r.read()
-            assert r.status == 200, reply[:200]
+            replies[verb] = r.read()
+            assert r.status == 200, replies[verb][:200]
         times.append((time.perf_counter() - t) * 1000)
     conn.close()
-    return times
+    return times, replies
+
+
+def _measure_extender(body: bytes, rounds: int, port: int, pipe) -> tuple[list[float], dict[str, bytes], list]:
+    """:func:`measure`, then the handler times the extender process recorded."""
+    times, replies = measure(port, body, rounds)
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    conn.request("GET", "/bench-times")
+    conn.getresponse().read()
+    return times, replies, pipe.recv()
+
+
+def _in_process(target, args: tuple, work):
+    """Run ``target(*args, port_pipe)`` in its own process and ``work(port, pipe)`` against it."""
+    ours, theirs = multiprocessing.Pipe()
+    server = multiprocessing.Process(target=target, args=(*args, theirs), daemon=True)
+    server.start()
+    try:
+        return work(ours.recv(), ours)
+    finally:
+        server.kill()
+        server.join()
 
 
 def percentiles(times: list[float]) -> tuple[float, float]:
@@ -135,27 +179,18 @@ def run(nodes: list[dict], rounds: int) -> None:
                                ("nodeCacheCapable=true (names)", by_name, False),
                                ("nodeCacheCapable=true, first member of a 16-pod gang", gang, False),
                                ("the same with one node re-labelled before every request", gang, True)):
-        ours, theirs = multiprocessing.Pipe()
-        server = multiprocessing.Process(target=_serve, args=(nodes, churn, theirs, theirs), daemon=True)
-        server.start()
-        try:
-            port = ours.recv()
-            times = measure(port, body, rounds)
-            conn = http.client.HTTPConnection("127.0.0.1", port)
-            conn.request("GET", "/bench-times")
-            conn.getresponse().read()
-            handler = ours.recv()
-        finally:
-            server.kill()
-            server.join()
+        times, replies, handler = _in_process(_serve, (nodes, churn), partial(_measure_extender, body, rounds))
+        wire_only, _ = _in_process(_serve_fixed, (replies,), lambda port, _pipe, b=body: measure(port, b, rounds))
         first = times[0]  # pays for scoring every node; later calls reuse it
         inside = [(a + b) * 1000 for a, b in zip(handler[0::2], handler[1::2], strict=True)]
         p50, p99 = percentiles(times)
         i50, i99 = percentiles(inside)
+        w50, w99 = percentiles(wire_only)
         print(f"{len(nodes)} nodes, {label}: filter+prioritize round trip p50 {p50:.1f} ms, p99 {p99:.1f} ms "
               f"(request {len(body) / 1e6:.1f} MB) → p99 vs 50 ms target {p99 / 50:.2f}×, vs 5 s timeout "
               f"{p99 / 5000:.3f}×; inside the extender p50 {i50:.1f} ms, p99 {i99:.1f} ms ({i99 / 50:.2f}×); "
-              f"first call {first:.1f} ms, slowest {max(times):.1f} ms")
+              f"first call {first:.1f} ms, slowest {max(times):.1f} ms; the same bytes through a server that "
+              f"computes nothing: p50 {w50:.1f} ms, p99 {w99:.1f} ms (round-trip p50 {p50 / w50:.1f}× that)")
 
 
 def main() -> None:
