@@ -165,6 +165,7 @@ def wait_cached(cache_dir, min_bytes, timeout=60):
         time.sleep(0.05)
         if os.path.exists(os.path.join(cache_dir, "index")) and Index(cache_dir).totals()[0] > min_bytes:
             return
+    raise AssertionError(f"the cache never held more than {min_bytes} bytes within {timeout} s")
 
 
 def test_kill_9_mid_prefetch_then_resume(s3, cache_dir):
@@ -244,7 +245,8 @@ def test_ctrl_c_mid_prefetch_exits_130_and_keeps_what_was_cached(s3, cache_dir):
     files = {f"i/f{i:03d}.bin": os.urandom(200_000) for i in range(500)}  # ~10 s at one fetch at a time
     put_tree(client, bucket, "intr", files)
     url = f"s3://{bucket}/intr"
-    env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "1"}
+    env = {"CACHEFS_CACHE_BLOCK_SIZE": "65536", "CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES": "1",
+           "CACHEFS_CACHE_PACK_THRESHOLD": "0"}  # the block path: packed, the 500 files took only ~3 s
     proc = start_prefetch(url, cache_dir, env, workers=1, text=True)
     wait_cached(cache_dir, 1_000_000)
     proc.send_signal(signal.SIGINT)
