@@ -162,7 +162,7 @@ def main() -> None:
     from cachefs.testing.s3server import S3Server
 
     work = tempfile.mkdtemp(prefix="cachefs-fusebench-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
-    server = S3Server(fast_get=True)
+    server = S3Server(fast=True)
     try:
         server.start()
         run(args, server, work)

@@ -37,7 +37,7 @@ def main() -> None:
 
     from cachefs.testing.s3server import S3Server
 
-    with S3Server(fast_get=True, delay_ms=5) as server:
+    with S3Server(fast=True, delay_ms=5) as server:
         client = server.client()
         client.create_bucket(Bucket="mem")
         for i in range(args.objects):

@@ -88,12 +88,12 @@ def main() -> None:
     p.add_argument("--moto-get", action="store_true", help="serve GETs through moto itself (slow per request)")
     args = p.parse_args()
 
-    with origin_on_link(args.rate_mbit, args.delay_ms, fast_get=not args.moto_get) as (server, work, capped):
+    with origin_on_link(args.rate_mbit, args.delay_ms, fast=not args.moto_get) as (server, work, capped):
         run(args, server, work, capped)
 
 
 @contextmanager
-def origin_on_link(rate_mbit: int, delay_ms: float, *, fast_get: bool = True):
+def origin_on_link(rate_mbit: int, delay_ms: float, *, fast: bool = True):
     """(moto S3 server with ``delay_ms`` per request behind a ``rate_mbit`` link when root allows it, a work
     directory, whether the link is capped); everything is torn down afterwards."""
     from cachefs.testing.s3server import S3Server
@@ -101,7 +101,7 @@ def origin_on_link(rate_mbit: int, delay_ms: float, *, fast_get: bool = True):
     capped = make_link(rate_mbit)
     work = tempfile.mkdtemp(prefix="cachefs-bench-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
     server = S3Server(host=NS_IP if capped else "127.0.0.1", delay_ms=delay_ms, netns=NS if capped else None,
-                      fast_get=fast_get)
+                      fast=fast)
     try:
         server.start()
         yield server, work, capped
