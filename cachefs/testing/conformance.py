@@ -83,6 +83,22 @@ class SourceConformance:
         with pytest.raises(StaleObjectError):
             _run(self._retrying(populated), scenario)
 
+    def test_object_changed_after_other_reads_is_stale(self, populated):
+        """Also once a source has warmed up (S3: GETs signed by cachefs, not botocore's first request)."""
+        if not populated.source.verifies_version:
+            pytest.skip("this source checks the version on the first read of an object only (docs/SEMANTICS.md)")
+
+        async def scenario(src):
+            entries = await _list(src, populated.root)
+            for path in ("dir/b.bin", "dir/sub/c d ü.txt", "a.txt"):
+                e = entries[path]
+                assert await src.read(f"{populated.root}/{path}", e.version, 0, e.size) == self.FILES[path]
+            populated.put("a.txt", b"HELLO, changed")
+            await src.read(f"{populated.root}/a.txt", entries["a.txt"].version, 0, 5)
+
+        with pytest.raises(StaleObjectError):
+            _run(self._retrying(populated), scenario)
+
     def test_missing_root_is_not_found(self, origin):
         with pytest.raises(ObjectNotFoundError):
             _run(origin.source, lambda src: _list(src, origin.missing_root))

@@ -27,6 +27,45 @@ class TestS3Source(SourceConformance):
                        "s3://no-such-bucket-cachefs/x")
 
 
+class TestS3SourceThroughBotocore(SourceConformance):
+    """``origin.direct_get: false``: every request through botocore."""
+
+    @pytest.fixture
+    def origin(self, s3):
+        _, client, bucket = s3
+        cfg = load_config(env={}, overrides={"cache_dir": "/tmp/unused", "origin_direct_get": False})
+        return _Origin(open_raw_origin("s3://x", cfg), f"s3://{bucket}/ds",
+                       lambda p, d: client.put_object(Bucket=bucket, Key=f"ds/{p}", Body=d),
+                       "s3://no-such-bucket-cachefs/x")
+
+
+@pytest.mark.parametrize("direct, botocore_gets", [(True, 1), (False, 40)])
+def test_s3_gets_after_the_first_skip_botocore(s3, direct: bool, botocore_gets: int) -> None:
+    """botocore sends the first GET of a bucket (its route is learned from it); cachefs signs the rest."""
+    import asyncio
+
+    _, client, bucket = s3
+    files = {f"ds/d{i % 3}/f {i}+ü.bin": os.urandom(1000 + i) for i in range(40)}
+    for key, data in files.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+    cfg = load_config(env={}, overrides={"cache_dir": "/tmp/unused", "origin_direct_get": direct})
+    src = open_raw_origin("s3://x", cfg)
+    sent: list[str] = []
+
+    async def scenario():
+        await src.connect()
+        (await src._s3()).meta.events.register("before-send.s3.GetObject", lambda request, **_: sent.append(request.url))
+        got = {}
+        for key in files:
+            e = await src.stat(f"s3://{bucket}/{key}")
+            got[key] = await src.read(f"s3://{bucket}/{key}", e.version, 0, e.size)
+        await src.close()
+        return got
+
+    assert asyncio.run(scenario()) == files
+    assert len(sent) == botocore_gets
+
+
 class TestLocalSource(SourceConformance):
     @pytest.fixture
     def origin(self, tmp_path):
