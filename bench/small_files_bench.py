@@ -72,7 +72,12 @@ def main() -> None:
     p.add_argument("--readers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--passes", default="cold,warm,mirror",
+                   help="comma-separated subset of cold, warm, mirror (warm needs cold)")
     args = p.parse_args()
+    args.passes = set(args.passes.split(","))
+    if not args.passes <= {"cold", "warm", "mirror"} or ("warm" in args.passes and "cold" not in args.passes):
+        p.error("--passes: a subset of cold,warm,mirror; warm needs cold")
 
     with origin_on_link(args.rate_mbit, args.delay_ms) as (server, work, capped):
         run(args, server, work, capped)
@@ -104,8 +109,16 @@ def run(args, server, work: str, capped: bool) -> None:
     os.makedirs(mnt)
     local_paths = [os.path.join(local, n) for n in names]
     cold: dict[str, float] = {}
+    if "cold" in args.passes:
+        secs = server_ceiling(server.endpoint, [f"small/{n}" for n in names])
+        rate = nbytes / secs / 1e6
+        cap = f" = {rate / (args.rate_mbit / 8):.2f}× the link" if capped else ""
+        print(f" ceiling: every object GET once, nothing stored, 128 in flight: {secs:6.1f} s, {rate:7.1f} MB/s, "
+              f"{len(names) / secs:7.0f} files/s{cap} (what this server gives any client)")
 
     for layout, threshold in (("packed", "1MiB"), ("per-file", "0")):
+        if "cold" not in args.passes:
+            break
         os.environ["CACHEFS_CACHE_PACK_THRESHOLD"] = threshold
         cache = os.path.join(work, f"cache-{layout}")
         t = time.perf_counter()
@@ -115,6 +128,8 @@ def run(args, server, work: str, capped: bool) -> None:
         rate = nbytes / secs / 1e6
         cap = f" = {rate / (args.rate_mbit / 8):.2f}× the {args.rate_mbit} Mbit/s link" if capped else ""
         print(f"{layout:>8}: cold prefetch {secs:6.1f} s, {rate:7.1f} MB/s, {len(names) / secs:7.0f} files/s{cap}")
+        if "warm" not in args.passes:
+            continue
 
         for n in (1, args.readers):
             groups = split(names, n)
@@ -141,6 +156,8 @@ def run(args, server, work: str, capped: bool) -> None:
             print(f"{layout:>8}: warm x{n}: mount {m:7.0f} files/s = {m / d:.2f}× local disk ({d:.0f} files/s); "
                   f"fsspec {f:7.0f} files/s = {f / d:.2f}×")
     os.environ.pop("CACHEFS_CACHE_PACK_THRESHOLD", None)
+    if "mirror" not in args.passes:
+        return
 
     # Cold through a packed mirror: `cachefs pack` once, then a node with an empty cache prefetches.
     t = time.perf_counter()
@@ -152,8 +169,31 @@ def run(args, server, work: str, capped: bool) -> None:
     secs = time.perf_counter() - t
     rate = nbytes / secs / 1e6
     cap = f" = {rate / (args.rate_mbit / 8):.2f}× the link" if capped else ""
-    print(f"  mirror: cold prefetch {secs:6.1f} s, {rate:7.1f} MB/s, {len(names) / secs:7.0f} files/s{cap}; "
-          f"{cold['packed'] / secs:.1f}× the cold path without a mirror (a GET per file)")
+    print(f"  mirror: cold prefetch {secs:6.1f} s, {rate:7.1f} MB/s, {len(names) / secs:7.0f} files/s{cap}"
+          + (f"; {cold['packed'] / secs:.1f}× the cold path without a mirror (a GET per file)" if cold else ""))
+
+
+def server_ceiling(endpoint: str, keys: list[str], in_flight: int = 128) -> float:
+    """Seconds for a bare aiohttp client (no signing, nothing kept) to GET every key once: the most this
+    server gives any client on this machine, the yardstick beside the link."""
+    import asyncio
+
+    import aiohttp
+
+    async def go() -> float:
+        todo = iter(keys)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=in_flight)) as session:
+            async def worker() -> None:
+                for key in todo:
+                    async with session.get(f"{endpoint}/bench/{key}") as resp:
+                        assert resp.status == 200, resp.status
+                        await resp.read()
+
+            t = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(in_flight)))
+            return time.perf_counter() - t
+
+    return asyncio.run(go())
 
 
 if __name__ == "__main__":
