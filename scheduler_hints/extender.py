@@ -116,6 +116,10 @@ class Extender:
     _locality_memo: dict[tuple, dict[str, float | None]] = field(default_factory=dict)
     _totals_memo: dict[tuple, dict[str, int]] = field(default_factory=dict)
     _possible_memo: dict[tuple, float] = field(default_factory=dict)
+    #: (the NodeItems last checked against the node cache, node_cache.updates then)
+    _items_checked: tuple[Any, int] | None = None
+    #: (NodeItems, node_cache.updates, their base NodeStates)
+    _states_memo: tuple[Any, int, list[NodeState]] | None = None
 
     # -- parsing --------------------------------------------------------------------------------------------
     def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
@@ -128,12 +132,16 @@ class Extender:
         names = _ci(body, "NodeNames")
         if isinstance(nodes, Mapping) and isinstance(nodes.get("items"), list):
             items = nodes["items"]
-            if not (isinstance(items, NodeItems) and all(isinstance(n, Mapping) for n in items)):
-                items = [n for n in items if isinstance(n, Mapping)]
-            cached = self.node_cache.nodes
-            for n in items:
-                if cached.get((n.get("metadata") or {}).get("name")) is not n:  # not known at this version
-                    self.node_cache.update(n)
+            checked = self._items_checked
+            if not (checked and checked[0] is items and checked[1] == self.node_cache.updates):
+                if not (isinstance(items, NodeItems) and all(isinstance(n, Mapping) for n in items)):
+                    items = [n for n in items if isinstance(n, Mapping)]
+                cached = self.node_cache.nodes
+                for n in items:
+                    if cached.get((n.get("metadata") or {}).get("name")) is not n:  # not known at this version
+                        self.node_cache.update(n)
+                if isinstance(items, NodeItems):  # the decoder's memo: the same object while the bytes match
+                    self._items_checked = (items, self.node_cache.updates)
             by_name = False
         elif isinstance(names, list):
             items = [self.node_cache.nodes.get(n) or {"metadata": {"name": n}} for n in names if isinstance(n, str)]
@@ -158,7 +166,16 @@ class Extender:
     def _states(self, nodes, held: dict[str, int] | None = None) -> list[NodeState]:
         """NodeStates with ``gpu_free`` net of pods we bound and gang members waiting in bind."""
         held = self._held() if held is None else held
-        return [self._net(self.node_cache.base_state(node), held) for node in nodes]
+        memo = self._states_memo
+        if memo is not None and memo[0] is nodes and memo[1] == self.node_cache.updates:
+            base = memo[2]
+        else:
+            base = [self.node_cache.base_state(node) for node in nodes]
+            if isinstance(nodes, NodeItems):
+                self._states_memo = (nodes, self.node_cache.updates, base)
+        if not held:
+            return list(base)
+        return [self._net(b, held) for b in base]
 
     @staticmethod
     def _net(base: NodeState, held: dict[str, int]) -> NodeState:
@@ -195,10 +212,9 @@ class Extender:
         if reason:
             failed = {str((n.get("metadata") or {}).get("name", "")): reason for n in items}
             passed = []
-        names = [str((n.get("metadata") or {}).get("name", "")) for n in passed]
         return {
             "Nodes": None if by_name else {"metadata": {}, "items": as_sent(passed)},
-            "NodeNames": names if by_name else None,
+            "NodeNames": [str((n.get("metadata") or {}).get("name", "")) for n in passed] if by_name else None,
             "FailedNodes": failed,
             "FailedAndUnresolvableNodes": {},
             "Error": "",
@@ -362,6 +378,15 @@ class Extender:
         self._pods.pop(key, None)
 
 
+async def _body(request: web.Request, max_body: int) -> bytes:
+    """The request body. With a Content-Length within ``max_body`` it is read in one join of the received
+    chunks (``request.read()`` copies a 5 MB node list twice); otherwise ``request.read()`` enforces the cap."""
+    length = request.content_length
+    if length is None or length > max_body:
+        return await request.read()
+    return await request.content.readexactly(length)
+
+
 def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
     """The aiohttp application: one handler per verb, JSON in and out, errors as 4xx JSON."""
 
@@ -375,11 +400,12 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
         if verb not in ("filter", "prioritize", "bind"):
             return reply({"Error": f"unknown verb {verb!r} (filter, prioritize, bind)"}, 404)
         try:
-            body = decoder.decode(await request.read())
+            body = decoder.decode(await _body(request, max_body))
         except web.HTTPRequestEntityTooLarge:
             return reply({"Error": f"request larger than {max_body} bytes"}, 413)
         except BadJSON:
             return reply({"Error": "request body is not valid JSON"}, 400)
+
         try:
             if verb == "filter":
                 result: Any = ext.filter(body)

@@ -29,6 +29,9 @@ class NodeCache:
         #: the view and re-scoring every node for each would put that cost into nearly every request.
         self.refresh_interval = refresh_interval
         self._clock = clock
+        #: Bumped by every update and removal, even of a node to an equal copy: a node list checked against the
+        #: cache at one value of it needs no second check while it holds.
+        self.updates = 0
         self._changes = 0  # bumped whenever the set of nodes or any node's parsed state changes
         self._layout_changes = 0  # … only when nodes come or go, or their topology labels or GPUs change
         self._published = (0, -float("inf"), 0)  # (changes, when, layout changes)
@@ -48,12 +51,14 @@ class NodeCache:
     def update(self, node: Mapping[str, Any]) -> None:
         name = (node.get("metadata") or {}).get("name")
         if name:
+            self.updates += 1
             if name not in self.nodes:
                 self._changes += 1
             self.nodes[name] = node
             self._parse(node)  # parse now (counts a change if it changed)
 
     def remove(self, name: str) -> None:
+        self.updates += 1
         if self.nodes.pop(name, None) is not None:
             self._changes += 1
             self._layout_changes += 1

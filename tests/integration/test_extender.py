@@ -188,6 +188,42 @@ def test_oversized_request_is_refused():
     assert status == 413 and "1024" in error
     assert MAX_BODY >= 128 * 1024 * 1024  # room for 5,000 full Node objects
 
+    async def with_length():  # a Content-Length over the cap is refused before the body is read
+        async with TestClient(TestServer(make_app(Extender(), max_body=1024))) as client:
+            r = await client.post("/filter", data=b"x" * 4096)
+            return r.status, r.request_info.headers.get("Content-Length")
+
+    assert asyncio.run(with_length()) == (413, "4096")
+
+
+def test_body_cut_short_leaves_the_extender_serving(caplog):
+    """A client that sends less than its Content-Length and hangs up gets nothing (it is gone), and the
+    extender logs no handler error and answers the next request."""
+    import logging
+    import socket
+
+    from aiohttp.test_utils import TestServer
+
+    async def go():
+        async with TestServer(make_app(Extender())) as srv:
+            reader, writer = await asyncio.open_connection(srv.host, srv.port)
+            writer.write(b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"Pod\": {}")
+            await writer.drain()
+            writer.transport.get_extra_info("socket").shutdown(socket.SHUT_WR)
+            await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            reader, writer = await asyncio.open_connection(srv.host, srv.port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return reply
+
+    with caplog.at_level(logging.ERROR):
+        reply = asyncio.run(go())
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"ok"), reply[:300]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
 
 def test_two_gangs_that_cannot_both_fit_never_deadlock(server):
     """6 free GPUs, two gangs of 4 × 1-GPU pods arriving together: one is admitted and bound whole, the other
