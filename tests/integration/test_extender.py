@@ -174,6 +174,22 @@ def test_pods_smaller_than_a_node_keep_whole_nodes_free_while_whole_node_pods_wa
     assert scores() == calm and not ext.pending_pods
 
 
+def test_same_node_list_again_follows_node_cache_changes(server):
+    """The same request bytes again reuse the decoded node list; a node-cache change in between (here the
+    node leaving the watch's view) is still seen: the request's nodes are checked and scored again."""
+    base, ext = server
+    nodes = [node("holder", fraction=1.0), node("empty", fraction=0.0), node("bare")]
+    body = json.dumps(args(pod("p", annotation=URL), nodes))
+    first = post(base, "prioritize", None, raw=body)
+    assert post(base, "prioritize", None, raw=body) == first
+    ext.node_cache.remove("holder")
+    assert "holder" not in ext.node_cache.nodes
+    assert post(base, "prioritize", None, raw=body) == first
+    assert "holder" in ext.node_cache.nodes  # the request's node is known again
+    scores = {h["Host"]: h["Score"] for h in first[1]}
+    assert scores["holder"] > scores["empty"]
+
+
 def test_oversized_request_is_refused():
     import io
 
