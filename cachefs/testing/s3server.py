@@ -62,8 +62,11 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(delay)
             return inner(environ, start_response)
 
+    # Buffers sized for object bodies: waitress spills a response over 1 MiB to a temporary file by default,
+    # and reads request bodies 8 KiB at a time.
     server = create_server(app, host=args.host, port=args.port, threads=args.threads, connection_limit=4096,
-                           backlog=4096, channel_timeout=300, ident="cachefs-test-s3")
+                           backlog=4096, channel_timeout=300, ident="cachefs-test-s3", recv_bytes=256 << 10,
+                           outbuf_overflow=256 << 20, inbuf_overflow=256 << 20)
     server.channel_class = _channel_class()
     print(f"PORT {server.effective_port}", flush=True)
     server.run()
