@@ -154,6 +154,7 @@ def main() -> None:
     p.add_argument("--no-peers", action="store_true", help="skip rclone and s3fs")
     p.add_argument("--workers", type=int, help="FUSE request threads of the cachefs mount (default: the CLI's)")
     p.add_argument("--only-small", action="store_true", help="only the small-file passes")
+    p.add_argument("--only-large", action="store_true", help="only the large-file passes")
     args = p.parse_args()
     args.mount_options = ["--workers", str(args.workers)] if args.workers else []
     if os.geteuid() != 0:
@@ -275,6 +276,9 @@ def run(args, server, work: str) -> None:
         print(f"large {'half cached (rest from S3)':<28} x1: {m:6.2f} GB/s vs raw read {b:6.2f} GB/s = {m / b:.2f}×; "
               f"vs the engine alone (no FUSE) {eo:.2f} GB/s = {m / eo:.2f}×")
     run_sync(engine.aclose())
+
+    if args.only_large:
+        return
 
     # 4) small files, warm, N readers in a seeded random order.
     small_names = list(small)

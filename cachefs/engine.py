@@ -106,6 +106,8 @@ class ReadStream:
     #: Whether this stream's access was counted yet (an object's hit count is the number of accesses, i.e.
     #: opens, not of read calls, so a file read in many small reads is still one access).
     counted: bool = False
+    #: Blocks below this index were already handed to read-ahead from a local read (see Engine._keep_ahead).
+    ahead_to: int = 0
 
 
 @dataclass
@@ -154,6 +156,7 @@ class Engine:
         self._warned_full = False
         self._dir_hits: dict[tuple[str, str], int] = {}  # (dataset id, directory) -> accesses not yet flushed
         self.small = SmallObjects(self)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the async core runs on
         atexit.register(self._at_exit)
 
     def _at_exit(self) -> None:
@@ -181,6 +184,7 @@ class Engine:
         source: Source | None = None,
     ) -> Dataset:
         """Open a dataset, taking its first manifest if the node has none. No origin request otherwise."""
+        self._loop = asyncio.get_running_loop()  # where threads serving local reads start read-ahead
         ref = DatasetRef.from_url(url)
         src = source or self.source_for(ref.url, storage_options)
         rec = self.index.dataset(ref.id)
@@ -294,7 +298,32 @@ class Engine:
             self._count(ob, ds.ref.id, stream, hit=len(data))
             if stream is not None:
                 self._advance(stream, start, end)
+                if stream.window:
+                    self._keep_ahead(ds, entry, ob, stream)
             return data
+        finally:
+            self._release(ob)
+
+    def _keep_ahead(self, ds: Dataset, entry: Entry, ob: _Open, stream: ReadStream) -> None:
+        """From a thread serving local reads: have the cachefs loop fetch what is missing in the read-ahead
+        window. Only the async path starts read-ahead, so a sequential reader served locally (the cached part
+        of a file, or blocks read ahead earlier) would otherwise run into the next missing block and wait for
+        a whole window to be fetched: through FUSE, half-cached files read at 0.33 GB/s, the engine 0.88."""
+        bs = self.block_size
+        nxt = -(-stream.next_offset // bs)
+        stop = min(ob.nblocks, nxt + stream.window)
+        if stop <= stream.ahead_to:
+            return
+        lo, stream.ahead_to = max(nxt, stream.ahead_to), stop
+        loop = self._loop
+        if loop is None or loop.is_closed() or all(i in ob.present for i in range(lo, stop)):
+            return
+        loop.call_soon_threadsafe(self._read_ahead_soon, ds, entry, stream)
+
+    def _read_ahead_soon(self, ds: Dataset, entry: Entry, stream: ReadStream) -> None:
+        ob = self._acquire(ds, entry)
+        try:
+            self._read_ahead(ds, entry, ob, stream)
         finally:
             self._release(ob)
 

@@ -199,6 +199,37 @@ def test_sequential_reader_gets_read_ahead(config, dataset):
     run(engine, scenario, src)
 
 
+def test_local_reads_keep_read_ahead_going(config, dataset):
+    """A sequential reader served from local blocks (from a thread, as FUSE and fsspec serve them) still has the
+    blocks after them fetched ahead, not only when it reaches a missing one."""
+    url, files, *_ = dataset
+    engine = Engine(config)
+    src, failing = sources(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        e = ds.file("big/0.bin")  # 5 blocks of 64 KiB; blocks 0-2 local before the reader starts
+        await engine.read(ds, e, 0, 3 * 65536)
+        failing.read_ranges.clear()
+
+        def reader():
+            stream = ReadStream()
+            return [engine.read_local(ds, e, off, off + 32768, stream) for off in range(0, 3 * 65536, 32768)]
+
+        got = await asyncio.to_thread(reader)
+        assert b"".join(got) == files["big/0.bin"][:3 * 65536]
+        rest = None
+        for _ in range(200):  # read_local never fetches: the rest turns up only through read-ahead
+            rest = engine.read_local(ds, e, 3 * 65536, e.size)
+            if rest is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert rest == files["big/0.bin"][3 * 65536:]
+        assert {start // 65536 for _, start, _ in failing.read_ranges} == {3, 4}
+
+    run(engine, scenario, src)
+
+
 def small_cache(config, s3, prefix: str, files: dict[str, bytes], capacity: str = "1MB"):
     """Upload ``files`` under ``prefix``; an engine whose cache holds only ``capacity``; (engine, source, url)."""
     _, client, bucket = s3
