@@ -61,15 +61,8 @@ class Mounted:
         return next((m for m in list_mounts(self.cache_dir) if m["mountpoint"] == self.mountpoint), None)
 
     def stats(self) -> dict:
-        """The daemon's counters once they have settled: it rewrites its record about every second, later
-        under load, so one read after a second can still be a step behind."""
-        last, deadline = None, time.monotonic() + 20
-        while True:
-            time.sleep(1.2)
-            now = self.record()["stats"]
-            if now == last or time.monotonic() > deadline:
-                return now
-            last = now
+        time.sleep(1.2)  # the daemon refreshes its record every second
+        return self.record()["stats"]
 
     def path(self, rel: str) -> str:
         return os.path.join(self.mountpoint, rel)
