@@ -75,5 +75,14 @@ def make_files(n_small: int = 20, big_sizes: tuple[int, ...] = (300_000,), seed:
     return files
 
 
+def resident_bytes(path: str) -> int:
+    """Bytes of ``path`` in the page cache (util-linux fincore: mincore on a mapping, which reads nothing)."""
+    import subprocess
+
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", path],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.strip() or 0)
+
+
 def pytest_configure(config):
     os.environ.setdefault("CACHEFS_TEST", "1")

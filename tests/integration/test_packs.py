@@ -22,6 +22,7 @@ from cachefs.index import Index
 from cachefs.status import status_report
 from cachefs.store import packs as packs_module
 from cachefs.types import object_key
+from tests.conftest import resident_bytes
 
 
 @pytest.fixture
@@ -85,13 +86,6 @@ def test_small_files_are_packed_and_read_back_the_same_everywhere(tree, config):
         assert fs.cat_file(f"{root}/{rel}") == data
 
 
-def _resident(path: str) -> int:
-    """Bytes of ``path`` in the page cache (util-linux fincore)."""
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", path],
-                         check=True, capture_output=True, text=True).stdout
-    return int(out.strip())
-
-
 def _drop_from_page_cache(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -113,7 +107,7 @@ def test_one_member_reads_only_itself_and_a_swept_pack_is_read_ahead_whole(tree,
 
     members = pa.ipc.open_file(pa.memory_map(path)).read_all().column("path").to_pylist()
     _drop_from_page_cache(path)  # as after a reboot
-    assert len(members) >= 4 and _resident(path) == 0
+    assert len(members) >= 4 and resident_bytes(path) == 0
 
     async def read(rels):
         ds = await engine.open_dataset(url)
@@ -121,14 +115,14 @@ def test_one_member_reads_only_itself_and_a_swept_pack_is_read_ahead_whole(tree,
 
     engine = Engine(config)
     assert run(engine, read(members[:1])) == [files[members[0]]]
-    one = _resident(path)
+    one = resident_bytes(path)
     assert 0 < one <= len(files[members[0]]) + 2 * 4096 < size  # that member's pages, not the device's read-ahead
     engine = Engine(config)
     assert run(engine, read(members[:3])) == [files[m] for m in members[:3]]
     deadline = time.monotonic() + 10
-    while _resident(path) < size and time.monotonic() < deadline:  # the read-ahead is asynchronous
+    while resident_bytes(path) < size and time.monotonic() < deadline:  # the read-ahead is asynchronous
         time.sleep(0.05)
-    assert _resident(path) >= size - 4096
+    assert resident_bytes(path) >= size - 4096
 
 
 def test_eviction_removes_whole_packs_and_files_come_back(tree, config):
