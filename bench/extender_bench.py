@@ -97,12 +97,7 @@ def _serve(nodes: list[dict], churn: bool, port_out) -> None:
         app = make_app(ext)
         app.middlewares.append(timed)
         app.router.add_get("/bench-times", report)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port_out.send(site._server.sockets[0].getsockname()[1])
-        await asyncio.Event().wait()
+        await _serve_app(app, port_out)
 
     asyncio.run(main())
 
@@ -118,14 +113,19 @@ def _serve_fixed(replies: dict[str, bytes], port_out) -> None:
 
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/{verb}", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port_out.send(site._server.sockets[0].getsockname()[1])
-        await asyncio.Event().wait()
+        await _serve_app(app, port_out)
 
     asyncio.run(main())
+
+
+async def _serve_app(app: web.Application, port_out) -> None:
+    """Serve ``app`` on a loopback port, send the port through ``port_out``, and serve until killed."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port_out.send(site._server.sockets[0].getsockname()[1])
+    await asyncio.Event().wait()
 
 
 def measure(port: int, body: bytes, rounds: int) -> tuple[list[float], dict[str, bytes]]:
