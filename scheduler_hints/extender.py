@@ -116,10 +116,9 @@ class Extender:
     _locality_memo: dict[tuple, dict[str, float | None]] = field(default_factory=dict)
     _totals_memo: dict[tuple, dict[str, int]] = field(default_factory=dict)
     _possible_memo: dict[tuple, float] = field(default_factory=dict)
-    #: (the NodeItems last checked against the node cache, node_cache.updates then)
-    _items_checked: tuple[Any, int] | None = None
-    #: (NodeItems, node_cache.updates, their base NodeStates)
-    _states_memo: tuple[Any, int, list[NodeState]] | None = None
+    #: The NodeItems last checked against the node cache, node_cache.updates then, and their base NodeStates
+    #: once asked for: while both hold, the same list needs neither a second check nor a second parse.
+    _items_memo: tuple[Any, int, list[NodeState] | None] | None = None
 
     # -- parsing --------------------------------------------------------------------------------------------
     def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
@@ -132,8 +131,7 @@ class Extender:
         names = _ci(body, "NodeNames")
         if isinstance(nodes, Mapping) and isinstance(nodes.get("items"), list):
             items = nodes["items"]
-            checked = self._items_checked
-            if not (checked and checked[0] is items and checked[1] == self.node_cache.updates):
+            if self._memo_of(items) is None:
                 if not (isinstance(items, NodeItems) and all(isinstance(n, Mapping) for n in items)):
                     items = [n for n in items if isinstance(n, Mapping)]
                 cached = self.node_cache.nodes
@@ -141,7 +139,7 @@ class Extender:
                     if cached.get((n.get("metadata") or {}).get("name")) is not n:  # not known at this version
                         self.node_cache.update(n)
                 if isinstance(items, NodeItems):  # the decoder's memo: the same object while the bytes match
-                    self._items_checked = (items, self.node_cache.updates)
+                    self._items_memo = (items, self.node_cache.updates, None)
             by_name = False
         elif isinstance(names, list):
             items = [self.node_cache.nodes.get(n) or {"metadata": {"name": n}} for n in names if isinstance(n, str)]
@@ -166,16 +164,20 @@ class Extender:
     def _states(self, nodes, held: dict[str, int] | None = None) -> list[NodeState]:
         """NodeStates with ``gpu_free`` net of pods we bound and gang members waiting in bind."""
         held = self._held() if held is None else held
-        memo = self._states_memo
-        if memo is not None and memo[0] is nodes and memo[1] == self.node_cache.updates:
-            base = memo[2]
-        else:
+        memo = self._memo_of(nodes)
+        base = memo[2] if memo is not None else None
+        if base is None:
             base = [self.node_cache.base_state(node) for node in nodes]
-            if isinstance(nodes, NodeItems):
-                self._states_memo = (nodes, self.node_cache.updates, base)
+            if memo is not None:
+                self._items_memo = (nodes, memo[1], base)
         if not held:
             return list(base)
         return [self._net(b, held) for b in base]
+
+    def _memo_of(self, items) -> tuple[Any, int, list[NodeState] | None] | None:
+        """:attr:`_items_memo` if it is about ``items`` and the node cache has not changed since."""
+        memo = self._items_memo
+        return memo if memo is not None and memo[0] is items and memo[1] == self.node_cache.updates else None
 
     @staticmethod
     def _net(base: NodeState, held: dict[str, int]) -> NodeState:
@@ -405,7 +407,6 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
             return reply({"Error": f"request larger than {max_body} bytes"}, 413)
         except BadJSON:
             return reply({"Error": "request body is not valid JSON"}, 400)
-
         try:
             if verb == "filter":
                 result: Any = ext.filter(body)
