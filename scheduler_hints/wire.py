@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ArgsDecoder", "BadJSON", "NodeItems", "as_sent", "decode_args", "encode"]
+__all__ = ["ArgsDecoder", "BadJSON", "NodeItems", "as_sent", "encode"]
 
 
 class BadJSON(ValueError):
@@ -76,9 +76,11 @@ Known = Callable[[str], Mapping[str, Any] | None]
 
 
 class ArgsDecoder:
-    """Decodes request bodies for one extender (see :func:`decode_args`). It also remembers the last node
-    list: kube-scheduler sends the same candidates to filter and then, when all pass, to prioritize, and pod
-    after pod while no node changes, so equal bytes reuse the objects decoded last time."""
+    """Decodes request bodies for one extender: each Node object that ``known(name)`` holds at the same
+    ``resourceVersion`` is replaced by that copy (not decoded); anything unexpected in shape is decoded as is,
+    for the caller to judge. It also remembers the last node list: kube-scheduler sends the same candidates to
+    filter and then, when all pass, to prioritize, and pod after pod while no node changes, so equal bytes reuse
+    the objects decoded last time."""
 
     def __init__(self, known: Known) -> None:
         self.known = known
@@ -140,13 +142,6 @@ class ArgsDecoder:
         nodes = NodeItems([_known_or_decoded(raw, self.known) for raw in raws], raws)
         self._last = (whole, nodes)
         return nodes
-
-
-def decode_args(data: bytes, known: Known) -> Any:
-    """The request body as Python objects, with each Node object that ``known(name)`` holds at the same
-    ``resourceVersion`` replaced by that copy (not decoded). Anything unexpected in shape is decoded as is,
-    for the caller to judge. :class:`BadJSON` if ``data`` is not JSON."""
-    return ArgsDecoder(known).decode(data)
 
 
 def as_sent(nodes: list[Any]) -> list[Any]:

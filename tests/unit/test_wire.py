@@ -7,12 +7,16 @@ import json
 
 import pytest
 
-from scheduler_hints.wire import ArgsDecoder, BadJSON, NodeItems, as_sent, decode_args, encode
+from scheduler_hints.wire import ArgsDecoder, BadJSON, NodeItems, as_sent, encode
 
 
 def node(name: str, version: str, **labels: str) -> dict:
     return {"metadata": {"name": name, "resourceVersion": version, "labels": labels},
             "status": {"allocatable": {"nvidia.com/gpu": "8"}}}
+
+
+def decode_args(data: bytes, known):
+    return ArgsDecoder(known).decode(data)
 
 
 def test_known_nodes_are_the_cached_objects_and_changed_ones_are_decoded():
