@@ -105,6 +105,7 @@ class SignedGet:
         self._sent: dict[str, str] = {}  # URL -> Authorization of GETs botocore sent, until their bucket's route is known
         self._keys: dict = {}
         self._session = None
+        self._url = None  # yarl.URL, imported with aiohttp on the first request
         client.meta.events.register("before-send.s3.GetObject", self._observe)
 
     def _observe(self, request, **_) -> None:
@@ -134,7 +135,9 @@ class SignedGet:
     def _http(self):
         if self._session is None:
             import aiohttp
+            from yarl import URL
 
+            self._url = URL
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._pool, ttl_dns_cache=300),
                 timeout=aiohttp.ClientTimeout(sock_connect=self._connect_timeout),
@@ -158,9 +161,8 @@ class SignedGet:
         headers["Range"] = range_header
         if if_match:
             headers["If-Match"] = if_match
-        from yarl import URL
-
-        async with self._http().get(URL(route.prefix + quoted, encoded=True), headers=headers) as resp:
+        session = self._http()
+        async with session.get(self._url(route.prefix + quoted, encoded=True), headers=headers) as resp:
             body = await resp.read()
             return body if resp.status in (200, 206) else None
 

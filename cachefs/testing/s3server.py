@@ -116,7 +116,6 @@ def _fast_get(inner):
     import re
     from urllib.parse import unquote
 
-
     range_re = re.compile(r"bytes=(\d+)-(\d*)$")
 
     def find_key(path: str):
@@ -197,13 +196,13 @@ def _fast_list(inner):
         if bucket is None:
             return inner(environ, start_response)
         arg = {k: v[0] for k, v in q.items()}
-        prefix, delimiter = arg.get("prefix", ""), arg.get("delimiter", "")
+        prefix, delimiter, start_after = arg.get("prefix", ""), arg.get("delimiter", ""), arg.get("start-after", "")
         max_keys = int(arg.get("max-keys", "1000"))
         keys = names(path, bucket)
         if "continuation-token" in arg:
             i = bisect.bisect_left(keys, base64.urlsafe_b64decode(arg["continuation-token"]).decode())
-        elif arg.get("start-after", "") >= prefix and arg.get("start-after"):
-            i = bisect.bisect_right(keys, arg["start-after"])
+        elif start_after and start_after >= prefix:
+            i = bisect.bisect_right(keys, start_after)
         else:
             i = bisect.bisect_left(keys, prefix)
         enc = (lambda v: quote(v, safe="/")) if "encoding-type" in arg else escape
@@ -238,8 +237,8 @@ def _fast_list(inner):
         if truncated:
             token = base64.urlsafe_b64encode(keys[i].encode()).decode()
             parts.append(f"<NextContinuationToken>{token}</NextContinuationToken>")
-        if arg.get("start-after"):
-            parts.append(f"<StartAfter>{enc(arg['start-after'])}</StartAfter>")
+        if start_after:
+            parts.append(f"<StartAfter>{enc(start_after)}</StartAfter>")
         parts.append("</ListBucketResult>")
         body = "".join(parts).encode()
         start_response("200 OK", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
