@@ -85,13 +85,21 @@ class ArgsDecoder:
     def __init__(self, known: Known) -> None:
         self.known = known
         self._last: tuple[bytes, NodeItems] | None = None
+        self._last_body: tuple[bytes, Any] | None = None
 
     def decode(self, data: bytes) -> Any:
-        """The request body as Python objects. :class:`BadJSON` if ``data`` is not JSON."""
+        """The request body as Python objects. :class:`BadJSON` if ``data`` is not JSON. A body equal to the
+        previous one (prioritize after filter for the same pod) is that one's objects again: callers read
+        them and never change them."""
+        last = self._last_body
+        if last is not None and last[0] == data:
+            return last[1]
         try:
-            return self._decode(data)
+            body = self._decode(data)
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
             raise BadJSON(str(exc)) from None
+        self._last_body = (data, body)
+        return body
 
     def _decode(self, data: bytes) -> Any:
         try:

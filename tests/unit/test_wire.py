@@ -87,3 +87,15 @@ def test_the_same_node_list_is_decoded_once():
 ])
 def test_bodies_with_other_keys_keep_them(payload):
     assert decode_args(json.dumps(payload).encode(), {"a": node("a", "1")}.get) == payload
+
+
+def test_the_same_body_again_is_not_decoded_again():
+    decoder = ArgsDecoder({}.get)
+    raw = json.dumps({"Pod": {"n": 1}, "NodeNames": ["a", "b"]}).encode()
+    first = decoder.decode(raw)
+    assert decoder.decode(bytes(raw)) is first  # prioritize after filter: equal bytes, the same objects
+    other = decoder.decode(json.dumps({"Pod": {"n": 2}, "NodeNames": ["a", "b"]}).encode())
+    assert other is not first and other["Pod"] == {"n": 2}
+    with pytest.raises(BadJSON):
+        decoder.decode(b"{")  # a bad body is an error however it follows a good one
+    assert decoder.decode(raw) == first
