@@ -116,6 +116,8 @@ class Extender:
     _locality_memo: dict[tuple, dict[str, float | None]] = field(default_factory=dict)
     _totals_memo: dict[tuple, dict[str, int]] = field(default_factory=dict)
     _possible_memo: dict[tuple, float] = field(default_factory=dict)
+    _score_memo: dict[tuple, dict[str, tuple[int, int, int]]] = field(default_factory=dict)
+    _ranked_memo: dict[tuple, tuple[list[tuple[float, str]], set[str]]] = field(default_factory=dict)
     #: The NodeItems last checked against the node cache, node_cache.updates then, and their base NodeStates
     #: once asked for: while both hold, the same list needs neither a second check nor a second parse.
     _items_memo: tuple[Any, int, list[NodeState] | None] | None = None
@@ -251,12 +253,39 @@ class Extender:
                 ((score(n), n.gpu_allocatable // per if gpus else 1) for n in base_cluster), count)
         if possible <= self.locality_slack:  # nowhere holds enough of its data to be worth waiting for
             return None
-        achievable = best_slots_locality(((score(n), n.gpu_free // per if gpus else 1) for n in candidates()), count)
+        achievable = self._achievable(needs, score, base_cluster, candidates(), count, per if gpus else 0)
         if not defer_for_locality(achievable, possible, waited, wait=self.locality_wait, slack=self.locality_slack):
             return None
         what = f"gang {key} ({count} pods)" if count > 1 else f"pod {key}"
         return (f"{what} waits up to {self.locality_wait - waited:.0f}s more for nodes holding its data: the free "
                 f"ones hold {achievable:.0%} of it, the best ones {possible:.0%}")
+
+    def _achievable(self, needs: PodNeeds, score: Callable[[NodeState], float | None], base_cluster: list[NodeState],
+                    candidates: list[NodeState], count: int, per: int) -> float:
+        """:func:`~scheduler_hints.scoring.best_slots_locality` of the ``candidates``' free slots for ``count``
+        pods of ``per`` GPUs (0: one slot a node). The cluster's nodes ranked by the pod's locality are kept
+        per node-cache generation, and candidates are taken in that order only until ``count`` slots are found:
+        none further down the ranking can be among the best."""
+        key = (tuple(sorted(needs.datasets.items())), self.node_cache.generation)
+        ranked = self._ranked_memo.get(key)
+        if ranked is None:
+            order = sorted(((score(n) or 0.0, n.name) for n in base_cluster), reverse=True)
+            ranked = _room(self._ranked_memo, 64)[key] = (order, {name for _, name in order})
+        order, known = ranked
+        by_name = {n.name: n for n in candidates}
+        best = [(score(n), n.gpu_free // per if per else 1) for n in candidates if n.name not in known]
+        found = 0
+        for loc, name in order:
+            n = by_name.get(name)
+            if n is None:
+                continue
+            slots = n.gpu_free // per if per else 1
+            if slots > 0:
+                best.append((loc, slots))
+                found += slots
+                if found >= count:
+                    break
+        return best_slots_locality(best, count)
 
     def _admission_refusal(self, pod: Mapping[str, Any], gang, gpus: int) -> str | None:
         """Admit ``gang`` (every member ``gpus`` GPUs) or say why it waits. Capacity is counted in whole pod
@@ -323,11 +352,41 @@ class Extender:
             cluster = [self._net(n, held) for n in base_cluster]
             on = {n for n, _ in self.gangs.placed(gang)}
             placed = [s for s in cluster if s.name in on]
-        scores = score_nodes(needs, states, self._locality_cache(needs, groups), self.weights,
-                             gang_size=gang.min_member if gang else 0, placed=placed, cluster=cluster,
-                             index=self.node_cache.domains(self.weights.topology_levels) if gang else None,
-                             whole_nodes_short=self._whole_nodes_short(pod_key(pod), needs.gpus, base_cluster, held))
+        short = self._whole_nodes_short(pod_key(pod), needs.gpus, base_cluster, held)
+        if gang is None:
+            scores = self._scores_outside_gangs(needs, states, groups, short)
+        else:
+            scores = score_nodes(needs, states, self._locality_cache(needs, groups), self.weights,
+                                 gang_size=gang.min_member, placed=placed, cluster=cluster,
+                                 index=self.node_cache.domains(self.weights.topology_levels), whole_nodes_short=short)
         return [{"Host": s.name, "Score": score} for s, score in zip(states, scores, strict=True)]
+
+    def _scores_outside_gangs(self, needs: PodNeeds, states: list[NodeState], groups, short: bool) -> list[int]:
+        """:func:`~scheduler_hints.scoring.score_nodes` for a pod outside a gang. Its score on a node depends only
+        on the node's locality (memoised per node-cache generation, :meth:`_locality_cache`) and GPUs, so scores
+        are kept per (datasets, GPUs, ``short``, generation): the pods of a job, scored one after another, reuse
+        every node's score whose GPUs did not change, and only the others are scored again."""
+        key = (tuple(sorted(needs.datasets.items())), needs.gpus, short, self.node_cache.generation)
+        memo = self._score_memo.get(key)
+        if memo is None:
+            memo = _room(self._score_memo, 64)[key] = {}
+        out: list[int] = []
+        todo: list[int] = []
+        for i, s in enumerate(states):
+            hit = memo.get(s.name)
+            if hit is not None and hit[0] == s.gpu_free and hit[1] == s.gpu_allocatable:
+                out.append(hit[2])
+            else:
+                out.append(0)
+                todo.append(i)
+        if todo:
+            fresh = score_nodes(needs, [states[i] for i in todo], self._locality_cache(needs, groups), self.weights,
+                                whole_nodes_short=short)
+            for i, score in zip(todo, fresh, strict=True):
+                s = states[i]
+                memo[s.name] = (s.gpu_free, s.gpu_allocatable, score)
+                out[i] = score
+        return out
 
     def _whole_nodes_short(self, key: str, gpus: int, cluster: list[NodeState], held: dict[str, int]) -> bool:
         """:func:`~scheduler_hints.scoring.whole_nodes_short` for pod ``key`` of ``gpus`` GPUs: pending pods

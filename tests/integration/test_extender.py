@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import aiohttp
 import pytest
@@ -386,3 +387,47 @@ def test_pod_watch_tracks_pending_gpu_pods_until_they_are_bound_or_gone():
     watch._on_pod("ADDED", pod("other", gpus=2))
     watch._on_pod("DELETED", pod("other", gpus=2))
     assert not ext.pending_pods
+
+
+def test_the_next_pod_of_a_job_sees_the_gpus_taken_since_the_last(server):
+    """Scores are kept for the pods of a job scored one after another; a node whose free GPUs changed in between
+    is scored again (here it now fits a 4-GPU pod exactly)."""
+    base, ext = server
+    nodes = [node("a", fraction=1.0), node("b", fraction=1.0)]
+
+    def scores(name):
+        status, body = post(base, "prioritize", args(pod(name, annotation=URL, gpus=4), nodes))
+        assert status == 200
+        return {s["Host"]: s["Score"] for s in body}
+
+    first = scores("p0")
+    assert first["a"] == first["b"]
+    ext.bound_pods["ml/p0"] = ("a", 4)
+    second = scores("p1")
+    assert second["a"] > second["b"] == first["b"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_achievable_locality_is_the_best_free_slots_of_the_candidates(seed):
+    """The ranked shortcut gives what scoring every candidate would: random clusters, candidate subsets, gang
+    sizes, nodes the cluster view does not know yet."""
+    import random
+
+    from scheduler_hints.scoring import best_slots_locality
+
+    rng = random.Random(seed)
+    ext = Extender()
+    for i in range(60):
+        ext.node_cache.update(node(f"n{i}", fraction=rng.choice([None, 0.0, 0.3, 0.5, 0.9, 1.0])))
+    base, groups = ext.node_cache.cluster()
+    needs = ext._needs(pod("p", annotation=URL, gpus=2))
+    score = ext._locality_cache(needs, groups)
+    stranger = ext.node_cache.base_state(node("stranger", fraction=1.0))  # not in the cluster view
+    for _ in range(20):
+        cands = [replace(s, gpu_free=rng.choice([0, 1, 2, 4, 8])) for s in rng.sample(base, rng.randint(0, 60))]
+        if rng.random() < 0.3:
+            cands.append(replace(stranger, gpu_free=8))
+        for count in (1, 3, 16):
+            for per in (0, 2):
+                want = best_slots_locality(((score(n), n.gpu_free // per if per else 1) for n in cands), count)
+                assert ext._achievable(needs, score, base, cands, count, per) == pytest.approx(want)
