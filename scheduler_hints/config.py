@@ -60,6 +60,8 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
     if cfg.bind_timeout <= 0 or cfg.gang_ttl <= 0 or min(cfg.topology_wait, cfg.locality_wait) < 0:
         raise ConfigError(f"{path}: bind_timeout and gang_ttl must be positive, topology_wait and locality_wait "
                           "not negative")
+    if not 0 <= cfg.weights.hole_fit_when_short <= 1:
+        raise ConfigError(f"{path}: weights.hole_fit_when_short is a fraction, 0 to 1")
     if not 0 <= cfg.locality_slack <= 1:
         raise ConfigError(f"{path}: locality_slack is a fraction of the pod's bytes, 0 to 1")
     return cfg

@@ -45,6 +45,10 @@ class Weights:
     #: Packing's weight while pods that need whole nodes wait for them: then a pod smaller than a node fills a
     #: partly used node before it breaks a whole free one, even at some cost in locality (KAI-style).
     packing_when_short: float = 2.0
+    #: While whole nodes are short, how much a partly used node's packing score still depends on how tightly the
+    #: pod fits it (0: every hole is as good, 1: as tight as possible). A whole free node scores 0 then, so the
+    #: pod fills a hole first either way; low values let its data choose among the holes (bench/placement_sim).
+    hole_fit_when_short: float = 0.25
     topology: float = 0.8
     #: Node labels naming topology levels, innermost first (NVLink domain, leaf switch, rack …).
     topology_levels: tuple[str, ...] = ("nvidia.com/gpu.clique", "network.topology.nvidia.com/block",
@@ -126,15 +130,24 @@ def locality_scorer(needs: PodNeeds, groups: Mapping[str, Mapping[str, list[tupl
     return score
 
 
-def gpu_packing(needs: PodNeeds, node: NodeState) -> float | None:
+def gpu_packing(needs: PodNeeds, node: NodeState, *, hole_fit: float | None = None) -> float | None:
     """Bin-packing preference: 1 when the pod fills the node's free GPUs exactly, lower the more it would
-    leave free (so whole nodes stay free for big jobs). None for pods without GPUs; 0 if it does not fit."""
+    leave free (so whole nodes stay free for big jobs). None for pods without GPUs; 0 if it does not fit.
+
+    With ``hole_fit`` (while pods that need whole nodes wait for them: :func:`whole_nodes_short`) a whole free
+    node scores 0 and a partly used one ``1 − hole_fit × (GPUs it would leave free) / allocatable``: never
+    break a whole node while a hole can take the pod, and, with a small ``hole_fit``, let the pod's data
+    rather than the tightest fit choose among the holes."""
     if needs.gpus <= 0:
         return None
     if node.gpu_allocatable <= 0 or node.gpu_free < needs.gpus:
         return 0.0
     left = node.gpu_free - needs.gpus
-    return 1.0 - left / node.gpu_allocatable
+    if hole_fit is None:
+        return 1.0 - left / node.gpu_allocatable
+    if node.gpu_free >= node.gpu_allocatable:
+        return 0.0
+    return 1.0 - hole_fit * left / node.gpu_allocatable
 
 
 def domain_free(cluster: Sequence[NodeState], levels: Sequence[str], pod_gpus: int = 1, *,
@@ -262,9 +275,12 @@ def score_nodes(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callab
     to the members already ``placed`` or, for the first member, the smallest domain around the node that can
     hold the whole gang, with the node's locality averaged with that domain's (both from ``cluster``, the
     whole cluster's free GPUs; ``index`` its :func:`domain_index` when the caller keeps one). With
-    ``whole_nodes_short`` (pods needing whole nodes wait for them) packing weighs ``w.packing_when_short``."""
+    ``whole_nodes_short`` (pods needing whole nodes wait for them) packing weighs ``w.packing_when_short`` and
+    counts holes as :func:`gpu_packing` does with ``hole_fit``."""
+    hole_fit = None
     if whole_nodes_short:
         w = replace(w, packing=w.packing_when_short)
+        hole_fit = w.hole_fit_when_short
     levels = w.topology_levels
     step = 1.0 / (len(levels) + 1)
     first = gang_size > 0 and not placed
@@ -302,5 +318,5 @@ def score_nodes(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callab
                     if value is not None and value in placed_values[depth]:
                         topology = 1.0 - depth * step
                         break
-        out.append(combine_scores(loc, gpu_packing(needs, n), topology, w))
+        out.append(combine_scores(loc, gpu_packing(needs, n, hole_fit=hole_fit), topology, w))
     return out

@@ -26,6 +26,7 @@ def test_fields_load(tmp_path):
     ("weights:\n  gravity: 1\n", "weights may set"),
     ("speed: 1\n", "unknown key"),
     ("locality_slack: 2\n", "fraction"),
+    ("weights:\n  hole_fit_when_short: 1.5\n", "fraction"),
     ("bind_timeout: 0\n", "positive"),
     ("locality_wait: soon\n", "soon"),
     ("[1, 2]\n", "expected a mapping"),

@@ -75,6 +75,33 @@ def test_small_pods_fill_holes_only_while_whole_node_pods_wait():
         score_nodes(needs, [holder_whole], score)  # the weight is configurable
 
 
+@pytest.mark.parametrize(("gpus", "free", "hole_fit", "want"), [
+    (1, 8, 0.25, 0.0),  # a whole free node: kept whole while whole-node pods wait
+    (1, 1, 0.25, 1.0),  # fills the hole exactly
+    (1, 7, 0.25, 1.0 - 0.25 * 6 / 8),  # a loose hole is still far better than a whole node
+    (1, 7, 1.0, 0.25),  # hole_fit 1: as tight as packing when whole nodes are not short
+    (1, 7, 0.0, 1.0),  # hole_fit 0: every hole alike
+    (4, 2, 0.25, 0.0),  # does not fit
+    (0, 8, 0.25, None),  # no GPUs: no signal
+])
+def test_gpu_packing_while_whole_nodes_are_short(gpus, free, hole_fit, want):
+    got = gpu_packing(PodNeeds(gpus=gpus), node("n", alloc=8, free=free), hole_fit=hole_fit)
+    assert got == (None if want is None else pytest.approx(want))
+
+
+def test_while_whole_nodes_are_short_data_chooses_among_holes():
+    needs = PodNeeds({A: 0}, gpus=1)
+    tight = node("tight", alloc=8, free=1)  # fits exactly, holds nothing
+    loose = node("loose", {A: 1.0}, alloc=8, free=7)  # a loose hole that holds all the data
+    whole = node("whole", {A: 1.0}, alloc=8, free=8)  # holds the data, but is a whole free node
+    nodes = [tight, loose, whole]
+    score = locality_scorer(needs, group_best(nodes))
+    short = score_nodes(needs, nodes, score, whole_nodes_short=True)
+    assert short[1] > short[0] > short[2]  # data among the holes; never the whole node
+    tightest = score_nodes(needs, nodes, score, Weights(hole_fit_when_short=1.0), whole_nodes_short=True)
+    assert tightest[0] > tightest[1] > tightest[2]  # hole_fit 1: the tightest hole wins over the data
+
+
 @pytest.mark.parametrize(("pod_gpus", "waiting_whole", "whole_free", "want"), [
     (1, 2, 1, True),  # more whole-node pods wait than there are whole free nodes
     (1, 1, 1, False),  # they all fit
