@@ -203,15 +203,32 @@ def _gang_domains(needs: PodNeeds, cluster: Sequence[NodeState], gang_size: int,
     scored = bool(needs.datasets) and needs.gpus > 0 and gang_size > 0
     free_gpus = [n.gpu_free for n in cluster]
     slots = [g // needs.gpus if scored and g > 0 else 0 for g in free_gpus]
-    loc = [(score(n) or 0.0) if k > 0 else 0.0 for n, k in zip(cluster, slots, strict=True)]
-    free: dict[tuple[str, str], int] = {}
+    doms = [dom for dom, _ in index]
+    free_of = [0] * len(doms)
+    slots_of = [0] * len(doms)
+    member_of: list[list[int]] = [[] for _ in cluster]
+    for d, (_, members) in enumerate(index):
+        for i in members:
+            member_of[i].append(d)
+            free_of[d] += free_gpus[i]
+            slots_of[d] += slots[i]
+    free = {doms[d]: f for d, f in enumerate(free_of) if f > 0}
     by_domain: dict[tuple[str, str], float] = {}
-    for dom, members in index:
-        f = sum(free_gpus[i] for i in members)
-        if f > 0:
-            free[dom] = f
-        if scored and sum(slots[i] for i in members) >= gang_size:
-            by_domain[dom] = best_slots_locality([(loc[i], slots[i]) for i in members], gang_size)
+    if scored:
+        # best_slots_locality of every domain that can hold the gang, in one pass: nodes in falling (locality,
+        # slots) order fill each of their domains until it has the gang's slots (the sums come out as
+        # best_slots_locality's, which adds each domain's best slots in the same order).
+        left = [gang_size if k >= gang_size else 0 for k in slots_of]
+        total = [0.0] * len(doms)
+        ranked = sorted(((score(cluster[i]) or 0.0, k, i) for i, k in enumerate(slots) if k > 0), reverse=True)
+        for loc, k, i in ranked:
+            for d in member_of[i]:
+                want = left[d]
+                if want:
+                    take = k if k < want else want
+                    total[d] += take * loc
+                    left[d] = want - take
+        by_domain = {doms[d]: total[d] / gang_size for d, k in enumerate(slots_of) if k >= gang_size}
     return free, by_domain
 
 

@@ -192,3 +192,33 @@ def test_best_slots_locality(nodes, count, want):
 ])
 def test_defer_for_locality(achievable, possible, waited, want):
     assert defer_for_locality(achievable, possible, waited, wait=300, slack=0.2) is want
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gang_domain_locality_is_the_best_slots_of_each_domain_that_fits(seed):
+    """The one-pass computation equals, bit for bit, best_slots_locality over each domain's nodes (random
+    clusters with mixed GPU counts, shared and partial data, nodes missing a topology label)."""
+    import random
+
+    rng = random.Random(seed)
+    levels = ("clique", "leaf")
+    cluster = []
+    for i in range(rng.randint(1, 80)):
+        labels = {"leaf": f"l{i // 16}"}
+        if rng.random() < 0.9:
+            labels["clique"] = f"c{i // 4}"
+        alloc = rng.choice([4, 8])
+        cluster.append(node(f"n{i}", {A: rng.choice([0.0, 0.25, 0.5, 1.0, rng.random()])}, labels=labels,
+                            alloc=alloc, free=rng.randint(0, alloc)))
+    for gpus in (1, 2, 8):
+        for gang in (1, 3, 8, 20):
+            needs = PodNeeds({A: 0}, gpus=gpus)
+            score = locality_scorer(needs)
+            want = {}
+            for key in levels:
+                for value in {n.labels[key] for n in cluster if key in n.labels}:
+                    members = [n for n in cluster if n.labels.get(key) == value]
+                    if sum(n.gpu_free // gpus for n in members) >= gang:
+                        want[(key, value)] = best_slots_locality([(score(n), n.gpu_free // gpus) for n in members], gang)
+            got = gang_domain_locality(needs, cluster, gang, w=Weights(topology_levels=levels))
+            assert got == want
