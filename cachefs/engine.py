@@ -108,6 +108,10 @@ class ReadStream:
     counted: bool = False
     #: Blocks below this index were already handed to read-ahead from a local read (see Engine._keep_ahead).
     ahead_to: int = 0
+    #: (object key, bytes) of the packed file this stream reads in pieces: a packed file is read and verified
+    #: whole, so each later piece is a slice of it, not another read and checksum of the whole member (the
+    #: kernel asks for a page-cached file in read-ahead pieces of 128 KiB: 8 whole reads of a 1 MiB file).
+    member: tuple[bytes, bytes] | None = None
 
 
 @dataclass
@@ -280,9 +284,15 @@ class Engine:
         if start >= end:
             return b""
         if self.small.packable(entry):
-            whole = self.small.local(ds.ref.id, self.object_key(ds, entry), entry.size)
-            if whole is None:
-                return None
+            okey = self.object_key(ds, entry)
+            member = stream.member if stream is not None else None
+            if member is not None and member[0] == okey:
+                whole = member[1]
+            else:
+                whole = self.small.local(ds.ref.id, okey, entry.size)
+                if whole is None:
+                    return None
+                _keep_member(stream, okey, whole, start, end)
             self._count_small(ds, entry, stream, hit=end - start)
             return whole[start:end] if (start, end) != (0, len(whole)) else whole
         ob = self._acquire(ds, entry)
@@ -335,7 +345,9 @@ class Engine:
             return b""
         self._start_background()
         if self.small.packable(entry):
-            whole, fetched = await self.small.fetch(ds, self.object_key(ds, entry), entry)
+            okey = self.object_key(ds, entry)
+            whole, fetched = await self.small.fetch(ds, okey, entry)
+            _keep_member(stream, okey, whole, start, end)
             self._count_small(ds, entry, stream, hit=0 if fetched else end - start, miss=end - start if fetched else 0)
             if fetched and stream is not None:
                 self.small.read_ahead(ds, entry)
@@ -658,6 +670,12 @@ class Engine:
         if freed:
             log.info("evicted %d bytes", freed)
         return freed
+
+
+def _keep_member(stream: ReadStream | None, okey: bytes, whole: bytes, start: int, end: int) -> None:
+    """Keep a packed file's bytes on ``stream`` when this read took only part of them (more pieces follow)."""
+    if stream is not None and end - start < len(whole):
+        stream.member = (okey, whole)
 
 
 def eviction_order(rec: ObjectRecord | PackRecord) -> tuple[bool, float]:

@@ -341,3 +341,31 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
     done = json.loads(r.stdout)
     total = sum(len(d) for d in changed.values())
     assert done["files_done"] == len(changed) and done["bytes_fetched"] == done["bytes_done"] == total
+
+
+def test_a_packed_file_read_in_pieces_is_read_from_its_pack_once(tree, config):
+    """The kernel asks for a page-cached file in read-ahead pieces; each piece is a slice of the member read
+    and verified once for the open file, not another read and checksum of the whole member."""
+    url, _root, files = tree
+    rel, data = max(((r, d) for r, d in files.items() if len(d) <= config.cache.pack_threshold), key=lambda rd: len(rd[1]))
+    engine = Engine(config)
+
+    async def pieces():
+        ds = await engine.open_dataset(url)
+        entry = ds.file(rel)
+        await engine.read(ds, entry, 0, len(data), ReadStream())  # fetched and packed
+        await engine.small.flush()
+        reads = []
+        local = engine.small.local
+        engine.small.local = lambda *a: reads.append(a) or local(*a)
+        stream, out = ReadStream(), b""
+        for start in range(0, len(data), 1000):
+            got = engine.read_local(ds, entry, start, start + 1000, stream)
+            assert got is not None
+            out += got
+        other = engine.read_local(ds, entry, 0, len(data), ReadStream())  # another open file reads it afresh
+        return out, other, len(reads)
+
+    out, other, reads = run(engine, pieces())
+    assert out == data and other == data
+    assert reads == 2
