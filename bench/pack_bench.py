@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bench.fuse_bench import cachefs_mount, parallel_read
 from bench.read_bench import drop_caches
+from bench.small_files_bench import fsspec_parallel
 
 KIB = 1024
 SIZES_KIB = (16, 64, 256, 1024, 2048, 4096)
@@ -51,25 +52,6 @@ def prefetch(url: str, cache: str, threshold: int) -> None:
     env = dict(os.environ, CACHEFS_CACHE_PACK_THRESHOLD=str(threshold))
     subprocess.run([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "-q", "--cache-dir", cache],
                    check=True, env=env)
-
-
-def fsspec_files_per_s(url: str, cache: str, names: list[str], threshold: int) -> float:
-    """One reader in a child process (a fresh engine, as a new job would have)."""
-    code = (
-        "import os, sys, time, fsspec\n"
-        "url, cache, names = sys.argv[1], sys.argv[2], sys.argv[3].split(',')\n"
-        "fs = fsspec.filesystem('cachefs', target_protocol='s3', cache_dir=cache, dataset=url, "
-        "skip_instance_cache=True)\n"
-        "base = url.split('://', 1)[1]\n"
-        "fs.info(f'{base}/{names[0]}')\n"
-        "t = time.perf_counter(); n = 0\n"
-        "for name in names: n += len(fs.cat_file(f'{base}/{name}'))\n"
-        "print(time.perf_counter() - t, n)\n"
-    )
-    env = dict(os.environ, CACHEFS_CACHE_PACK_THRESHOLD=str(threshold))
-    out = subprocess.run([sys.executable, "-c", code, url, cache, ",".join(names)], check=True, env=env,
-                         capture_output=True, text=True).stdout.split()
-    return len(names) / float(out[0])
 
 
 def threshold_sweep(args, server, work: str) -> None:
@@ -93,25 +75,30 @@ def threshold_sweep(args, server, work: str) -> None:
             prefetch(url, caches[lay], threshold)
         via_fsspec: dict[str, list[float]] = {lay: [] for lay in layouts}
         via_mount: dict[str, list[float]] = {lay: [] for lay in layouts}
-        for _ in range(args.rounds):
-            for lay, threshold in layouts.items():
-                drop_caches()
-                via_fsspec[lay].append(fsspec_files_per_s(url, caches[lay], order, threshold))
-        if root:
-            mnt = os.path.join(work, "mnt")
-            os.makedirs(mnt, exist_ok=True)
-            for lay, threshold in layouts.items():
-                os.environ["CACHEFS_CACHE_PACK_THRESHOLD"] = str(threshold)
-                mount = cachefs_mount(url, mnt, caches[lay])
-                try:
-                    for _ in range(args.rounds):
+        mounts = {}
+        try:
+            if root:  # both layouts mounted at once, so that their rounds interleave
+                for lay, threshold in layouts.items():
+                    mnt = os.path.join(work, f"mnt-{lay}")
+                    os.makedirs(mnt, exist_ok=True)
+                    os.environ["CACHEFS_CACHE_PACK_THRESHOLD"] = str(threshold)
+                    mounts[lay] = (mnt, cachefs_mount(url, mnt, caches[lay]))
+            for _ in range(args.rounds):
+                for lay, threshold in layouts.items():
+                    os.environ["CACHEFS_CACHE_PACK_THRESHOLD"] = str(threshold)
+                    drop_caches()
+                    secs, got = fsspec_parallel([order], caches[lay], url)
+                    assert got == count * size, (got, count * size)
+                    via_fsspec[lay].append(count / secs)
+                    if lay in mounts:
                         drop_caches()
-                        secs, got = parallel_read([[os.path.join(mnt, n) for n in order]])
+                        secs, got = parallel_read([[os.path.join(mounts[lay][0], n) for n in order]])
                         assert got == count * size, (got, count * size)
                         via_mount[lay].append(count / secs)
-                finally:
-                    mount.close()
-                    os.environ.pop("CACHEFS_CACHE_PACK_THRESHOLD", None)
+        finally:
+            for _mnt, mount in mounts.values():
+                mount.close()
+            os.environ.pop("CACHEFS_CACHE_PACK_THRESHOLD", None)
         fp, fu = (statistics.median(via_fsspec[k]) for k in layouts)
         line = f"{kib:>5} KiB {count:>6}  {fp:>13.0f} {fu:>9.0f} {fp / fu:>5.2f}×"
         if root:
