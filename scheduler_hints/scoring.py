@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from .labels import NodeCacheView
+from .topology import DomainIndex, domain_free, domain_index, gang_domains
 
 __all__ = [
     "MAX_SCORE",
@@ -21,6 +24,7 @@ __all__ = [
     "Weights",
     "best_slots_locality",
     "combine",
+    "combine_columns",
     "combine_scores",
     "defer_for_locality",
     "domain_free",
@@ -29,6 +33,7 @@ __all__ = [
     "gpu_packing",
     "locality",
     "locality_scorer",
+    "packing_column",
     "score_nodes",
     "whole_nodes_short",
 ]
@@ -140,31 +145,20 @@ def gpu_packing(needs: PodNeeds, node: NodeState, *, hole_fit: float | None = No
     rather than the tightest fit choose among the holes."""
     if needs.gpus <= 0:
         return None
-    if node.gpu_allocatable <= 0 or node.gpu_free < needs.gpus:
-        return 0.0
-    left = node.gpu_free - needs.gpus
+    column = packing_column(needs.gpus, _ints([node.gpu_free]), _ints([node.gpu_allocatable]), hole_fit)
+    return float(column[0])
+
+
+def packing_column(pod_gpus: int, free: np.ndarray, allocatable: np.ndarray, hole_fit: float | None) -> np.ndarray:
+    """:func:`gpu_packing` of a pod of ``pod_gpus`` GPUs (> 0) on nodes with these free and allocatable GPUs."""
+    fits = (allocatable > 0) & (free >= pod_gpus)
+    left = free - pod_gpus
+    per = np.where(allocatable > 0, allocatable, 1)
     if hole_fit is None:
-        return 1.0 - left / node.gpu_allocatable
-    if node.gpu_free >= node.gpu_allocatable:
-        return 0.0
-    return 1.0 - hole_fit * left / node.gpu_allocatable
-
-
-def domain_free(cluster: Sequence[NodeState], levels: Sequence[str], pod_gpus: int = 1, *,
-                capacity: bool = False) -> dict[tuple[str, str], int]:
-    """Free GPUs per topology domain ``(level label, value)`` — or, with ``pod_gpus``, free pod slots (whole
-    pods per node); with ``capacity``, what the domain holds when empty. Computed once per request so that
-    scoring the first gang member stays O(nodes), not O(nodes²)."""
-    out: dict[tuple[str, str], int] = {}
-    for n in cluster:
-        units = (n.gpu_allocatable if capacity else n.gpu_free) // pod_gpus
-        if units <= 0:
-            continue
-        for key in levels:
-            value = n.labels.get(key)
-            if value is not None:
-                out[(key, value)] = out.get((key, value), 0) + units
-    return out
+        value = 1.0 - left / per
+    else:
+        value = np.where(free >= allocatable, 0.0, 1.0 - hole_fit * left / per)
+    return np.where(fits, value, 0.0)
 
 
 def gang_domain_locality(needs: PodNeeds, cluster: Sequence[NodeState], gang_size: int,
@@ -177,59 +171,11 @@ def gang_domain_locality(needs: PodNeeds, cluster: Sequence[NodeState], gang_siz
     :func:`locality_scorer` when the caller already has one."""
     if not needs.datasets or needs.gpus <= 0 or gang_size <= 0:
         return {}
-    return _gang_domains(needs, cluster, gang_size, w.topology_levels, score or locality_scorer(needs, groups, w))[1]
-
-
-def domain_index(cluster: Sequence[NodeState], levels: Sequence[str]) -> list[tuple[tuple[str, str], list[int]]]:
-    """Each topology domain ``(level label, value)`` with the positions of its nodes in ``cluster``. Depends only
-    on labels, so callers keep it while the node set is unchanged."""
-    index: dict[tuple[str, str], list[int]] = {}
-    for i, n in enumerate(cluster):
-        for key in levels:
-            value = n.labels.get(key)
-            if value is not None:
-                index.setdefault((key, value), []).append(i)
-    return list(index.items())
-
-
-def _gang_domains(needs: PodNeeds, cluster: Sequence[NodeState], gang_size: int, levels: Sequence[str],
-                  score: Callable[[NodeState], float | None],
-                  index: Sequence[tuple[tuple[str, str], Sequence[int]]] | None = None
-                  ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
-    """For a gang's first member: free GPUs per domain (:func:`domain_free`) and :func:`gang_domain_locality`,
-    from a :func:`domain_index` of ``cluster``."""
-    if index is None:
-        index = domain_index(cluster, levels)
-    scored = bool(needs.datasets) and needs.gpus > 0 and gang_size > 0
-    free_gpus = [n.gpu_free for n in cluster]
-    slots = [g // needs.gpus if scored and g > 0 else 0 for g in free_gpus]
-    doms = [dom for dom, _ in index]
-    free_of = [0] * len(doms)
-    slots_of = [0] * len(doms)
-    member_of: list[list[int]] = [[] for _ in cluster]
-    for d, (_, members) in enumerate(index):
-        for i in members:
-            member_of[i].append(d)
-            free_of[d] += free_gpus[i]
-            slots_of[d] += slots[i]
-    free = {doms[d]: f for d, f in enumerate(free_of) if f > 0}
-    by_domain: dict[tuple[str, str], float] = {}
-    if scored:
-        # best_slots_locality of every domain that can hold the gang, in one pass: nodes in falling (locality,
-        # slots) order fill each of their domains until it has the gang's slots (the sums come out as
-        # best_slots_locality's, which adds each domain's best slots in the same order).
-        left = [gang_size if k >= gang_size else 0 for k in slots_of]
-        total = [0.0] * len(doms)
-        ranked = sorted(((score(cluster[i]) or 0.0, k, i) for i, k in enumerate(slots) if k > 0), reverse=True)
-        for loc, k, i in ranked:
-            for d in member_of[i]:
-                want = left[d]
-                if want:
-                    take = k if k < want else want
-                    total[d] += take * loc
-                    left[d] = want - take
-        by_domain = {doms[d]: total[d] / gang_size for d, k in enumerate(slots_of) if k >= gang_size}
-    return free, by_domain
+    index = domain_index(cluster, w.topology_levels)
+    score = score or locality_scorer(needs, groups, w)
+    found = gang_domains(index, _ints(n.gpu_free for n in cluster), _floats([score(n) for n in cluster]),
+                         needs.gpus, gang_size)
+    return {dom: float(v) for dom, v in zip(index.domains, found.locality.tolist(), strict=True) if v == v}
 
 
 def best_slots_locality(nodes: Iterable[tuple[float | None, int]], count: int) -> float:
@@ -271,69 +217,128 @@ def combine(parts: Mapping[str, float | None], w: Weights = Weights()) -> int:
 
 
 def combine_scores(loc: float | None, packing: float | None, topology: float | None, w: Weights = Weights()) -> int:
-    """:func:`combine` with the components as arguments (the per-node hot path)."""
-    num = den = 0.0
+    """:func:`combine` with the components as arguments."""
+    return combine_columns(1, *(None if v is None else _floats([v]) for v in (loc, packing, topology)), w)[0]
+
+
+def combine_columns(size: int, loc: np.ndarray | None, packing: np.ndarray | None, topology: np.ndarray | None,
+                    w: Weights = Weights()) -> list[int]:
+    """:func:`combine` for each of ``size`` nodes, each component a column over them (None: no signal for this
+    pod; NaN: none on that node)."""
+    num: np.ndarray | float = 0.0
+    den: np.ndarray | float = 0.0
     for value, weight in ((loc, w.local), (packing, w.packing), (topology, w.topology)):
         if value is not None:
-            num += weight * (0.0 if value < 0.0 else 1.0 if value > 1.0 else value)
-            den += weight
-    if den == 0:
-        return 0
-    return round(MAX_SCORE * num / den)
+            have = ~np.isnan(value)
+            num = num + np.where(have, weight * np.clip(value, 0.0, 1.0), 0.0)
+            den = den + np.where(have, weight, 0.0)
+    if isinstance(den, float):  # no component at all: neutral
+        return [0] * size
+    score = np.where(den > 0, np.rint(MAX_SCORE * num / np.where(den > 0, den, 1.0)), 0.0)
+    return score.astype(np.int64).tolist()
+
+
+def _ints(values: Iterable[int]) -> np.ndarray:
+    return np.fromiter(values, np.int64)
+
+
+def _floats(values: Sequence[float | None]) -> np.ndarray:
+    """A column of floats, None as NaN."""
+    return np.array(values, dtype=np.float64)
+
+
+def _column(values: Sequence[float | None]) -> np.ndarray | None:
+    """A component column, or None when no node has a signal."""
+    column = _floats(values)
+    return None if np.isnan(column).all() else column
 
 
 def score_nodes(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callable[[NodeState], float | None],
                 w: Weights = Weights(), *, gang_size: int = 0, placed: Sequence[NodeState] = (),
-                cluster: Sequence[NodeState] = (),
-                index: Sequence[tuple[tuple[str, str], Sequence[int]]] | None = None,
+                cluster: Sequence[NodeState] = (), index: DomainIndex | None = None,
                 whole_nodes_short: bool = False) -> list[int]:
     """The score (0–10) of each of ``nodes`` for one pod: :func:`combine` of its locality (``locality_of``, from
     :func:`locality_scorer`), GPU packing and, for a member of a gang of ``gang_size`` pods, topology: affinity
     to the members already ``placed`` or, for the first member, the smallest domain around the node that can
     hold the whole gang, with the node's locality averaged with that domain's (both from ``cluster``, the
-    whole cluster's free GPUs; ``index`` its :func:`domain_index` when the caller keeps one). With
-    ``whole_nodes_short`` (pods needing whole nodes wait for them) packing weighs ``w.packing_when_short`` and
-    counts holes as :func:`gpu_packing` does with ``hole_fit``."""
+    whole cluster's free GPUs; ``index`` its :func:`~scheduler_hints.topology.domain_index` when the caller keeps
+    one). With ``whole_nodes_short`` (pods needing whole nodes wait for them) packing weighs
+    ``w.packing_when_short`` and counts holes as :func:`gpu_packing` does with ``hole_fit``."""
+    if not nodes:
+        return []
     hole_fit = None
     if whole_nodes_short:
         w = replace(w, packing=w.packing_when_short)
         hole_fit = w.hole_fit_when_short
-    levels = w.topology_levels
+    loc = _column([locality_of(n) for n in nodes])
+    packing = None
+    if needs.gpus > 0:
+        packing = packing_column(needs.gpus, _ints(n.gpu_free for n in nodes),
+                                 _ints(n.gpu_allocatable for n in nodes), hole_fit)
+    topology = None
+    if gang_size > 0 and placed:
+        topology = _floats(_placed_affinity(nodes, placed, w.topology_levels))
+    elif gang_size > 0:
+        topology, domain_loc = _first_member_terms(needs, nodes, locality_of, gang_size, cluster, index,
+                                                   w.topology_levels)
+        if loc is not None:
+            loc = np.where(np.isnan(domain_loc), loc, (loc + domain_loc) / 2)
+    return combine_columns(len(nodes), loc, packing, topology, w)
+
+
+def _placed_affinity(nodes: Sequence[NodeState], placed: Sequence[NodeState], levels: Sequence[str]) -> list[float]:
+    """Per node, affinity to a gang's placed members: 1 on their nodes, else by the innermost level it shares
+    with one of them (``1 − depth/(levels + 1)``), 0 when none."""
     step = 1.0 / (len(levels) + 1)
-    first = gang_size > 0 and not placed
-    free_by_domain: dict = {}
-    by_domain: dict = {}
-    if first:
-        free_by_domain, by_domain = _gang_domains(needs, cluster, gang_size, levels, locality_of, index)
-    gang_gpus = gang_size * needs.gpus
     # per level, the values the placed members have there: the innermost shared level gives the affinity
     placed_values = [{v for o in placed if (v := o.labels.get(key)) is not None} for key in levels]
     placed_names = {o.name for o in placed}
     out = []
     for n in nodes:
-        loc = locality_of(n)
-        topology = None
-        if gang_size > 0:
-            topology = 0.0
+        topology = 0.0
+        if n.name in placed_names:
+            topology = 1.0
+        else:
             labels = n.labels
-            if first:
-                mixed = loc is None
-                for depth, key in enumerate(levels):
-                    value = labels.get(key)
-                    if value is None:
-                        continue
-                    dom = (key, value)
-                    if not mixed and dom in by_domain:
-                        loc, mixed = (loc + by_domain[dom]) / 2, True
-                    if not topology and free_by_domain.get(dom, 0) >= gang_gpus:
-                        topology = 1.0 - depth * step
-            elif n.name in placed_names:
-                topology = 1.0
-            else:
-                for depth, key in enumerate(levels):
-                    value = labels.get(key)
-                    if value is not None and value in placed_values[depth]:
-                        topology = 1.0 - depth * step
-                        break
-        out.append(combine_scores(loc, gpu_packing(needs, n, hole_fit=hole_fit), topology, w))
+            for depth, key in enumerate(levels):
+                value = labels.get(key)
+                if value is not None and value in placed_values[depth]:
+                    topology = 1.0 - depth * step
+                    break
+        out.append(topology)
     return out
+
+
+def _indexes(index: DomainIndex, cluster: Sequence[NodeState]) -> bool:
+    """Whether ``index`` was built for ``cluster`` (same nodes in the same order, as far as a cheap check sees)."""
+    if len(index.position) != len(cluster):
+        return False
+    return not cluster or (index.position.get(cluster[0].name) == 0
+                           and index.position.get(cluster[-1].name) == len(cluster) - 1)
+
+
+def _first_member_terms(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callable[[NodeState], float | None],
+                        gang_size: int, cluster: Sequence[NodeState], index: DomainIndex | None,
+                        levels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """For a gang's first member, per node: the topology term (the innermost of its domains with free GPUs for
+    the whole gang scores ``1 − depth/(levels + 1)``, none 0) and the gang locality of the innermost of its
+    domains that can hold the gang (NaN: none can)."""
+    if index is None or index.levels != tuple(levels) or not _indexes(index, cluster):
+        index = domain_index(cluster, levels)
+    localities = _column([locality_of(n) for n in cluster]) if needs.datasets else None
+    if localities is not None:
+        localities = np.nan_to_num(localities, nan=0.0)
+    found = gang_domains(index, _ints(n.gpu_free for n in cluster), localities, needs.gpus, gang_size)
+    step = 1.0 / (len(levels) + 1)
+    where = index.locate(nodes)
+    topology = np.zeros(len(nodes))
+    domain_loc = np.full(len(nodes), np.nan)
+    for depth in range(len(levels) - 1, -1, -1):  # outermost first, so that inner levels overwrite
+        d = where[depth]
+        known = d >= 0
+        safe = np.where(known, d, 0)
+        free = np.where(known, found.free[safe] if len(index.domains) else 0, 0)
+        topology = np.where((d != -1) & (free >= gang_size * needs.gpus), 1.0 - depth * step, topology)
+        dl = np.where(known, found.locality[safe] if len(index.domains) else np.nan, np.nan)
+        domain_loc = np.where(np.isnan(dl), domain_loc, dl)
+    return topology, domain_loc

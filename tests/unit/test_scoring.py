@@ -222,3 +222,48 @@ def test_gang_domain_locality_is_the_best_slots_of_each_domain_that_fits(seed):
                         want[(key, value)] = best_slots_locality([(score(n), n.gpu_free // gpus) for n in members], gang)
             got = gang_domain_locality(needs, cluster, gang, w=Weights(topology_levels=levels))
             assert got == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_first_gang_member_scores_match_a_per_node_reference(seed):
+    """score_nodes for a gang's first member (computed over arrays) equals the rule applied node by node: the
+    innermost domain with free GPUs for the whole gang gives the topology term, the innermost domain that can
+    hold the gang gives the locality averaged in. Also for nodes outside the cluster's index, and whatever
+    index the caller passes."""
+    import random
+
+    from scheduler_hints.scoring import domain_free, domain_index
+
+    rng = random.Random(seed)
+    levels = ("clique", "leaf")
+    w = Weights(topology_levels=levels)
+    cluster = []
+    for i in range(rng.randint(5, 60)):
+        labels = {"leaf": f"l{i // 12}"} if rng.random() < 0.95 else {}
+        if rng.random() < 0.9:
+            labels["clique"] = f"c{i // 4}"
+        cluster.append(node(f"n{i}", {A: rng.choice([0.0, 0.5, 1.0, rng.random()])}, labels=labels, alloc=8,
+                            free=rng.choice([0, 2, 4, 8])))
+    outsiders = [node("x1", {A: 0.7}, labels={"clique": "c-new", "leaf": "l0"}, alloc=8, free=8),
+                 node("x2", labels={"leaf": "l-new"}, alloc=8, free=8)]
+    nodes = cluster[::2] + outsiders
+    for gpus, gang in ((8, 2), (2, 5), (4, 3)):
+        needs = PodNeeds({A: 0}, gpus=gpus)
+        score = locality_scorer(needs)
+        free = domain_free(cluster, levels)
+        by_domain = gang_domain_locality(needs, cluster, gang, w=w)
+        want = []
+        for n in nodes:
+            topology, loc = 0.0, score(n)
+            mixed = False
+            for depth, key in enumerate(levels):
+                if key not in n.labels:
+                    continue
+                dom = (key, n.labels[key])
+                if not mixed and dom in by_domain:
+                    loc, mixed = (loc + by_domain[dom]) / 2, True
+                if not topology and free.get(dom, 0) >= gang * gpus:
+                    topology = 1.0 - depth / (len(levels) + 1)
+            want.append(combine({"locality": loc, "packing": gpu_packing(needs, n), "topology": topology}, w))
+        for index in (None, domain_index(cluster, levels), domain_index(cluster[1:], levels)):
+            assert score_nodes(needs, nodes, score, w, gang_size=gang, cluster=cluster, index=index) == want
