@@ -39,7 +39,7 @@ from .scoring import (
     score_nodes,
     whole_nodes_short,
 )
-from .wire import ArgsDecoder, BadJSON, NodeItems, as_sent, encode
+from .wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
 
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
 
@@ -65,6 +65,19 @@ def _room(d: dict, limit: int) -> dict:
     while len(d) >= limit:
         d.pop(next(iter(d)))
     return d
+
+
+@dataclass
+class _NodesMemo:
+    """A request's node list (``source``: the decoder's object, the same while its bytes are) resolved against
+    the node cache as of ``node_cache.updates == updates``: the Node objects, their base NodeStates once asked
+    for, and each one's position once needed. While it holds, the same list needs no second lookup or parse."""
+
+    source: Any
+    updates: int
+    items: list[Mapping[str, Any]]
+    base: list[NodeState] | None = None
+    position: dict[str, list[int]] | None = None
 
 
 class BadRequest(Exception):
@@ -118,9 +131,7 @@ class Extender:
     _possible_memo: dict[tuple, float] = field(default_factory=dict)
     _score_memo: dict[tuple, dict[str, tuple[int, int, int]]] = field(default_factory=dict)
     _ranked_memo: dict[tuple, tuple[list[tuple[float, str]], set[str]]] = field(default_factory=dict)
-    #: The NodeItems last checked against the node cache, node_cache.updates then, and their base NodeStates
-    #: once asked for: while both hold, the same list needs neither a second check nor a second parse.
-    _items_memo: tuple[Any, int, list[NodeState] | None] | None = None
+    _items_memo: _NodesMemo | None = None
 
     # -- parsing --------------------------------------------------------------------------------------------
     def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
@@ -141,13 +152,10 @@ class Extender:
                     if cached.get((n.get("metadata") or {}).get("name")) is not n:  # not known at this version
                         self.node_cache.update(n)
                 if isinstance(items, NodeItems):  # the decoder's memo: the same object while the bytes match
-                    self._items_memo = (items, self.node_cache.updates, None)
+                    self._items_memo = _NodesMemo(items, self.node_cache.updates, items)
             by_name = False
         elif isinstance(names, list):
-            items = [self.node_cache.nodes.get(n) or {"metadata": {"name": n}} for n in names if isinstance(n, str)]
-            for n in items:
-                if n["metadata"]["name"] not in self.node_cache.nodes:
-                    self.node_cache.update(n)
+            items = self._named(names)
             by_name = True
         else:
             raise BadRequest("ExtenderArgs needs Nodes.items (nodeCacheCapable: false) or NodeNames (true)")
@@ -163,23 +171,58 @@ class Extender:
             held[n] = held.get(n, 0) + g
         return held
 
+    def _named(self, names: list) -> list[Mapping[str, Any]]:
+        """The Node objects for a NodeNames list (unknown names get a bare node). The decoder hands the same
+        :class:`NodeNames` object for the same bytes, and the lookup is kept for it: nodes the cache updated
+        since (a watch delivers some every few milliseconds at 5,000 nodes) are looked up again, not all."""
+        memo = self._items_memo
+        if memo is not None and memo.source is names:
+            changed = self.node_cache.changed_since(memo.updates)
+            if changed is not None and len(changed) <= 256:
+                if changed:
+                    self._refresh(memo, changed)
+                return memo.items
+        items = [self._by_name(n) for n in names if isinstance(n, str)]
+        if isinstance(names, NodeNames):
+            self._items_memo = _NodesMemo(names, self.node_cache.updates, items)
+        return items
+
+    def _by_name(self, name: str) -> Mapping[str, Any]:
+        node = self.node_cache.nodes.get(name)
+        if node is None:
+            node = {"metadata": {"name": name}}
+            self.node_cache.update(node)
+        return node
+
+    def _refresh(self, memo: _NodesMemo, changed: list[str]) -> None:
+        if memo.position is None:
+            memo.position = {}
+            for i, n in enumerate(memo.items):
+                memo.position.setdefault((n.get("metadata") or {}).get("name"), []).append(i)
+        for name in set(changed):
+            for i in memo.position.get(name, ()):
+                node = memo.items[i] = self._by_name(name)
+                if memo.base is not None:
+                    memo.base[i] = self.node_cache.base_state(node)
+        memo.updates = self.node_cache.updates
+
     def _states(self, nodes, held: dict[str, int] | None = None) -> list[NodeState]:
         """NodeStates with ``gpu_free`` net of pods we bound and gang members waiting in bind."""
         held = self._held() if held is None else held
         memo = self._memo_of(nodes)
-        base = memo[2] if memo is not None else None
+        base = memo.base if memo is not None else None
         if base is None:
             base = [self.node_cache.base_state(node) for node in nodes]
             if memo is not None:
-                self._items_memo = (nodes, memo[1], base)
+                memo.base = base
         if not held:
             return list(base)
         return [self._net(b, held) for b in base]
 
-    def _memo_of(self, items) -> tuple[Any, int, list[NodeState] | None] | None:
+    def _memo_of(self, items) -> _NodesMemo | None:
         """:attr:`_items_memo` if it is about ``items`` and the node cache has not changed since."""
         memo = self._items_memo
-        return memo if memo is not None and memo[0] is items and memo[1] == self.node_cache.updates else None
+        return memo if memo is not None and memo.items is items and memo.updates == self.node_cache.updates else None
 
     @staticmethod
     def _net(base: NodeState, held: dict[str, int]) -> NodeState:

@@ -4,6 +4,7 @@ full Node objects), each node's parsed cache view, and the cluster-wide view sco
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ class NodeCache:
         #: Bumped by every update and removal, even of a node to an equal copy: a node list checked against the
         #: cache at one value of it needs no second check while it holds.
         self.updates = 0
+        self._log: deque[tuple[int, str]] = deque(maxlen=1024)  # (updates after it, name) of recent updates
         self._changes = 0  # bumped whenever the set of nodes or any node's parsed state changes
         self._layout_changes = 0  # … only when nodes come or go, or their topology labels or GPUs change
         self._published = (0, -float("inf"), 0)  # (changes, when, layout changes)
@@ -52,6 +54,7 @@ class NodeCache:
         name = (node.get("metadata") or {}).get("name")
         if name:
             self.updates += 1
+            self._log.append((self.updates, name))
             if name not in self.nodes:
                 self._changes += 1
             self.nodes[name] = node
@@ -59,11 +62,21 @@ class NodeCache:
 
     def remove(self, name: str) -> None:
         self.updates += 1
+        self._log.append((self.updates, name))
         if self.nodes.pop(name, None) is not None:
             self._changes += 1
             self._layout_changes += 1
         self._parsed.pop(name, None)
         self._layout.pop(name, None)
+
+    def changed_since(self, updates: int) -> list[str] | None:
+        """Names of the nodes updated or removed since :attr:`updates` was ``updates`` (None: too many to say)."""
+        if updates == self.updates:
+            return []
+        log = self._log
+        if not log or log[0][0] > updates + 1:
+            return None
+        return [name for at, name in log if at > updates]
 
     def cluster(self) -> tuple[list[NodeState], dict]:
         """Every node's base state and the per-group best holders, as of :attr:`generation`."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ArgsDecoder", "BadJSON", "NodeItems", "as_sent", "encode"]
+__all__ = ["ArgsDecoder", "BadJSON", "NodeItems", "NodeNames", "as_sent", "encode"]
 
 
 class BadJSON(ValueError):
@@ -34,6 +34,13 @@ class NodeItems(list):
     def __init__(self, nodes: list[Any], raw: list[msgspec.Raw]) -> None:
         super().__init__(nodes)
         self.raw = raw
+
+
+class NodeNames(list):
+    """A request's ``NodeNames`` (``nodeCacheCapable: true``): the same object for requests whose name lists are
+    the same bytes, so that the extender can keep what it resolved them to."""
+
+    __slots__ = ()
 
 
 class _Meta(msgspec.Struct):
@@ -85,6 +92,7 @@ class ArgsDecoder:
     def __init__(self, known: Known) -> None:
         self.known = known
         self._last: tuple[bytes, NodeItems] | None = None
+        self._last_names: tuple[bytes, NodeNames] | None = None
         self._last_body: tuple[bytes, Any] | None = None
 
     def decode(self, data: bytes) -> Any:
@@ -117,7 +125,7 @@ class ArgsDecoder:
         if args.Pod:
             body["Pod"] = _any.decode(args.Pod)
         if args.NodeNames:
-            body["NodeNames"] = _any.decode(args.NodeNames)
+            body["NodeNames"] = self._names(args.NodeNames)
         return body
 
     def _decode_general(self, data: bytes) -> Any:
@@ -126,8 +134,21 @@ class ArgsDecoder:
             fields = _fields.decode(data)
         except msgspec.ValidationError:  # valid JSON, but not an object
             return _any.decode(data)
-        return {key: self._node_list(raw) if key.lower() == "nodes" else _any.decode(raw)
-                for key, raw in fields.items()}
+        return {key: self._node_list(raw) if key.lower() == "nodes" else
+                self._names(raw) if key.lower() == "nodenames" else _any.decode(raw) for key, raw in fields.items()}
+
+    def _names(self, raw: msgspec.Raw) -> Any:
+        """A NodeNames list: :class:`NodeNames`, the same object as last time while the bytes are the same."""
+        data = bytes(raw)
+        last = self._last_names
+        if last is not None and last[0] == data:
+            return last[1]
+        value = _any.decode(data)
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return value  # not a list of names: as sent, for the caller to judge
+        names = NodeNames(value)
+        self._last_names = (data, names)
+        return names
 
     def _node_list(self, raw: msgspec.Raw) -> Any:
         try:

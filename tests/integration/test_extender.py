@@ -191,6 +191,41 @@ def test_same_node_list_again_follows_node_cache_changes(server):
     assert scores["holder"] > scores["empty"]
 
 
+def test_same_names_again_follow_node_cache_updates(server):
+    """nodeCacheCapable: true, the same NodeNames bytes pod after pod: the extender keeps what it resolved them
+    to, yet nodes the watch updates in between (data, GPUs) or removes are scored as they are now — as an
+    extender that never saw the earlier requests scores them."""
+    base, ext = server
+    ext.node_cache.refresh_interval = 0  # the cluster view follows cache labels at once
+    for n in (node("a", fraction=1.0), node("b", fraction=0.0), node("c")):
+        ext.node_cache.update(n)
+    names = ["a", "b", "c"]
+    count = iter(range(100))
+
+    def scores():
+        body = {"Pod": pod(f"p{next(count)}", annotation=URL, gpus=8), "NodeNames": names}
+        _, got = post(base, "prioritize", body)
+        fresh = Extender(volumes=ext.volumes)
+        for n in ext.node_cache.nodes.values():
+            fresh.node_cache.update(n)
+        want = {s["Host"]: s["Score"] for s in fresh.prioritize(body)}
+        assert {s["Host"]: s["Score"] for s in got} == want
+        return want
+
+    first = scores()
+    assert first["a"] > first["b"] > 0 and scores() == first
+    ext.node_cache.update(node("b", fraction=1.0))
+    ext.node_cache.update(node("a", gpus=0, fraction=1.0))  # a's GPUs are gone
+    now = scores()
+    assert now["b"] == first["a"] and now["a"] < first["a"], (first, now)
+    ext.node_cache.remove("c")
+    assert scores()["c"] == 0 and "c" in ext.node_cache.nodes  # known again, bare: no GPUs to offer
+    for i in range(300):  # more changes than the extender patches: the names are looked up afresh
+        ext.node_cache.update(node(f"n{i}"))
+    ext.node_cache.update(node("c"))
+    assert scores()["c"] == first["c"]
+
+
 def test_oversized_request_is_refused():
     import io
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from scheduler_hints.wire import ArgsDecoder, BadJSON, NodeItems, as_sent, encode
+from scheduler_hints.wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
 
 
 def node(name: str, version: str, **labels: str) -> dict:
@@ -99,3 +99,14 @@ def test_the_same_body_again_is_not_decoded_again():
     with pytest.raises(BadJSON):
         decoder.decode(b"{")  # a bad body is an error however it follows a good one
     assert decoder.decode(raw) == first
+
+
+def test_the_same_names_are_the_same_list():
+    decoder = ArgsDecoder({}.get)
+    first = decoder.decode(json.dumps({"Pod": {"n": 1}, "NodeNames": ["a", "b"]}).encode())["NodeNames"]
+    again = decoder.decode(json.dumps({"Pod": {"n": 2}, "NodeNames": ["a", "b"]}).encode())["NodeNames"]
+    assert isinstance(first, NodeNames) and again is first and first == ["a", "b"]
+    other = decoder.decode(json.dumps({"Pod": {"n": 3}, "NodeNames": ["a", "c"]}).encode())["NodeNames"]
+    assert other is not first and other == ["a", "c"]
+    odd = decoder.decode(json.dumps({"Pod": {}, "NodeNames": ["a", 1]}).encode())["NodeNames"]
+    assert odd == ["a", 1] and not isinstance(odd, NodeNames)  # as sent, for the extender to judge
