@@ -110,3 +110,34 @@ def test_the_same_names_are_the_same_list():
     assert other is not first and other == ["a", "c"]
     odd = decoder.decode(json.dumps({"Pod": {}, "NodeNames": ["a", 1]}).encode())["NodeNames"]
     assert odd == ["a", 1] and not isinstance(odd, NodeNames)  # as sent, for the extender to judge
+
+
+def test_the_next_pod_with_the_same_nodes_decodes_only_the_pod():
+    """Pod after pod with one node list (kube-scheduler's pattern): only the Pod is decoded and the node list
+    is the last body's object; every body still decodes to what a fresh decoder makes of it."""
+    decoder = ArgsDecoder({}.get)
+    sent = [node("a", "1"), node("b", "1")]
+    tail = b', "Nodes": ' + json.dumps({"items": sent}).encode() + b', "NodeNames": null}'
+    first = decoder.decode(b'{"Pod": {"n": 1}' + tail)
+    bodies = [
+        b'{"Pod": {"n": 2, "s": "}, \\"Nodes\\": x"}' + tail,  # the next pod, with JSON-looking text inside
+        b'{"Pod":{"n":3}' + tail,  # other spacing
+        b'{"Pod": {"n": 4}, "Extra": 1' + tail,  # a key between: not the shape, decoded in full and kept
+        b'{"Pod": {"n": 5}} ' + tail,  # not JSON once joined: an error, as from a fresh decoder
+        b'{"Pod": [' + tail,
+    ]
+    for raw in bodies:
+        try:
+            want = ArgsDecoder({}.get).decode(raw)
+        except BadJSON:
+            with pytest.raises(BadJSON):
+                decoder.decode(raw)
+            continue
+        got = decoder.decode(raw)
+        assert got == want
+        if "Extra" not in got:
+            assert got["Nodes"]["items"] is first["Nodes"]["items"]
+    # A second top-level Pod after the nodes decides the body (the last key wins): no shortcut for that shape.
+    twice = b', "Nodes": {"items": []}, "Pod": {"n": 1}}'
+    decoder.decode(b'{"Pod": {"n": 1}' + twice)
+    assert decoder.decode(b'{"Pod": {"n": 2}' + twice) == ArgsDecoder({}.get).decode(b'{"Pod": {"n": 2}' + twice)
