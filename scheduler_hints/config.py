@@ -62,6 +62,8 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
                           "not negative")
     if not 0 <= cfg.weights.hole_fit_when_short <= 1:
         raise ConfigError(f"{path}: weights.hole_fit_when_short is a fraction, 0 to 1")
+    if not 0 <= cfg.weights.hole_data_spread <= 1:
+        raise ConfigError(f"{path}: weights.hole_data_spread is a fraction of the pod's bytes, 0 to 1")
     if not 0 <= cfg.locality_slack <= 1:
         raise ConfigError(f"{path}: locality_slack is a fraction of the pod's bytes, 0 to 1")
     return cfg

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from .gang import GangManager
@@ -37,6 +38,7 @@ from .scoring import (
     domain_free,
     locality_scorer,
     score_nodes,
+    short_hole_fit,
     whole_nodes_short,
 )
 from .wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
@@ -409,7 +411,13 @@ class Extender:
         on the node's locality (memoised per node-cache generation, :meth:`_locality_cache`) and GPUs, so scores
         are kept per (datasets, GPUs, ``short``, generation): the pods of a job, scored one after another, reuse
         every node's score whose GPUs did not change, and only the others are scored again."""
-        key = (tuple(sorted(needs.datasets.items())), needs.gpus, short, self.node_cache.generation)
+        hole_fit = None
+        if short and needs.gpus > 0:  # decided over every candidate, not only those scored again below
+            loc = self._locality_cache(needs, groups)
+            column = np.array([loc(s) for s in states], dtype=np.float64) if needs.datasets else None
+            hole_fit = short_hole_fit(needs.gpus, np.fromiter((s.gpu_free for s in states), np.int64),
+                                      np.fromiter((s.gpu_allocatable for s in states), np.int64), column, self.weights)
+        key = (tuple(sorted(needs.datasets.items())), needs.gpus, short, hole_fit, self.node_cache.generation)
         memo = self._score_memo.get(key)
         if memo is None:
             memo = _room(self._score_memo, 64)[key] = {}
@@ -424,7 +432,7 @@ class Extender:
                 todo.append(i)
         if todo:
             fresh = score_nodes(needs, [states[i] for i in todo], self._locality_cache(needs, groups), self.weights,
-                                whole_nodes_short=short)
+                                whole_nodes_short=short, hole_fit=hole_fit)
             for i, score in zip(todo, fresh, strict=True):
                 s = states[i]
                 memo[s.name] = (s.gpu_free, s.gpu_allocatable, score)

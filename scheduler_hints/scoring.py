@@ -35,6 +35,7 @@ __all__ = [
     "locality_scorer",
     "packing_column",
     "score_nodes",
+    "short_hole_fit",
     "whole_nodes_short",
 ]
 
@@ -54,6 +55,9 @@ class Weights:
     #: pod fits it (0: every hole is as good, 1: as tight as possible). A whole free node scores 0 then, so the
     #: pod fills a hole first either way; low values let its data choose among the holes (bench/placement_sim).
     hole_fit_when_short: float = 0.25
+    #: … unless the pod's locality on the holes it fits spreads by less than this: its data prefers none of
+    #: them, so they are filled tightest first (hole fit 1), which frees whole nodes soonest at no cost in data.
+    hole_data_spread: float = 0.1
     topology: float = 0.8
     #: Node labels naming topology levels, innermost first (NVLink domain, leaf switch, rack …).
     topology_levels: tuple[str, ...] = ("nvidia.com/gpu.clique", "network.topology.nvidia.com/block",
@@ -256,25 +260,28 @@ def _column(values: Sequence[float | None]) -> np.ndarray | None:
 def score_nodes(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callable[[NodeState], float | None],
                 w: Weights = Weights(), *, gang_size: int = 0, placed: Sequence[NodeState] = (),
                 cluster: Sequence[NodeState] = (), index: DomainIndex | None = None,
-                whole_nodes_short: bool = False) -> list[int]:
+                whole_nodes_short: bool = False, hole_fit: float | None = None) -> list[int]:
     """The score (0–10) of each of ``nodes`` for one pod: :func:`combine` of its locality (``locality_of``, from
     :func:`locality_scorer`), GPU packing and, for a member of a gang of ``gang_size`` pods, topology: affinity
     to the members already ``placed`` or, for the first member, the smallest domain around the node that can
     hold the whole gang, with the node's locality averaged with that domain's (both from ``cluster``, the
     whole cluster's free GPUs; ``index`` its :func:`~scheduler_hints.topology.domain_index` when the caller keeps
     one). With ``whole_nodes_short`` (pods needing whole nodes wait for them) packing weighs
-    ``w.packing_when_short`` and counts holes as :func:`gpu_packing` does with ``hole_fit``."""
+    ``w.packing_when_short`` and counts holes as :func:`gpu_packing` does with ``hole_fit`` (by default
+    :func:`short_hole_fit` over ``nodes``; callers that score a subset of the candidates pass the candidates')."""
     if not nodes:
         return []
-    hole_fit = None
-    if whole_nodes_short:
-        w = replace(w, packing=w.packing_when_short)
-        hole_fit = w.hole_fit_when_short
     loc = _column([locality_of(n) for n in nodes])
     packing = None
     if needs.gpus > 0:
-        packing = packing_column(needs.gpus, _ints(n.gpu_free for n in nodes),
-                                 _ints(n.gpu_allocatable for n in nodes), hole_fit)
+        free, allocatable = _ints(n.gpu_free for n in nodes), _ints(n.gpu_allocatable for n in nodes)
+        if whole_nodes_short:
+            w = replace(w, packing=w.packing_when_short)
+            if hole_fit is None:
+                hole_fit = short_hole_fit(needs.gpus, free, allocatable, loc, w)
+        else:
+            hole_fit = None
+        packing = packing_column(needs.gpus, free, allocatable, hole_fit)
     topology = None
     if gang_size > 0 and placed:
         topology = _floats(_placed_affinity(nodes, placed, w.topology_levels))
@@ -284,6 +291,19 @@ def score_nodes(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callab
         if loc is not None:
             loc = np.where(np.isnan(domain_loc), loc, (loc + domain_loc) / 2)
     return combine_columns(len(nodes), loc, packing, topology, w)
+
+
+def short_hole_fit(pod_gpus: int, free: np.ndarray, allocatable: np.ndarray, loc: np.ndarray | None,
+                   w: Weights = Weights()) -> float:
+    """The ``hole_fit`` of :func:`gpu_packing` while whole nodes are short, for a pod of ``pod_gpus`` GPUs on
+    nodes with these free and allocatable GPUs and the pod's locality ``loc`` there (None: it reads no known
+    data): ``w.hole_fit_when_short``, so that its data chooses among the holes, unless its locality on the holes
+    it fits spreads by less than ``w.hole_data_spread`` — then 1, the tightest hole first."""
+    holes = (free < allocatable) & (free >= pod_gpus)
+    if loc is None or not holes.any():
+        return 1.0
+    on_holes = np.nan_to_num(loc[holes], nan=0.0)
+    return 1.0 if on_holes.max() - on_holes.min() < w.hole_data_spread else w.hole_fit_when_short
 
 
 def _placed_affinity(nodes: Sequence[NodeState], placed: Sequence[NodeState], levels: Sequence[str]) -> list[float]:

@@ -27,6 +27,7 @@ def test_fields_load(tmp_path):
     ("speed: 1\n", "unknown key"),
     ("locality_slack: 2\n", "fraction"),
     ("weights:\n  hole_fit_when_short: 1.5\n", "fraction"),
+    ("weights:\n  hole_data_spread: -0.1\n", "fraction"),
     ("bind_timeout: 0\n", "positive"),
     ("locality_wait: soon\n", "soon"),
     ("[1, 2]\n", "expected a mapping"),

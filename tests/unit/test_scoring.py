@@ -102,6 +102,37 @@ def test_while_whole_nodes_are_short_data_chooses_among_holes():
     assert tightest[0] > tightest[1] > tightest[2]  # hole_fit 1: the tightest hole wins over the data
 
 
+def test_while_whole_nodes_are_short_holes_the_data_does_not_tell_apart_fill_tightest_first():
+    needs = PodNeeds({A: 0}, gpus=1)
+    tight = node("tight", {A: 0.3}, alloc=8, free=1)
+    loose = node("loose", {A: 0.35}, alloc=8, free=7)  # a little more data: within the spread, not a preference
+    whole = node("whole", {A: 0.35}, alloc=8, free=8)
+    nodes = [tight, loose, whole]
+    score = locality_scorer(needs)
+    short = score_nodes(needs, nodes, score, whole_nodes_short=True)
+    assert short[0] > short[1] > short[2]  # the tightest hole, and still never the whole node
+    data_counts = score_nodes(needs, nodes, score, Weights(hole_data_spread=0.0), whole_nodes_short=True)
+    assert data_counts[1] > short[1] and data_counts[0] == short[0]  # any spread counts: loose holes fit as
+    # well as hole_fit_when_short says, tight ones are unchanged
+
+
+@pytest.mark.parametrize(("free", "loc", "want"), [
+    ([1, 7, 8], [0.3, 0.35, 1.0], 1.0),  # the holes' data spreads by 0.05 < 0.1 (the whole node does not count)
+    ([1, 7, 8], [0.0, 1.0, 1.0], 0.25),  # one hole holds the data: it chooses
+    ([1, 7], None, 1.0),  # no data at all: nothing to choose by
+    ([8, 8], [0.0, 1.0], 1.0),  # no holes: no choice among them to make
+    ([0, 7, 3], [1.0, 0.2, 0.25], 1.0),  # a full node is not a hole the pod fits
+    ([2, 7], [float("nan"), 0.5], 0.25),  # no signal on a node counts as nothing cached
+])
+def test_short_hole_fit(free, loc, want):
+    import numpy as np
+
+    from scheduler_hints.scoring import short_hole_fit
+
+    column = None if loc is None else np.array(loc)
+    assert short_hole_fit(1, np.array(free), np.full(len(free), 8), column) == want
+
+
 @pytest.mark.parametrize(("pod_gpus", "waiting_whole", "whole_free", "want"), [
     (1, 2, 1, True),  # more whole-node pods wait than there are whole free nodes
     (1, 1, 1, False),  # they all fit
