@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
 from .gang import GangManager
@@ -38,7 +37,7 @@ from .scoring import (
     domain_free,
     locality_scorer,
     score_nodes,
-    short_hole_fit,
+    short_hole_fit_of,
     whole_nodes_short,
 )
 from .wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
@@ -355,8 +354,9 @@ class Extender:
         first = self._gang_first_seen.setdefault(gang.key, now)
         if now - first < self.topology_wait:
             levels = self.weights.topology_levels
-            cap = domain_free(cluster, levels, gpus, capacity=True)
-            free = domain_free(cluster, levels, gpus)
+            index = self.node_cache.domains(levels)
+            cap = domain_free(cluster, levels, gpus, capacity=True, index=index)
+            free = domain_free(cluster, levels, gpus, index=index)
             if any(c >= need for c in cap.values()) and not any(f >= need for f in free.values()):
                 return (f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting for one topology domain to "
                         "have room for the whole gang")
@@ -413,10 +413,7 @@ class Extender:
         every node's score whose GPUs did not change, and only the others are scored again."""
         hole_fit = None
         if short and needs.gpus > 0:  # decided over every candidate, not only those scored again below
-            loc = self._locality_cache(needs, groups)
-            column = np.array([loc(s) for s in states], dtype=np.float64) if needs.datasets else None
-            hole_fit = short_hole_fit(needs.gpus, np.fromiter((s.gpu_free for s in states), np.int64),
-                                      np.fromiter((s.gpu_allocatable for s in states), np.int64), column, self.weights)
+            hole_fit = short_hole_fit_of(needs, states, self._locality_cache(needs, groups), self.weights)
         key = (tuple(sorted(needs.datasets.items())), needs.gpus, short, hole_fit, self.node_cache.generation)
         memo = self._score_memo.get(key)
         if memo is None:

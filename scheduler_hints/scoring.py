@@ -36,6 +36,7 @@ __all__ = [
     "packing_column",
     "score_nodes",
     "short_hole_fit",
+    "short_hole_fit_of",
     "whole_nodes_short",
 ]
 
@@ -306,6 +307,13 @@ def short_hole_fit(pod_gpus: int, free: np.ndarray, allocatable: np.ndarray, loc
     return 1.0 if on_holes.max() - on_holes.min() < w.hole_data_spread else w.hole_fit_when_short
 
 
+def short_hole_fit_of(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callable[[NodeState], float | None],
+                      w: Weights = Weights()) -> float:
+    """:func:`short_hole_fit` of a pod on ``nodes`` (for callers that score only some of them afresh)."""
+    return short_hole_fit(needs.gpus, _ints(n.gpu_free for n in nodes), _ints(n.gpu_allocatable for n in nodes),
+                          _column([locality_of(n) for n in nodes]), w)
+
+
 def _placed_affinity(nodes: Sequence[NodeState], placed: Sequence[NodeState], levels: Sequence[str]) -> list[float]:
     """Per node, affinity to a gang's placed members: 1 on their nodes, else by the innermost level it shares
     with one of them (``1 − depth/(levels + 1)``), 0 when none."""
@@ -329,21 +337,13 @@ def _placed_affinity(nodes: Sequence[NodeState], placed: Sequence[NodeState], le
     return out
 
 
-def _indexes(index: DomainIndex, cluster: Sequence[NodeState]) -> bool:
-    """Whether ``index`` was built for ``cluster`` (same nodes in the same order, as far as a cheap check sees)."""
-    if len(index.position) != len(cluster):
-        return False
-    return not cluster or (index.position.get(cluster[0].name) == 0
-                           and index.position.get(cluster[-1].name) == len(cluster) - 1)
-
-
 def _first_member_terms(needs: PodNeeds, nodes: Sequence[NodeState], locality_of: Callable[[NodeState], float | None],
                         gang_size: int, cluster: Sequence[NodeState], index: DomainIndex | None,
                         levels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """For a gang's first member, per node: the topology term (the innermost of its domains with free GPUs for
     the whole gang scores ``1 − depth/(levels + 1)``, none 0) and the gang locality of the innermost of its
     domains that can hold the gang (NaN: none can)."""
-    if index is None or index.levels != tuple(levels) or not _indexes(index, cluster):
+    if index is None or not index.covers(cluster, levels):
         index = domain_index(cluster, levels)
     localities = _column([locality_of(n) for n in cluster]) if needs.datasets else None
     if localities is not None:

@@ -18,7 +18,8 @@ import numpy as np
 if TYPE_CHECKING:
     from .scoring import NodeState
 
-__all__ = ["UNKNOWN_DOMAIN", "DomainIndex", "GangDomains", "domain_free", "domain_index", "gang_domains"]
+__all__ = ["UNKNOWN_DOMAIN", "DomainIndex", "GangDomains", "domain_free", "domain_index", "domain_sums",
+           "gang_domains"]
 
 #: The domain id of a node that has a level's label whose value the index does not know (a node outside it).
 UNKNOWN_DOMAIN = -2
@@ -47,6 +48,14 @@ class DomainIndex:
         for d, i in sorted(zip(self.entry_domain.tolist(), self.entry_node.tolist(), strict=True)):
             out[self.domains[d]].append(i)
         return out
+
+    def covers(self, cluster: Sequence[NodeState], levels: Sequence[str]) -> bool:
+        """Whether this index is of ``cluster`` at ``levels`` (the same nodes in the same order, as far as a cheap
+        check sees): a caller's kept index stands in for building one."""
+        if self.levels != tuple(levels) or len(self.position) != len(cluster):
+            return False
+        return not cluster or (self.position.get(cluster[0].name) == 0
+                               and self.position.get(cluster[-1].name) == len(cluster) - 1)
 
     def locate(self, nodes: Sequence[NodeState]) -> np.ndarray:
         """``level_domain`` for ``nodes``, which may be other objects than the indexed ones: by name when
@@ -84,20 +93,23 @@ def domain_index(cluster: Sequence[NodeState], levels: Sequence[str]) -> DomainI
                        np.tile(np.arange(len(cluster)), len(levels))[known])
 
 
+def domain_sums(index: DomainIndex, per_node: np.ndarray) -> np.ndarray:
+    """Per domain of ``index``, the sum of ``per_node`` (one integer per indexed node) over the domain's nodes."""
+    return np.bincount(index.entry_domain, weights=per_node[index.entry_node],
+                       minlength=len(index.domains)).astype(np.int64)
+
+
 def domain_free(cluster: Sequence[NodeState], levels: Sequence[str], pod_gpus: int = 1, *,
-                capacity: bool = False) -> dict[tuple[str, str], int]:
-    """Free GPUs per topology domain ``(level label, value)`` — or, with ``pod_gpus``, free pod slots (whole
-    pods per node); with ``capacity``, what the domain holds when empty."""
-    out: dict[tuple[str, str], int] = {}
-    for n in cluster:
-        units = (n.gpu_allocatable if capacity else n.gpu_free) // pod_gpus
-        if units <= 0:
-            continue
-        for key in levels:
-            value = n.labels.get(key)
-            if value is not None:
-                out[(key, value)] = out.get((key, value), 0) + units
-    return out
+                capacity: bool = False, index: DomainIndex | None = None) -> dict[tuple[str, str], int]:
+    """Free GPUs per topology domain ``(level label, value)`` that has any — or, with ``pod_gpus``, free pod
+    slots (whole pods per node); with ``capacity``, what the domain holds when empty. ``index``: the
+    :func:`domain_index` of ``cluster`` when the caller keeps one."""
+    if index is None or not index.covers(cluster, levels):
+        index = domain_index(cluster, levels)
+    units = np.fromiter(((n.gpu_allocatable if capacity else n.gpu_free) // pod_gpus for n in cluster), np.int64,
+                        len(cluster))
+    sums = domain_sums(index, np.maximum(units, 0))
+    return {dom: total for dom, total in zip(index.domains, sums.tolist(), strict=True) if total > 0}
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,14 +129,13 @@ def gang_domains(index: DomainIndex, free_gpus: np.ndarray, localities: np.ndarr
     The locality of a domain is computed as :func:`~scheduler_hints.scoring.best_slots_locality` of its nodes
     would, bit for bit: its nodes in falling (locality, slots) order add ``slots taken × locality`` until the
     gang has its slots (nodes with no slot or no data add nothing, so they are left out)."""
-    entry_free = free_gpus[index.entry_node]
-    free = np.bincount(index.entry_domain, weights=entry_free, minlength=len(index.domains)).astype(np.int64)
+    free = domain_sums(index, free_gpus)
     by_domain = np.full(len(index.domains), np.nan)
     if localities is None or pod_gpus <= 0 or gang_size <= 0:
         return GangDomains(free, by_domain)
     slots = np.where(free_gpus > 0, free_gpus // pod_gpus, 0)
     entry_slots = slots[index.entry_node]
-    slots_of = np.bincount(index.entry_domain, weights=entry_slots, minlength=len(index.domains))
+    slots_of = domain_sums(index, slots)
     entry_loc = localities[index.entry_node]
     useful = (entry_slots > 0) & (entry_loc > 0)
     dom, k, loc = index.entry_domain[useful], entry_slots[useful], entry_loc[useful]

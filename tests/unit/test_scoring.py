@@ -263,7 +263,7 @@ def test_first_gang_member_scores_match_a_per_node_reference(seed):
     index the caller passes."""
     import random
 
-    from scheduler_hints.scoring import domain_free, domain_index
+    from scheduler_hints.scoring import domain_index
 
     rng = random.Random(seed)
     levels = ("clique", "leaf")
@@ -281,7 +281,11 @@ def test_first_gang_member_scores_match_a_per_node_reference(seed):
     for gpus, gang in ((8, 2), (2, 5), (4, 3)):
         needs = PodNeeds({A: 0}, gpus=gpus)
         score = locality_scorer(needs)
-        free = domain_free(cluster, levels)
+        free: dict = {}  # free GPUs per domain, summed here node by node
+        for n in cluster:
+            for key in levels:
+                if key in n.labels:
+                    free[(key, n.labels[key])] = free.get((key, n.labels[key]), 0) + n.gpu_free
         by_domain = gang_domain_locality(needs, cluster, gang, w=w)
         want = []
         for n in nodes:
@@ -298,3 +302,19 @@ def test_first_gang_member_scores_match_a_per_node_reference(seed):
             want.append(combine({"locality": loc, "packing": gpu_packing(needs, n), "topology": topology}, w))
         for index in (None, domain_index(cluster, levels), domain_index(cluster[1:], levels)):
             assert score_nodes(needs, nodes, score, w, gang_size=gang, cluster=cluster, index=index) == want
+
+
+def test_domain_free_counts_gpus_or_pod_slots_per_domain():
+    from scheduler_hints.scoring import domain_free, domain_index
+
+    levels = ("clique", "leaf")
+    cluster = [node("a", labels={"clique": "c1", "leaf": "l1"}, alloc=8, free=3),
+               node("b", labels={"clique": "c1", "leaf": "l1"}, alloc=8, free=8),
+               node("c", labels={"leaf": "l1"}, alloc=8, free=0),
+               node("d", labels={"clique": "c2", "leaf": "l2"}, alloc=4, free=0)]
+    want_free = {("clique", "c1"): 11, ("leaf", "l1"): 11}  # domains with nothing free are left out
+    assert domain_free(cluster, levels) == want_free
+    assert domain_free(cluster, levels, 4) == {("clique", "c1"): 2, ("leaf", "l1"): 2}  # whole 4-GPU pods
+    assert domain_free(cluster, levels, 8, capacity=True) == {("clique", "c1"): 2, ("leaf", "l1"): 3}
+    assert domain_free(cluster, levels, index=domain_index(cluster, levels)) == want_free
+    assert domain_free(cluster, levels, index=domain_index(cluster[1:], levels)) == want_free  # not this cluster's
