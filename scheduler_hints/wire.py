@@ -38,8 +38,9 @@ class NodeItems(list):
 
 
 class NodeNames(list):
-    """A request's ``NodeNames`` (``nodeCacheCapable: true``): the same object for requests whose name lists are
-    the same bytes, so that the extender can keep what it resolved them to."""
+    """A request's ``NodeNames`` (``nodeCacheCapable: true``), made by the decoder: the next pod with the same
+    rest of the body gets the same object (:meth:`ArgsDecoder._same_nodes`), so that the extender can keep what
+    it resolved the names to."""
 
     __slots__ = ()
 
@@ -94,9 +95,8 @@ class ArgsDecoder:
     def __init__(self, known: Known) -> None:
         self.known = known
         self._last: tuple[bytes, NodeItems] | None = None
-        self._last_names: tuple[bytes, NodeNames] | None = None
         self._last_body: tuple[bytes, Any] | None = None
-        #: What followed the Pod in the last body split by the typed path, and that body's other fields.
+        #: What followed the Pod in the last body decoded in full, and that body's other fields.
         self._after_pod: tuple[bytes, dict[str, Any]] | None = None
 
     def decode(self, data: bytes) -> Any:
@@ -116,9 +116,9 @@ class ArgsDecoder:
         return body
 
     def _same_nodes(self, data: bytes) -> dict[str, Any] | None:
-        """The next pod with the same node list, as kube-scheduler sends pod after pod: ``{"Pod": …`` then the
-        bytes that followed the last body's Pod. Only the Pod is decoded (a 5 MB node list is not even split
-        again); the rest is the last body's objects. None when the body is not of that shape."""
+        """The next pod with the same nodes (or node names), as kube-scheduler sends pod after pod: ``{"Pod": …``
+        then the bytes that followed the last body's Pod. Only the Pod is decoded (a 5 MB node list is not even
+        split again); the rest is the last body's objects. None when the body is not of that shape."""
         after = self._after_pod
         if after is None or len(data) <= len(after[0]) or not data.endswith(after[0]):
             return None
@@ -131,13 +131,16 @@ class ArgsDecoder:
             return None
         return {**after[1], "Pod": pod}
 
-    def _remember_after_pod(self, data: bytes, pod: msgspec.Raw, body: dict[str, Any]) -> None:
+    def _remember_after_pod(self, data: bytes, pod: msgspec.Raw | None, body: Any) -> None:
+        """Keep what followed ``pod`` in ``data`` for :meth:`_same_nodes`, when ``pod`` is the first key's value."""
         start = _POD_START.match(data)
-        raw = bytes(pod)
-        if start is None or not data.startswith(raw, start.end()):
+        raw = bytes(pod) if pod else b""
+        if start is None or not raw or not data.startswith(raw, start.end()) or not isinstance(body, dict):
             return
         after = data[start.end() + len(raw):]
-        if b'"Pod"' not in after:  # a second top-level Pod would decide the body, and the shortcut would miss it
+        # A second top-level Pod (in any case: Go matches keys so) would decide the body, which the shortcut
+        # would miss; any "pod" key in the rest, at whatever depth, rules the shortcut out.
+        if b'"pod"' not in after.lower():
             self._after_pod = (after, {k: v for k, v in body.items() if k != "Pod"})
 
     def _decode(self, data: bytes) -> Any:
@@ -146,7 +149,9 @@ class ArgsDecoder:
         except msgspec.ValidationError:  # other keys or shapes: the general path keeps them as sent
             return self._decode_general(data)
         if args.Nodes is None or args.Nodes.items is None:
-            return self._decode_general(data)
+            body = self._decode_general(data)
+            self._remember_after_pod(data, args.Pod, body)
+            return body
         nodes: dict[str, Any] = {"items": self._items(args.Nodes.items)}
         for key in ("metadata", "kind", "apiVersion"):
             value = getattr(args.Nodes, key)
@@ -170,18 +175,11 @@ class ArgsDecoder:
         return {key: self._node_list(raw) if key.lower() == "nodes" else
                 self._names(raw) if key.lower() == "nodenames" else _any.decode(raw) for key, raw in fields.items()}
 
-    def _names(self, raw: msgspec.Raw) -> Any:
-        """A NodeNames list: :class:`NodeNames`, the same object as last time while the bytes are the same."""
-        data = bytes(raw)
-        last = self._last_names
-        if last is not None and last[0] == data:
-            return last[1]
-        value = _any.decode(data)
-        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            return value  # not a list of names: as sent, for the caller to judge
-        names = NodeNames(value)
-        self._last_names = (data, names)
-        return names
+    @staticmethod
+    def _names(raw: msgspec.Raw) -> Any:
+        """A NodeNames list as :class:`NodeNames` (anything else as sent, for the caller to judge)."""
+        value = _any.decode(raw)
+        return NodeNames(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
 
     def _node_list(self, raw: msgspec.Raw) -> Any:
         try:
