@@ -60,22 +60,29 @@ GANG_POD = {"metadata": {"name": "gang-member", "namespace": "ml", "uid": "u2",
             "spec": {"containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}
 
 
-def _serve(nodes: list[dict], churn: bool, port_out) -> None:
-    """The extender in its own process, as deployed (the client must not share its event loop and GIL)."""
+def _serve(nodes: list[dict], churn: str, port_out) -> None:
+    """The extender in its own process, as deployed (the client must not share its event loop and GIL).
+    ``churn``: what changes before every request — "" nothing, "label" one node's labels, "bind" one more pod
+    bound by the extender (and, past 500, the oldest one gone)."""
 
     async def main() -> None:
         ext = Extender()
         for n in nodes:
             ext.node_cache.update(n)
-        if churn:  # a node agent publishes new figures before every request (5,000 agents do so every few ms)
+        if churn:
             filter_, count = ext.filter, iter(range(10**9))
 
             def churning_filter(body):
                 i = next(count)
-                n = nodes[i % len(nodes)]
-                meta = dict(n["metadata"], resourceVersion=f"churn-{i}",
-                            labels={**n["metadata"]["labels"], "cachefs.io/free-gib": str(i)})
-                ext.node_cache.update({**n, "metadata": meta})
+                n = nodes[i * 37 % len(nodes)]
+                if churn == "label":  # a node agent publishes new figures (5,000 agents do so every few ms)
+                    meta = dict(n["metadata"], resourceVersion=f"churn-{i}",
+                                labels={**n["metadata"]["labels"], "cachefs.io/free-gib": str(i)})
+                    ext.node_cache.update({**n, "metadata": meta})
+                else:  # the extender bound the previous pod: its GPUs are held on that node
+                    ext.bound_pods[f"ml/bound-{i}"] = (n["metadata"]["name"], 1)
+                    if len(ext.bound_pods) > 500:
+                        ext.pod_gone(next(iter(ext.bound_pods)))
                 return filter_(body)
 
             ext.filter = churning_filter
@@ -190,10 +197,13 @@ def run(nodes: list[dict], rounds: int) -> None:
     full = pod_bodies(POD, {"Nodes": {"items": nodes}})
     by_name = pod_bodies(POD, {"NodeNames": names})
     gang = pod_bodies(GANG_POD, {"NodeNames": names})
-    for label, body, churn in (("nodeCacheCapable=false (full Node objects)", full, False),
-                               ("nodeCacheCapable=true (names)", by_name, False),
-                               ("nodeCacheCapable=true, first member of a 16-pod gang", gang, False),
-                               ("the same with one node re-labelled before every request", gang, True)):
+    for label, body, churn in (("nodeCacheCapable=false (full Node objects)", full, ""),
+                               ("the same with one more pod bound by the extender before every request", full, "bind"),
+                               ("nodeCacheCapable=true (names)", by_name, ""),
+                               ("nodeCacheCapable=true, first member of a 16-pod gang (nothing changes between "
+                                "requests: the kept answer)", gang, ""),
+                               ("the same with one node re-labelled before every request (the gang's topology "
+                                "scored afresh)", gang, "label")):
         times, replies, handler = _in_process(_serve, (nodes, churn), partial(_measure_extender, body, rounds))
         wire_only, _ = _in_process(_serve_fixed, (replies,), lambda port, _pipe, b=body: measure(port, b, rounds))
         size = len(body(0))

@@ -20,14 +20,18 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from itertools import compress
+from operator import ne
 from typing import Any
 
 from aiohttp import web
 
 from .gang import GangManager
+from .memo import replaced, room
 from .node_cache import NodeCache
 from .pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
+from .request_nodes import RequestNodes
 from .scoring import (
     NodeState,
     PodNeeds,
@@ -58,27 +62,6 @@ def _ci(obj: Any, key: str) -> Any:
         return obj[key]
     lk = key.lower()
     return next((v for k, v in obj.items() if isinstance(k, str) and k.lower() == lk), None)
-
-
-def _room(d: dict, limit: int) -> dict:
-    """``d`` with its oldest entries dropped so that one more fits under ``limit`` (every memo and clock here
-    is bounded this way)."""
-    while len(d) >= limit:
-        d.pop(next(iter(d)))
-    return d
-
-
-@dataclass
-class _NodesMemo:
-    """A request's node list (``source``: the decoder's object, the same while its bytes are) resolved against
-    the node cache as of ``node_cache.updates == updates``: the Node objects, their base NodeStates once asked
-    for, and each one's position once needed. While it holds, the same list needs no second lookup or parse."""
-
-    source: Any
-    updates: int
-    items: list[Mapping[str, Any]]
-    base: list[NodeState] | None = None
-    position: dict[str, list[int]] | None = None
 
 
 class BadRequest(Exception):
@@ -132,7 +115,20 @@ class Extender:
     _possible_memo: dict[tuple, float] = field(default_factory=dict)
     _score_memo: dict[tuple, dict[str, tuple[int, int, int]]] = field(default_factory=dict)
     _ranked_memo: dict[tuple, tuple[list[tuple[float, str]], set[str]]] = field(default_factory=dict)
-    _items_memo: _NodesMemo | None = None
+    #: The last call's (datasets key, states, scores) of :meth:`_scores_outside_gangs`, (node list, scores,
+    #: reply) of :meth:`prioritize`, (node list, reply) of :meth:`filter` when every node passed, and
+    #: (candidates, ranking, by name, those outside the ranking) of :meth:`_achievable`, and (question, states,
+    #: cluster, scores) of :meth:`_gang_scores`: kube-scheduler asks
+    #: pod after pod about the same nodes, and what did not change is not done again.
+    _last_scores: tuple[tuple, list[NodeState], list[int]] | None = None
+    _last_priorities: tuple[Any, list[int], list[dict[str, Any]]] | None = None
+    _last_passed: tuple[Any, dict[str, Any]] | None = None
+    _last_candidates: tuple[list[NodeState], set[str], dict[str, NodeState], list[NodeState]] | None = None
+    _last_gang_scores: tuple[tuple, list[NodeState], list[NodeState], list[int]] | None = None
+    _nodes: RequestNodes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._nodes = RequestNodes(self.node_cache)
 
     # -- parsing --------------------------------------------------------------------------------------------
     def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
@@ -144,24 +140,13 @@ class Extender:
         nodes = _ci(body, "Nodes")
         names = _ci(body, "NodeNames")
         if isinstance(nodes, Mapping) and isinstance(nodes.get("items"), list):
-            items = nodes["items"]
-            if self._memo_of(items) is None:
-                if not (isinstance(items, NodeItems) and all(isinstance(n, Mapping) for n in items)):
-                    items = [n for n in items if isinstance(n, Mapping)]
-                cached = self.node_cache.nodes
-                for n in items:
-                    if cached.get((n.get("metadata") or {}).get("name")) is not n:  # not known at this version
-                        self.node_cache.update(n)
-                if isinstance(items, NodeItems):  # the decoder's memo: the same object while the bytes match
-                    self._items_memo = _NodesMemo(items, self.node_cache.updates, items)
-            by_name = False
+            items, by_name = self._nodes.full(nodes["items"]), False
         elif isinstance(names, list):
-            items = self._named(names)
-            by_name = True
+            items, by_name = self._nodes.named(names), True
         else:
             raise BadRequest("ExtenderArgs needs Nodes.items (nodeCacheCapable: false) or NodeNames (true)")
         # bounded: bind looks pods up by uid shortly after filter/prioritize
-        _room(self._pods, 100_000)[pod_key(pod)] = pod
+        room(self._pods, 100_000)[pod_key(pod)] = pod
         return pod, items, by_name
 
     def _held(self) -> dict[str, int]:
@@ -171,65 +156,6 @@ class Extender:
         for n, g in self.gangs.reservations():
             held[n] = held.get(n, 0) + g
         return held
-
-    def _named(self, names: list) -> list[Mapping[str, Any]]:
-        """The Node objects for a NodeNames list (unknown names get a bare node). The decoder hands the same
-        :class:`NodeNames` object for the same bytes, and the lookup is kept for it: nodes the cache updated
-        since (a watch delivers some every few milliseconds at 5,000 nodes) are looked up again, not all."""
-        memo = self._items_memo
-        if memo is not None and memo.source is names:
-            changed = self.node_cache.changed_since(memo.updates)
-            if changed is not None and len(changed) <= 256:
-                if changed:
-                    self._refresh(memo, changed)
-                return memo.items
-        items = [self._by_name(n) for n in names if isinstance(n, str)]
-        if isinstance(names, NodeNames):
-            self._items_memo = _NodesMemo(names, self.node_cache.updates, items)
-        return items
-
-    def _by_name(self, name: str) -> Mapping[str, Any]:
-        node = self.node_cache.nodes.get(name)
-        if node is None:
-            node = {"metadata": {"name": name}}
-            self.node_cache.update(node)
-        return node
-
-    def _refresh(self, memo: _NodesMemo, changed: list[str]) -> None:
-        if memo.position is None:
-            memo.position = {}
-            for i, n in enumerate(memo.items):
-                memo.position.setdefault((n.get("metadata") or {}).get("name"), []).append(i)
-        for name in set(changed):
-            for i in memo.position.get(name, ()):
-                node = memo.items[i] = self._by_name(name)
-                if memo.base is not None:
-                    memo.base[i] = self.node_cache.base_state(node)
-        memo.updates = self.node_cache.updates
-
-    def _states(self, nodes, held: dict[str, int] | None = None) -> list[NodeState]:
-        """NodeStates with ``gpu_free`` net of pods we bound and gang members waiting in bind."""
-        held = self._held() if held is None else held
-        memo = self._memo_of(nodes)
-        base = memo.base if memo is not None else None
-        if base is None:
-            base = [self.node_cache.base_state(node) for node in nodes]
-            if memo is not None:
-                memo.base = base
-        if not held:
-            return list(base)
-        return [self._net(b, held) for b in base]
-
-    def _memo_of(self, items) -> _NodesMemo | None:
-        """:attr:`_items_memo` if it is about ``items`` and the node cache has not changed since."""
-        memo = self._items_memo
-        return memo if memo is not None and memo.items is items and memo.updates == self.node_cache.updates else None
-
-    @staticmethod
-    def _net(base: NodeState, held: dict[str, int]) -> NodeState:
-        if held.get(base.name):
-            return replace(base, gpu_free=max(0, base.gpu_allocatable - held[base.name]))
-        return base
 
     def _needs(self, pod: Mapping[str, Any]) -> PodNeeds:
         """The pod's datasets with their total bytes (as the nodes holding them report it) and its GPUs."""
@@ -243,7 +169,7 @@ class Extender:
                 known = [n.cache.cached_bytes.get(ds, 0) / n.cache.fractions[ds]
                          for n in states if n.cache.fractions.get(ds) and n.cache.cached_bytes.get(ds)]
                 totals[ds] = int(max(known, default=0))
-            _room(self._totals_memo, 64)[key] = totals
+            room(self._totals_memo, 64)[key] = totals
         return PodNeeds(totals, pod_gpus(pod))
 
     # -- verbs ----------------------------------------------------------------------------------------------
@@ -256,17 +182,30 @@ class Extender:
         if gang is not None and gang.min_member > 1 and gpus > 0:
             reason = None if self.gangs.admitted(gang) else self._admission_refusal(pod, gang, gpus)
         else:
-            reason = self._locality_refusal(pod_key(pod), pod, 1, gpus, lambda: self._states(items)) if items else None
+            reason = self._locality_refusal(pod_key(pod), pod, 1, gpus,
+                                            lambda: self._nodes.states(items, self._held())) if items else None
         if reason:
             failed = {str((n.get("metadata") or {}).get("name", "")): reason for n in items}
             passed = []
-        return {
+        # Every node passed: the reply is the request's own list, kept for the decoder's list object (the same
+        # while its bytes are). A names list the decoder made holds only names, each that of its node here.
+        names = _ci(body, "NodeNames") if by_name else None
+        source = names if isinstance(names, NodeNames) else items if isinstance(items, NodeItems) else None
+        if not reason and source is not None:
+            last = self._last_passed
+            if last is not None and last[0] is source:
+                return last[1]
+        result = {
             "Nodes": None if by_name else {"metadata": {}, "items": as_sent(passed)},
-            "NodeNames": [str((n.get("metadata") or {}).get("name", "")) for n in passed] if by_name else None,
+            "NodeNames": (names if not reason and source is names else
+                          [str((n.get("metadata") or {}).get("name", "")) for n in passed]) if by_name else None,
             "FailedNodes": failed,
             "FailedAndUnresolvableNodes": {},
             "Error": "",
         }
+        if not reason and source is not None:
+            self._last_passed = (source, result)
+        return result
 
     def _locality_refusal(self, key: str, pod: Mapping[str, Any], count: int, gpus: int,
                           candidates: Callable[[], list[NodeState]]) -> str | None:
@@ -280,7 +219,7 @@ class Extender:
         now = self.clock()
         ready = self._ready_since.get(key)
         if ready is None:
-            ready = _room(self._ready_since, 10_000)[key] = now
+            ready = room(self._ready_since, 10_000)[key] = now
         waited = now - ready
         if waited >= self.locality_wait:
             return None
@@ -293,7 +232,7 @@ class Extender:
         memo_key = (tuple(sorted(needs.datasets.items())), gpus, count, self.node_cache.generation)
         possible = self._possible_memo.get(memo_key)
         if possible is None:  # the best slots as if every node were free: changes only with the node cache
-            possible = _room(self._possible_memo, 256)[memo_key] = best_slots_locality(
+            possible = room(self._possible_memo, 256)[memo_key] = best_slots_locality(
                 ((score(n), n.gpu_allocatable // per if gpus else 1) for n in base_cluster), count)
         if possible <= self.locality_slack:  # nowhere holds enough of its data to be worth waiting for
             return None
@@ -314,10 +253,23 @@ class Extender:
         ranked = self._ranked_memo.get(key)
         if ranked is None:
             order = sorted(((score(n) or 0.0, n.name) for n in base_cluster), reverse=True)
-            ranked = _room(self._ranked_memo, 64)[key] = (order, {name for _, name in order})
+            ranked = room(self._ranked_memo, 64)[key] = (order, {name for _, name in order})
         order, known = ranked
-        by_name = {n.name: n for n in candidates}
-        best = [(score(n), n.gpu_free // per if per else 1) for n in candidates if n.name not in known]
+        last = self._last_candidates
+        if last is None or last[1] is not known or len(last[0]) != len(candidates):
+            last = (candidates, known, {n.name: n for n in candidates}, [n for n in candidates if n.name not in known])
+        elif last[0] is not candidates:  # the same nodes with a few states replaced (GPUs held)
+            changed, before = replaced(candidates, last[0]), last[0]
+            if all(candidates[i].name == before[i].name and candidates[i].name in known for i in changed):
+                by_name = dict(last[2])
+                by_name.update((candidates[i].name, candidates[i]) for i in changed)
+                last = (candidates, known, by_name, last[3])
+            else:
+                last = (candidates, known, {n.name: n for n in candidates},
+                        [n for n in candidates if n.name not in known])
+        self._last_candidates = last
+        by_name = last[2]
+        best = [(score(n), n.gpu_free // per if per else 1) for n in last[3]]
         found = 0
         for loc, name in order:
             n = by_name.get(name)
@@ -337,12 +289,12 @@ class Extender:
         then a gang that one topology domain (clique, leaf …) could hold waits up to ``topology_wait`` seconds
         for such a domain to have room before it is admitted anywhere it fits."""
         held = self._held()
-        cluster = [self._net(n, held) for n in self.node_cache.cluster()[0]]
+        cluster = self._nodes.cluster(held)
         slots = sum(n.gpu_free // gpus for n in cluster)
         need = gang.min_member
         now = self.clock()
         if gang.key not in self._gang_first_seen:
-            _room(self._gang_first_seen, 10_000)
+            room(self._gang_first_seen, 10_000)
         if not self.gangs.fits(gang, gpus, slots * gpus):
             # It fits nowhere yet: the wait for one domain starts when it could run somewhere, not before (a gang
             # that queued behind another must not skip that wait and spread out while the other one leaves).
@@ -373,7 +325,7 @@ class Extender:
         key = (tuple(sorted(needs.datasets.items())), self.node_cache.generation)
         memo = self._locality_memo.get(key)
         if memo is None:
-            memo = _room(self._locality_memo, 64)[key] = {}
+            memo = room(self._locality_memo, 64)[key] = {}
         score = locality_scorer(needs, groups, self.weights)
 
         def cached(node: NodeState) -> float | None:
@@ -387,24 +339,28 @@ class Extender:
     def prioritize(self, body: Any) -> list[dict[str, Any]]:
         pod, items, _ = self._args(body)
         held = self._held()
-        states = self._states(items, held)
+        states = self._nodes.states(items, held)
         base_cluster, groups = self.node_cache.cluster()
         needs = self._needs(pod)
         gang = pod_gang(pod, self.min_members)
-        cluster: list[NodeState] = []
-        placed: list[NodeState] = []
-        if gang is not None:  # only gang topology needs the cluster's free GPUs
-            cluster = [self._net(n, held) for n in base_cluster]
-            on = {n for n, _ in self.gangs.placed(gang)}
-            placed = [s for s in cluster if s.name in on]
         short = self._whole_nodes_short(pod_key(pod), needs.gpus, base_cluster, held)
         if gang is None:
             scores = self._scores_outside_gangs(needs, states, groups, short)
         else:
-            scores = score_nodes(needs, states, self._locality_cache(needs, groups), self.weights,
-                                 gang_size=gang.min_member, placed=placed, cluster=cluster,
-                                 index=self.node_cache.domains(self.weights.topology_levels), whole_nodes_short=short)
-        return [{"Host": s.name, "Score": score} for s, score in zip(states, scores, strict=True)]
+            scores = self._gang_scores(needs, states, groups, gang, held, short)
+        source = self._nodes.resolved(items)  # the same hosts in the same order while it holds
+        last = self._last_priorities
+        if source is not None and last is not None and last[0] is source:
+            if last[1] == scores:
+                return last[2]
+            reply = list(last[2])
+            for i in compress(range(len(scores)), map(ne, scores, last[1])):
+                reply[i] = {"Host": states[i].name, "Score": scores[i]}
+        else:
+            reply = [{"Host": s.name, "Score": score} for s, score in zip(states, scores, strict=True)]
+        if source is not None:
+            self._last_priorities = (source, scores, reply)
+        return reply
 
     def _scores_outside_gangs(self, needs: PodNeeds, states: list[NodeState], groups, short: bool) -> list[int]:
         """:func:`~scheduler_hints.scoring.score_nodes` for a pod outside a gang. Its score on a node depends only
@@ -415,17 +371,26 @@ class Extender:
         if short and needs.gpus > 0:  # decided over every candidate, not only those scored again below
             hole_fit = short_hole_fit_of(needs, states, self._locality_cache(needs, groups), self.weights)
         key = (tuple(sorted(needs.datasets.items())), needs.gpus, short, hole_fit, self.node_cache.generation)
+        last = self._last_scores
+        if last is not None and last[0] == key and last[1] is states:
+            return last[2]
         memo = self._score_memo.get(key)
         if memo is None:
-            memo = _room(self._score_memo, 64)[key] = {}
-        out: list[int] = []
+            memo = room(self._score_memo, 64)[key] = {}
+        if last is not None and last[0] == key and len(last[1]) == len(states):
+            # The same nodes with a few states replaced (GPUs held): only those are looked at.
+            out = list(last[2])
+            check = replaced(states, last[1])
+        else:
+            out = [0] * len(states)
+            check = range(len(states))
         todo: list[int] = []
-        for i, s in enumerate(states):
+        for i in check:
+            s = states[i]
             hit = memo.get(s.name)
             if hit is not None and hit[0] == s.gpu_free and hit[1] == s.gpu_allocatable:
-                out.append(hit[2])
+                out[i] = hit[2]
             else:
-                out.append(0)
                 todo.append(i)
         if todo:
             fresh = score_nodes(needs, [states[i] for i in todo], self._locality_cache(needs, groups), self.weights,
@@ -434,7 +399,28 @@ class Extender:
                 s = states[i]
                 memo[s.name] = (s.gpu_free, s.gpu_allocatable, score)
                 out[i] = score
+        self._last_scores = (key, states, out)
         return out
+
+    def _gang_scores(self, needs: PodNeeds, states: list[NodeState], groups, gang, held: dict[str, int],
+                     short: bool) -> list[int]:
+        """:func:`~scheduler_hints.scoring.score_nodes` for a gang member. Its topology terms read the whole
+        cluster's free GPUs, so the last answer is kept only for the same question with every node's state the
+        same: a gang's pods retried while it waits for room, or several gangs' first members in a row."""
+        cluster = self._nodes.cluster(held)
+        on = frozenset(n for n, _ in self.gangs.placed(gang))
+        key = (tuple(sorted(needs.datasets.items())), needs.gpus, gang.min_member, on, short,
+               self.node_cache.generation)
+        last = self._last_gang_scores
+        if (last is not None and last[0] == key and len(last[1]) == len(states) and len(last[2]) == len(cluster)
+                and not replaced(states, last[1]) and not replaced(cluster, last[2])):
+            return last[3]
+        placed = [s for s in cluster if s.name in on] if on else []
+        scores = score_nodes(needs, states, self._locality_cache(needs, groups), self.weights,
+                             gang_size=gang.min_member, placed=placed, cluster=cluster,
+                             index=self.node_cache.domains(self.weights.topology_levels), whole_nodes_short=short)
+        self._last_gang_scores = (key, states, cluster, scores)
+        return scores
 
     def _whole_nodes_short(self, key: str, gpus: int, cluster: list[NodeState], held: dict[str, int]) -> bool:
         """:func:`~scheduler_hints.scoring.whole_nodes_short` for pod ``key`` of ``gpus`` GPUs: pending pods
@@ -448,7 +434,7 @@ class Extender:
 
     def pod_pending(self, key: str, gpus: int) -> None:
         """The pod watch saw a pod that requests GPUs and is on no node yet."""
-        _room(self.pending_pods, 1_000_000)[key] = gpus
+        room(self.pending_pods, 1_000_000)[key] = gpus
 
     async def bind(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, Mapping):
@@ -503,6 +489,15 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
         return web.Response(body=encode(obj), status=status, content_type="application/json")
 
     decoder = ArgsDecoder(ext.node_cache.nodes.get)
+    #: Per verb, the last reply and its bytes: the extender hands back the same object when nothing changed
+    #: (pod after pod about the same nodes), and a 5 MB filter reply is not encoded again.
+    last_reply: dict[str, tuple[Any, bytes]] = {}
+
+    def verb_reply(verb: str, obj: Any) -> web.Response:
+        last = last_reply.get(verb)
+        if last is None or last[0] is not obj:
+            last = last_reply[verb] = (obj, encode(obj))
+        return web.Response(body=last[1], content_type="application/json")
 
     async def handle(request: web.Request) -> web.Response:
         verb = request.match_info["verb"]
@@ -523,7 +518,7 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
                 result = await ext.bind(body)
         except BadRequest as exc:
             return reply({"Error": str(exc)}, 400)
-        return reply(result)
+        return verb_reply(verb, result)
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.Response(text="ok")

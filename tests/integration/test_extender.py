@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from dataclasses import replace
 
 import aiohttp
@@ -16,6 +17,7 @@ from scheduler_hints.extender import MAX_BODY, Extender, make_app
 from scheduler_hints.gang import GangManager
 from scheduler_hints.labels import dataset_key
 from scheduler_hints.pods import StaticVolumes, pod_gang
+from scheduler_hints.wire import encode
 
 URL = "s3://bucket/imagenet"
 DS = dataset_id(URL)
@@ -224,6 +226,88 @@ def test_same_names_again_follow_node_cache_updates(server):
         ext.node_cache.update(node(f"n{i}"))
     ext.node_cache.update(node("c"))
     assert scores()["c"] == first["c"]
+
+
+@pytest.mark.parametrize("by_name", [False, True], ids=["full-nodes", "names"])
+def test_pod_after_pod_answers_match_a_fresh_extender_while_binds_and_nodes_change(server, by_name):
+    """kube-scheduler asks pod after pod about the same nodes, and the extender keeps what did not change (the
+    last scores, replies, candidates and held states). While pods are bound and leave, nodes change their data
+    and GPUs, and whole-node pods queue, every filter and prioritize answer equals that of an extender that
+    never saw the earlier requests."""
+    base, ext = server
+    ext.node_cache.refresh_interval = 0  # the cluster view follows cache labels at once
+    ext.clock = lambda: 0.0  # delay scheduling counts waits alike in both
+    rng = random.Random(5)
+    version = iter(range(1, 10**6))
+
+    def fresh_node(name):  # a few nodes hold the data: binding pods there changes what delay scheduling sees
+        holds = rng.choice([1.0, 0.7]) if int(name[1:]) < 2 else rng.choice([None, 0.0, 0.3])
+        n = node(name, fraction=holds, gpus=rng.choice([8, 8, 4]), clique=f"c{int(name[1:]) % 4}")
+        n["metadata"]["resourceVersion"] = str(next(version))
+        return n
+
+    nodes = {f"n{i}": fresh_node(f"n{i}") for i in range(30)}
+    names = list(nodes)
+    for n in [*nodes.values(), node("elsewhere", gpus=8, clique="c0")]:  # in the cluster, never a candidate
+        ext.node_cache.update(n)
+    refused = 0
+    for step in range(80):
+        op = rng.randrange(6)
+        if op in (0, 5):  # mostly on the nodes holding the data, so that they fill up at times
+            ext.bound_pods[f"ml/b{step}"] = (rng.choice([*names[:3], "elsewhere"]), rng.randint(2, 8))
+        elif op == 1 and ext.bound_pods:
+            ext.pod_gone(rng.choice(list(ext.bound_pods)))
+        elif op == 2:
+            name = rng.choice(names)
+            nodes[name] = fresh_node(name)
+            if by_name:  # the watch delivers it; with full nodes the next request carries it
+                ext.node_cache.update(nodes[name])
+        elif op == 3:
+            for k in range(rng.randint(1, 12)):
+                ext.pod_pending(f"ml/w{step}-{k}", 8)
+        elif op == 4:
+            for key in list(ext.pending_pods)[: rng.randint(1, 12)]:
+                ext.pod_gone(key)
+        member = rng.random() < 0.3  # a gang's first member, scored by topology over the whole cluster
+        p = pod(f"p{step}", annotation=URL, gpus=rng.choice([1, 2, 4]), gang="g" if member else None, gang_size=3)
+        body = {"Pod": p, "NodeNames": names} if by_name else {"Pod": p, "Nodes": {"items": list(nodes.values())}}
+        raw = json.dumps(body)
+        fresh = Extender(volumes=ext.volumes, clock=ext.clock)
+        fresh.node_cache.refresh_interval = 0
+        for n in ext.node_cache.nodes.values():
+            fresh.node_cache.update(n)
+        fresh.bound_pods, fresh.pending_pods = dict(ext.bound_pods), dict(ext.pending_pods)
+        for verb in ("prioritize",) if member else ("filter", "prioritize"):  # (filter would admit the gang)
+            status, got = post(base, verb, None, raw=raw)
+            want = json.loads(encode(getattr(fresh, verb)(json.loads(raw))))
+            assert status == 200 and got == want, (step, verb)
+            refused += verb == "filter" and bool(got["FailedNodes"])
+    assert 0 < refused < 80  # delay scheduling both held pods back and let them run
+
+def test_a_gangs_first_member_follows_gpus_held_on_nodes_that_are_not_candidates(server):
+    """The first member's topology term counts free GPUs over the whole cluster: a pod bound on a node that is
+    not among the candidates still changes the answer for the same request bytes."""
+    base, ext = server
+    for n in (node("a", fraction=1.0, clique="c0"), node("b", clique="c0"), node("elsewhere", clique="c0"),
+              node("c", clique="c1"), node("d", clique="c1")):
+        ext.node_cache.update(n)
+    member = pod("m0", annotation=URL, gpus=8, gang="g", gang_size=3)
+    raw = json.dumps({"Pod": member, "NodeNames": ["a", "b", "c", "d"]})
+
+    def scores():
+        fresh = Extender(volumes=ext.volumes)
+        for n in ext.node_cache.nodes.values():
+            fresh.node_cache.update(n)
+        fresh.bound_pods = dict(ext.bound_pods)
+        status, got = post(base, "prioritize", None, raw=raw)
+        assert status == 200 and got == fresh.prioritize(json.loads(raw))
+        return {s["Host"]: s["Score"] for s in got}
+
+    before = scores()
+    assert scores() == before  # asked again: the kept answer
+    ext.bound_pods["ml/other"] = ("elsewhere", 8)  # clique c0 can no longer hold the whole gang
+    after = scores()
+    assert after != before and after["a"] < before["a"], (before, after)
 
 
 def test_oversized_request_is_refused():
