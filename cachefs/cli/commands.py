@@ -248,7 +248,7 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError("--workers must be at least 1")
     if args.attach:  # the serving daemon, started (and restarted) by the holder below
         await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
-                                passthrough=not args.no_passthrough)
+                                passthrough=not args.no_passthrough, prefill=not args.no_prefill)
         return 0
     if is_fuse_mount(mnt) and not is_stale_mount(mnt):  # (a stale one is cleaned up by the holder)
         raise ConfigError(f"{mnt} is already a cachefs mount (cachefs umount it first)")
@@ -273,6 +273,8 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
             out += [flag, value]
     if args.no_passthrough:
         out.append("--no-passthrough")
+    if args.no_prefill:
+        out.append("--no-prefill")
     if args.verbose:
         out.append("-" + "v" * args.verbose)
     return out

@@ -118,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
                          "copy large reads meanwhile; none waits on the origin")
     mt.add_argument("--no-passthrough", action="store_true",
                     help="serve every read from userspace, even for fully cached files")
+    mt.add_argument("--no-prefill", action="store_true",
+                    help="do not put a packed small file into the kernel's page cache at its first open (its "
+                         "reads then come through userspace as READ requests)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
 
     cs = sub.add_parser("csi", parents=[common], help="run the CSI plugin (node and/or controller)")

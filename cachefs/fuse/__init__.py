@@ -37,7 +37,7 @@ def hold_mount(config: Config, mountpoint: str, daemon_argv: list[str]) -> int:
 
 
 def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,
-                passthrough: bool = True, ready=None) -> FuseSession:
+                passthrough: bool = True, prefill: bool = True, ready=None) -> FuseSession:
     """Serve ``url`` on the mount whose descriptor the holder at socket ``attach`` owns, until unmounted.
     The first daemon of a mount answers the kernel's INIT; a later one resumes from the mount journal.
     ``ready(session)`` is called once the mount is usable (``session.mode`` known)."""
@@ -54,7 +54,9 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     ds = run_sync(engine.open_dataset(url, manifest_version=init["manifest_version"] if init else None))
     # The origin client takes a while to set up (hundreds of ms for S3): do it now, not in the first cold read.
     asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
-    session = FuseSession(CacheFS(engine, ds, journal=journal), fd, workers=workers, passthrough=passthrough)
+    fs = CacheFS(engine, ds, journal=journal)
+    fs.prefill = prefill
+    session = FuseSession(fs, fd, workers=workers, passthrough=passthrough)
     try:
         def on_init(s: FuseSession) -> None:
             record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats)

@@ -52,6 +52,9 @@ class Node:
     backing_id: int = 0  # registered with the kernel: every open of this inode is passthrough with it
     ino: int = 0
     inherited: bool = False  # backing id taken over from a previous daemon (its opens are not counted here)
+    #: Never opened since the kernel first looked it up from this daemon: its page cache is empty and no read
+    #: of it can be in flight, so its bytes may be stored there before the open is answered (Handle.prefill).
+    unopened: bool = False
 
 
 @dataclass
@@ -63,6 +66,9 @@ class Handle:
     #: kernel refuses passthrough on an inode whose earlier opens used the page cache, and only once they
     #: are on this node, because a buffered read waiting on the origin cannot be interrupted by a signal.
     page_cache: bool = False
+    #: Put the whole file into the kernel's page cache before the open is answered (FUSE_NOTIFY_STORE), so
+    #: that reading it costs no READ request: a packed small file at its first open (see CacheFS.open).
+    prefill: bool = False
     stream: ReadStream | None = None  # read-ahead state, made on the first userspace read
 
 
@@ -88,6 +94,9 @@ class CacheFS:
         self.passthrough = False
         self.backing_open = None
         self.backing_close = None
+        #: Whether packed small files are stored into the page cache at their first open (``Handle.prefill``);
+        #: the session turns it off if the kernel refuses FUSE_NOTIFY_STORE.
+        self.prefill = True
         self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "userspace_read_bytes": 0}
 
     # -- inodes ---------------------------------------------------------------------------------------------
@@ -141,8 +150,10 @@ class CacheFS:
                 ino = path_ino(path)
                 while ino in self._nodes or self._restored.get(ino, path) != path:
                     ino += 1
+                # An inode the previous daemon handed out may have cached pages and reads in flight.
+                fresh = ino not in self._restored
                 self._restored.pop(ino, None)
-                self._nodes[ino] = Node(path, entry, ino=ino)
+                self._nodes[ino] = Node(path, entry, ino=ino, unopened=fresh)
                 self._by_path[path] = ino
                 if self.journal is not None:
                     self.journal.inode(ino, path)
@@ -194,10 +205,16 @@ class CacheFS:
             self._next_fh += 1
             self._handles[fh] = h
             n.opens += 1
+            first, n.unopened = n.unopened, False
             self._idle.pop(n.ino, None)
         if self.passthrough and (n.backing_id or self._register_backing(n)):
             h.passthrough = True
-        h.page_cache = not h.passthrough and (not self.passthrough or self._packed_here(n.entry))
+        if not h.passthrough:
+            packed = (self.passthrough or (first and self.prefill)) and self._packed_here(n.entry)
+            h.page_cache = not self.passthrough or packed
+            # Only at the first open: a page another open cached, or a READ the kernel has in flight for it,
+            # would make the store wait on a locked page, and the request thread holding the device with it.
+            h.prefill = first and self.prefill and packed and n.entry.size > 0
         self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
         return fh, h
 
@@ -230,6 +247,15 @@ class CacheFS:
         if duplicate:
             self._backing_close_quietly(duplicate)
         return True
+
+    def prefill_bytes(self, h: Handle) -> bytes | None:
+        """The whole file of a ``prefill`` handle if it is still local (checksum verified), else None."""
+        entry = h.node.entry
+        data = self.engine.read_local(self.ds, entry, 0, entry.size, None)
+        if data is None or len(data) != entry.size:
+            return None
+        self.stats["prefilled_bytes"] = self.stats.get("prefilled_bytes", 0) + len(data)
+        return data
 
     def read_local(self, ino: int, fh: int, offset: int, size: int) -> bytes | None:
         """The bytes if every block is in the local store (no waiting), else None: use :meth:`fetch`."""

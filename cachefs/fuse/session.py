@@ -237,8 +237,25 @@ class FuseSession:
         # NOFLUSH: read-only, nothing to flush at close, so the kernel need not ask.
         if h.passthrough:
             return wire.OPEN_OUT.pack(fh, OpenFlag.PASSTHROUGH | OpenFlag.NOFLUSH, self.fs.backing_id(h))
+        if h.prefill:
+            self._store(nodeid, self.fs.prefill_bytes(h))
         cache = OpenFlag.KEEP_CACHE if h.page_cache else OpenFlag.DIRECT_IO  # see Handle.page_cache
         return wire.OPEN_OUT.pack(fh, cache | OpenFlag.NOFLUSH, 0)
+
+    def _store(self, nodeid: int, data: bytes | None) -> None:
+        """Put ``data`` (the whole file) into the inode's page cache. Then the reader's first read is a page
+        cache hit: a small file costs LOOKUP, OPEN and RELEASE through here, not a READ as well. Any failure
+        leaves the pages to be read the usual way."""
+        if not data:
+            return
+        try:
+            os.writev(self.fd, [wire.pack_notify_store(nodeid, 0, len(data)), data])
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                self.stopped.set()
+            elif exc.errno != errno.ENOENT:  # ENOENT: the kernel dropped the inode meanwhile
+                log.warning("the kernel refused FUSE_NOTIFY_STORE (%s): small files are read by READ", exc)
+                self.fs.prefill = False
 
     def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes | object:
         """Cached bytes are answered at once; a fetch from the origin is answered when it completes, so a slow

@@ -134,8 +134,11 @@ ENTRY_OUT_SIZE = ENTRY_OUT_HEAD.size + ATTR.size  # 128
 FUSE_DEV_IOC_CLONE = 0x8004E500
 FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501
 FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502
-#: ``fuse_notify_code`` (sent as the error of an unsolicited message, unique 0): resend unanswered requests.
+#: ``fuse_notify_code`` (sent as the error of an unsolicited message, unique 0): put bytes into an inode's
+#: page cache; resend unanswered requests.
+NOTIFY_STORE = 4
 NOTIFY_RESEND = 7
+NOTIFY_STORE_OUT = struct.Struct("<QQII")  # nodeid, offset, size, padding
 #: Kernel limit for passthrough stacking: 1 = backing files on a plain local file system.
 MAX_STACK_DEPTH = 1
 
@@ -176,3 +179,9 @@ def dirent_size(name: bytes, plus: bool = False) -> int:
 def _split(seconds: float) -> tuple[int, int]:
     s = int(seconds)
     return s, int((seconds - s) * 1e9)
+
+
+def pack_notify_store(nodeid: int, offset: int, size: int) -> bytes:
+    """The header of a FUSE_NOTIFY_STORE message whose ``size`` bytes of data follow it."""
+    return OUT_HEADER.pack(OUT_HEADER.size + NOTIFY_STORE_OUT.size + size, NOTIFY_STORE, 0) + \
+        NOTIFY_STORE_OUT.pack(nodeid, offset, size, 0)

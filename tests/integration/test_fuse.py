@@ -120,6 +120,34 @@ def test_every_file_reads_back_byte_for_byte_large_ones_by_passthrough_packed_on
     assert reclaimed < sum(len(d) for rel, d in files.items() if rel not in large) // 2  # still checks something
 
 
+def test_a_packed_file_is_in_the_page_cache_when_its_first_open_returns(mounted):
+    """On a warm cache, a packed small file's bytes are stored into the kernel's page cache before its first open
+    is answered (FUSE_NOTIFY_STORE), so reading it costs no READ request; with ``--no-prefill`` its reads come
+    through userspace as before. Either way the bytes are the origin's."""
+    m, files = mounted
+    for rel, data in files.items():
+        with open(m.path(rel), "rb") as f:
+            assert f.read() == data, rel
+    m.stats()
+    time.sleep(1.0)  # pending packs are written a second after their last member
+    m.close()
+    packed = sum(len(d) for d in files.values() if len(d) <= 1024 * 1024)
+    assert packed
+    for extra, stored in (((), True), (("--no-prefill",), False)):
+        again = Mounted(m.cache_dir, m.url, m.mountpoint, *extra)
+        try:
+            for rel, data in files.items():
+                with open(again.path(rel), "rb") as f:
+                    assert f.read() == data, rel
+            stats = again.stats()
+        finally:
+            again.close()
+        if stored:
+            assert stats.get("prefilled_bytes") == packed and stats["userspace_read_bytes"] == 0, stats
+        else:
+            assert not stats.get("prefilled_bytes") and stats["userspace_read_bytes"] >= packed, stats
+
+
 def test_tree_metadata_walk_ls_find_stat(mounted):
     m, files = mounted
     seen = set()

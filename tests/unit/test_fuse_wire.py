@@ -8,7 +8,7 @@ from cachefs.fuse import wire
 def test_struct_sizes_match_the_kernel_header():
     sizes = {"IN_HEADER": 40, "OUT_HEADER": 16, "INIT_IN": 64, "INIT_OUT": 64, "ATTR": 88, "OPEN_IN": 8,
              "OPEN_OUT": 16, "READ_IN": 40, "RELEASE_IN": 24, "KSTATFS": 80, "BACKING_MAP": 16, "GETATTR_IN": 16,
-             "FORGET_ONE": 16, "DIRENT_HEAD": 24}
+             "FORGET_ONE": 16, "DIRENT_HEAD": 24, "NOTIFY_STORE_OUT": 24}
     assert {k: getattr(wire, k).size for k in sizes} == sizes
     assert wire.ENTRY_OUT_SIZE == 128
     assert len(wire.pack_attr_out(wire.pack_attr(1, 0, 0o40555, 0), 1.0)) == 104
@@ -30,3 +30,7 @@ def test_golden_bytes():
     assert wire.FUSE_DEV_IOC_BACKING_OPEN == (1 << 30) | (16 << 16) | (229 << 8) | 1  # _IOW(229, 1, 16)
     assert int(wire.InitFlag.PASSTHROUGH) >> 32 == 0x20  # flags2 bit 5
     assert wire.dirent_size(b"abc") == 32 and wire.dirent_size(b"abc", plus=True) == 160
+    # FUSE_NOTIFY_STORE of 5 bytes at offset 0 of inode 7: out header (error = the notify code, unique 0), then
+    # fuse_notify_store_out; the data follows.
+    assert wire.pack_notify_store(7, 0, 5).hex() == (
+        "2d000000" "04000000" "0000000000000000" "0700000000000000" "0000000000000000" "05000000" "00000000")
