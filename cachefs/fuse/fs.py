@@ -66,9 +66,9 @@ class Handle:
     #: kernel refuses passthrough on an inode whose earlier opens used the page cache, and only once they
     #: are on this node, because a buffered read waiting on the origin cannot be interrupted by a signal.
     page_cache: bool = False
-    #: Put the whole file into the kernel's page cache before the open is answered (FUSE_NOTIFY_STORE), so
+    #: The whole file, to put into the kernel's page cache before the open is answered (FUSE_NOTIFY_STORE), so
     #: that reading it costs no READ request: a packed small file at its first open (see CacheFS.open).
-    prefill: bool = False
+    prefill: bytes | None = None
     stream: ReadStream | None = None  # read-ahead state, made on the first userspace read
 
 
@@ -210,11 +210,14 @@ class CacheFS:
         if self.passthrough and (n.backing_id or self._register_backing(n)):
             h.passthrough = True
         if not h.passthrough:
-            packed = (self.passthrough or (first and self.prefill)) and self._packed_here(n.entry)
-            h.page_cache = not self.passthrough or packed
             # Only at the first open: a page another open cached, or a READ the kernel has in flight for it,
             # would make the store wait on a locked page, and the request thread holding the device with it.
-            h.prefill = first and self.prefill and packed and n.entry.size > 0
+            if first and self.prefill and n.entry.size > 0 and self.engine.small.packable(n.entry):
+                h.prefill = self._whole_local(n.entry)  # None: not on this node (yet)
+                packed = h.prefill is not None
+            else:
+                packed = self.passthrough and self._packed_here(n.entry)
+            h.page_cache = not self.passthrough or packed
         self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
         return fh, h
 
@@ -248,14 +251,10 @@ class CacheFS:
             self._backing_close_quietly(duplicate)
         return True
 
-    def prefill_bytes(self, h: Handle) -> bytes | None:
-        """The whole file of a ``prefill`` handle if it is still local (checksum verified), else None."""
-        entry = h.node.entry
+    def _whole_local(self, entry: Entry) -> bytes | None:
+        """The whole object if it is on this node (checksum verified), else None."""
         data = self.engine.read_local(self.ds, entry, 0, entry.size, None)
-        if data is None or len(data) != entry.size:
-            return None
-        self.stats["prefilled_bytes"] = self.stats.get("prefilled_bytes", 0) + len(data)
-        return data
+        return data if data is not None and len(data) == entry.size else None
 
     def read_local(self, ino: int, fh: int, offset: int, size: int) -> bytes | None:
         """The bytes if every block is in the local store (no waiting), else None: use :meth:`fetch`."""

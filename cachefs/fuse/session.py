@@ -237,19 +237,19 @@ class FuseSession:
         # NOFLUSH: read-only, nothing to flush at close, so the kernel need not ask.
         if h.passthrough:
             return wire.OPEN_OUT.pack(fh, OpenFlag.PASSTHROUGH | OpenFlag.NOFLUSH, self.fs.backing_id(h))
-        if h.prefill:
-            self._store(nodeid, self.fs.prefill_bytes(h))
+        if h.prefill is not None:
+            self._store(nodeid, h.prefill)
+            h.prefill = None
         cache = OpenFlag.KEEP_CACHE if h.page_cache else OpenFlag.DIRECT_IO  # see Handle.page_cache
         return wire.OPEN_OUT.pack(fh, cache | OpenFlag.NOFLUSH, 0)
 
-    def _store(self, nodeid: int, data: bytes | None) -> None:
+    def _store(self, nodeid: int, data: bytes) -> None:
         """Put ``data`` (the whole file) into the inode's page cache. Then the reader's first read is a page
         cache hit: a small file costs LOOKUP, OPEN and RELEASE through here, not a READ as well. Any failure
         leaves the pages to be read the usual way."""
-        if not data:
-            return
         try:
             os.writev(self.fd, [wire.pack_notify_store(nodeid, 0, len(data)), data])
+            self.fs.stats["prefilled_bytes"] = self.fs.stats.get("prefilled_bytes", 0) + len(data)
         except OSError as exc:
             if exc.errno == errno.ENODEV:
                 self.stopped.set()

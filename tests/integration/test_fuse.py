@@ -103,7 +103,8 @@ def test_every_file_reads_back_byte_for_byte_large_ones_by_passthrough_packed_on
             assert f.read() == data, rel
     assert m.record()["mode"] == "passthrough"
     large = [rel for rel, data in files.items() if len(data) > 1024 * 1024]  # over the default pack threshold
-    for _ in range(2):  # cached now; the second time round packed files come from the kernel's page cache too
+    small = sum(len(d) for rel, d in files.items() if rel not in large)
+    for attempt in range(6):  # cached now; from the second time round packed files come from the page cache too
         before = m.stats()
         # This VM's kernel pages out memory it sees as cold (DAMON `pageout`, in regions far larger than a small
         # file), so a page read seconds ago can be gone: only files whose pages are still there must not reach
@@ -115,9 +116,12 @@ def test_every_file_reads_back_byte_for_byte_large_ones_by_passthrough_packed_on
                 assert f.read() == data, rel
         stats = m.stats()
         assert large and stats["passthrough_opens"] - before["passthrough_opens"] == len(large)
-    through_python = stats["userspace_read_bytes"] - before["userspace_read_bytes"]
-    assert through_python <= reclaimed, (through_python, reclaimed)  # no byte of a cached page went through Python
-    assert reclaimed < sum(len(d) for rel, d in files.items() if rel not in large) // 2  # still checks something
+        through_python = stats["userspace_read_bytes"] - before["userspace_read_bytes"]
+        assert through_python <= reclaimed, (through_python, reclaimed)  # no cached page's byte went through Python
+        if attempt and reclaimed < small // 2:
+            break  # a pass that checked most of the small files' bytes
+    else:
+        pytest.fail(f"the kernel dropped most small-file pages before every pass ({reclaimed} of {small} bytes)")
 
 
 def test_a_packed_file_is_in_the_page_cache_when_its_first_open_returns(mounted):
