@@ -64,6 +64,11 @@ def _ci(obj: Any, key: str) -> Any:
     return next((v for k, v in obj.items() if isinstance(k, str) and k.lower() == lk), None)
 
 
+def _same_names(new: list[NodeState], old: list[NodeState]) -> bool:
+    """Whether ``new`` names the same nodes in the same order as ``old`` (checked where it holds other objects)."""
+    return new is old or (len(new) == len(old) and all(new[i].name == old[i].name for i in replaced(new, old)))
+
+
 class BadRequest(Exception):
     pass
 
@@ -117,13 +122,13 @@ class Extender:
     _ranked_memo: dict[tuple, tuple[list[tuple[float, str]], set[str]]] = field(default_factory=dict)
     #: The last call's (datasets key, states, scores) of :meth:`_scores_outside_gangs`, (node list, scores,
     #: reply) of :meth:`prioritize`, (node list, reply) of :meth:`filter` when every node passed, and
-    #: (candidates, ranking, by name, those outside the ranking) of :meth:`_achievable`, and (question, states,
+    #: (candidates, ranking, position by name, those outside the ranking) of :meth:`_achievable`, and (question, states,
     #: cluster, scores) of :meth:`_gang_scores`: kube-scheduler asks
     #: pod after pod about the same nodes, and what did not change is not done again.
     _last_scores: tuple[tuple, list[NodeState], list[int]] | None = None
     _last_priorities: tuple[Any, list[int], list[dict[str, Any]]] | None = None
     _last_passed: tuple[Any, dict[str, Any]] | None = None
-    _last_candidates: tuple[list[NodeState], set[str], dict[str, NodeState], list[NodeState]] | None = None
+    _last_candidates: tuple[list[NodeState], set[str], dict[str, int], list[int]] | None = None
     _last_gang_scores: tuple[tuple, list[NodeState], list[NodeState], list[int]] | None = None
     _nodes: RequestNodes = field(init=False)
 
@@ -131,7 +136,8 @@ class Extender:
         self._nodes = RequestNodes(self.node_cache)
 
     # -- parsing --------------------------------------------------------------------------------------------
-    def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], bool]:
+    def _args(self, body: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]], list | None]:
+        """(Pod, its candidate Node objects, the request's NodeNames list or None when it sent Node objects)."""
         if not isinstance(body, Mapping):
             raise BadRequest("expected a JSON object (ExtenderArgs)")
         pod = _ci(body, "Pod")
@@ -140,14 +146,14 @@ class Extender:
         nodes = _ci(body, "Nodes")
         names = _ci(body, "NodeNames")
         if isinstance(nodes, Mapping) and isinstance(nodes.get("items"), list):
-            items, by_name = self._nodes.full(nodes["items"]), False
+            items, names = self._nodes.full(nodes["items"]), None
         elif isinstance(names, list):
-            items, by_name = self._nodes.named(names), True
+            items = self._nodes.named(names)
         else:
             raise BadRequest("ExtenderArgs needs Nodes.items (nodeCacheCapable: false) or NodeNames (true)")
         # bounded: bind looks pods up by uid shortly after filter/prioritize
         room(self._pods, 100_000)[pod_key(pod)] = pod
-        return pod, items, by_name
+        return pod, items, names
 
     def _held(self) -> dict[str, int]:
         held: dict[str, int] = {}
@@ -174,7 +180,8 @@ class Extender:
 
     # -- verbs ----------------------------------------------------------------------------------------------
     def filter(self, body: Any) -> dict[str, Any]:
-        pod, items, by_name = self._args(body)
+        pod, items, names = self._args(body)
+        by_name = names is not None
         gang = pod_gang(pod, self.min_members)
         gpus = pod_gpus(pod)
         failed: dict[str, str] = {}
@@ -189,7 +196,6 @@ class Extender:
             passed = []
         # Every node passed: the reply is the request's own list, kept for the decoder's list object (the same
         # while its bytes are). A names list the decoder made holds only names, each that of its node here.
-        names = _ci(body, "NodeNames") if by_name else None
         source = names if isinstance(names, NodeNames) else items if isinstance(items, NodeItems) else None
         if not reason and source is not None:
             last = self._last_passed
@@ -255,26 +261,21 @@ class Extender:
             order = sorted(((score(n) or 0.0, n.name) for n in base_cluster), reverse=True)
             ranked = room(self._ranked_memo, 64)[key] = (order, {name for _, name in order})
         order, known = ranked
+        # Where each name is among the candidates, and which are outside the ranking: the same for the next
+        # list with the same names in the same order (the same nodes, a few of them holding other GPUs).
         last = self._last_candidates
-        if last is None or last[1] is not known or len(last[0]) != len(candidates):
-            last = (candidates, known, {n.name: n for n in candidates}, [n for n in candidates if n.name not in known])
-        elif last[0] is not candidates:  # the same nodes with a few states replaced (GPUs held)
-            changed, before = replaced(candidates, last[0]), last[0]
-            if all(candidates[i].name == before[i].name and candidates[i].name in known for i in changed):
-                by_name = dict(last[2])
-                by_name.update((candidates[i].name, candidates[i]) for i in changed)
-                last = (candidates, known, by_name, last[3])
-            else:
-                last = (candidates, known, {n.name: n for n in candidates},
-                        [n for n in candidates if n.name not in known])
-        self._last_candidates = last
-        by_name = last[2]
-        best = [(score(n), n.gpu_free // per if per else 1) for n in last[3]]
+        if last is None or last[1] is not known or not _same_names(candidates, last[0]):
+            last = (candidates, known, {n.name: i for i, n in enumerate(candidates)},
+                    [i for i, n in enumerate(candidates) if n.name not in known])
+        self._last_candidates = (candidates, *last[1:])
+        position, outside = last[2], last[3]
+        best = [(score(candidates[i]), candidates[i].gpu_free // per if per else 1) for i in outside]
         found = 0
         for loc, name in order:
-            n = by_name.get(name)
-            if n is None:
+            i = position.get(name)
+            if i is None:
                 continue
+            n = candidates[i]
             slots = n.gpu_free // per if per else 1
             if slots > 0:
                 best.append((loc, slots))

@@ -97,7 +97,7 @@ class CacheFS:
         #: Whether packed small files are stored into the page cache at their first open (``Handle.prefill``);
         #: the session turns it off if the kernel refuses FUSE_NOTIFY_STORE.
         self.prefill = True
-        self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "userspace_read_bytes": 0}
+        self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "userspace_read_bytes": 0, "prefilled_bytes": 0}
 
     # -- inodes ---------------------------------------------------------------------------------------------
     def node(self, ino: int) -> Node:

@@ -249,7 +249,7 @@ class FuseSession:
         leaves the pages to be read the usual way."""
         try:
             os.writev(self.fd, [wire.pack_notify_store(nodeid, 0, len(data)), data])
-            self.fs.stats["prefilled_bytes"] = self.fs.stats.get("prefilled_bytes", 0) + len(data)
+            self.fs.stats["prefilled_bytes"] += len(data)
         except OSError as exc:
             if exc.errno == errno.ENODEV:
                 self.stopped.set()
