@@ -54,12 +54,12 @@ from .errors import CacheFullError, ConfigError, CorruptBlockError
 from .index import DatasetRecord, Index, ObjectRecord
 from .index.records import PackRecord
 from .manifest import ManifestStore, take_snapshot
-from .small_objects import SmallObjects
+from .small_objects import WOULD_WAIT, SmallObjects
 from .sources import Source, open_origin
 from .store import DiskStore, StoredObject
 from .types import DatasetRef, Entry, object_key
 
-__all__ = ["Dataset", "Engine", "ReadStream", "get_engine"]
+__all__ = ["WOULD_WAIT", "Dataset", "Engine", "ReadStream", "get_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -277,9 +277,11 @@ class Engine:
             self._release(ob)
 
     # -- reads --------------------------------------------------------------------------------------------
-    def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None
-                   ) -> bytes | None:
-        """Serve ``[start, end)`` from local blocks only, from the calling thread; None if any is missing."""
+    def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None, *,
+                   wait: bool = True) -> bytes | None:
+        """Serve ``[start, end)`` from local blocks only, from the calling thread; None if any is missing.
+        Without ``wait``, a packed small file that is not in the page cache is WOULD_WAIT (a thread that must
+        not wait on the disk calls again from elsewhere); the result may then be a bytearray."""
         end = min(end, entry.size)
         if start >= end:
             return b""
@@ -288,10 +290,12 @@ class Engine:
             member = stream.member if stream is not None else None
             if member is not None and member[0] == okey:
                 whole = member[1]
+                if end == len(whole):
+                    stream.member = None  # the last piece: do not hold the bytes as long as the stream lives
             else:
-                whole = self.small.local(ds.ref.id, okey, entry.size)
-                if whole is None:
-                    return None
+                whole = self.small.local(ds.ref.id, okey, entry.size, wait=wait)
+                if whole is None or whole is WOULD_WAIT:
+                    return whole
                 _keep_member(stream, okey, whole, start, end)
             self._count_small(ds, entry, stream, hit=end - start)
             return whole[start:end] if (start, end) != (0, len(whole)) else whole

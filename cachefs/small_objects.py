@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import errno
 import logging
 import os
 import threading
@@ -40,7 +41,7 @@ from .types import Entry
 if TYPE_CHECKING:
     from .engine import Dataset, Engine
 
-__all__ = ["SmallObjects"]
+__all__ = ["WOULD_WAIT", "SmallObjects"]
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,42 @@ _READ_AHEAD_PIECE = 2 * 1024 * 1024
 _MAX_LISTINGS = 64
 
 
+#: What a local read that must not wait answers when the bytes are on this node but not in the page cache.
+WOULD_WAIT = type("WouldWait", (), {"__repr__": lambda self: "WOULD_WAIT", "__bool__": lambda self: False})()
+_nowait_reads = hasattr(os, "RWF_NOWAIT")
+
+
 def _read_ahead(fd: int) -> None:
-    """Start reading the whole file into the page cache (asynchronously). One WILLNEED reads at most the
-    device's read-ahead maximum, so the file is asked for in pieces."""
-    size = os.fstat(fd).st_size
-    for start in range(0, size, _READ_AHEAD_PIECE):
-        os.posix_fadvise(fd, start, _READ_AHEAD_PIECE, os.POSIX_FADV_WILLNEED)
+    """Read the whole file into the page cache, from a thread of its own (the kernel submits the reads
+    before WILLNEED returns, and they can wait for the device's queue); closes ``fd``. One WILLNEED reads at most
+    the device's read-ahead maximum, so the file is asked for in pieces."""
+    def run() -> None:
+        try:
+            size = os.fstat(fd).st_size
+            for start in range(0, size, _READ_AHEAD_PIECE):
+                os.posix_fadvise(fd, start, _READ_AHEAD_PIECE, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+    threading.Thread(target=run, name="cachefs-pack-readahead", daemon=True).start()
+
+
+def _pread_cached(fd: int, length: int, offset: int) -> bytes | bytearray | None:
+    """``length`` bytes at ``offset`` if the page cache holds them all now, else None (a read would wait on
+    the disk)."""
+    global _nowait_reads
+    if not _nowait_reads:
+        return os.pread(fd, length, offset)
+    buf = bytearray(length)
+    try:
+        n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        _nowait_reads = False  # a file system without RWF_NOWAIT: always read (and maybe wait)
+        return os.pread(fd, length, offset)
+    return buf if n == length else None
 
 
 class SmallObjects:
@@ -109,8 +140,9 @@ class SmallObjects:
                 return True
         return self.engine.index.packed(okey) is not None
 
-    def local(self, ds_id: str, okey: bytes, size: int) -> bytes | None:
-        """The whole object if this node holds it (pending or packed, checksum verified), else None."""
+    def local(self, ds_id: str, okey: bytes, size: int, *, wait: bool = True) -> bytes | bytearray | None:
+        """The whole object if this node holds it (pending or packed, checksum verified), else None. Without
+        ``wait``, WOULD_WAIT if reading it would wait on the disk (then call again with ``wait``)."""
         if size == 0:
             return b""
         with self._lock:
@@ -127,10 +159,12 @@ class SmallObjects:
             self.engine.index.remove_pack(ds_id, pack_id)
             return None
         try:
-            data = os.pread(fd, length, offset)
+            data = os.pread(fd, length, offset) if wait else _pread_cached(fd, length, offset)
+            if data is None:
+                return WOULD_WAIT
             intact = len(data) == length and block_checksum(data) == checksum
             if intact and self._count_read(pkey):
-                _read_ahead(fd)
+                _read_ahead(os.dup(fd))
         finally:
             self._put_back(pkey, fd)
         if not intact:

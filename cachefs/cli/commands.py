@@ -65,7 +65,8 @@ async def status(args: argparse.Namespace, config: Config) -> int:
     print(f"used       {human_bytes(rep['used_bytes'])} of {human_bytes(rep['capacity_bytes'])} "
           f"in {rep['objects']} objects; disk free {human_bytes(rep['disk_free_bytes'])}")
     for m in rep["mounts"]:
-        print(f"mount      {m['mountpoint']}  {m['url']}  mode {m['mode']}  pid {m['pid']}")
+        opens = ", opens skipped" if m.get("opens_skipped") else ""
+        print(f"mount      {m['mountpoint']}  {m['url']}  mode {m['mode']}{opens}  pid {m['pid']}")
     if not rep["datasets"]:
         print("no datasets cached")
         return 0
@@ -248,7 +249,8 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError("--workers must be at least 1")
     if args.attach:  # the serving daemon, started (and restarted) by the holder below
         await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
-                                passthrough=not args.no_passthrough, prefill=not args.no_prefill)
+                                passthrough=not args.no_passthrough, prefill=not args.no_prefill,
+                                skip_opens=not args.keep_opens)
         return 0
     if is_fuse_mount(mnt) and not is_stale_mount(mnt):  # (a stale one is cleaned up by the holder)
         raise ConfigError(f"{mnt} is already a cachefs mount (cachefs umount it first)")
@@ -275,6 +277,8 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
         out.append("--no-passthrough")
     if args.no_prefill:
         out.append("--no-prefill")
+    if args.keep_opens:
+        out.append("--keep-opens")
     if args.verbose:
         out.append("-" + "v" * args.verbose)
     return out

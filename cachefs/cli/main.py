@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--no-prefill", action="store_true",
                     help="do not put a packed small file into the kernel's page cache at its first open (its "
                          "reads then come through userspace as READ requests)")
+    mt.add_argument("--keep-opens", action="store_true",
+                    help="have the kernel send OPEN and RELEASE for every file (by default they stop once every "
+                         "file of the dataset is a packed small file on this node: then no open needs an answer)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
 
     cs = sub.add_parser("csi", parents=[common], help="run the CSI plugin (node and/or controller)")

@@ -37,7 +37,8 @@ def hold_mount(config: Config, mountpoint: str, daemon_argv: list[str]) -> int:
 
 
 def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,
-                passthrough: bool = True, prefill: bool = True, ready=None) -> FuseSession:
+                passthrough: bool = True, prefill: bool = True, skip_opens: bool = True,
+                ready=None) -> FuseSession:
     """Serve ``url`` on the mount whose descriptor the holder at socket ``attach`` owns, until unmounted.
     The first daemon of a mount answers the kernel's INIT; a later one resumes from the mount journal.
     ``ready(session)`` is called once the mount is usable (``session.mode`` known)."""
@@ -56,7 +57,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
     fs = CacheFS(engine, ds, journal=journal)
     fs.prefill = prefill
-    session = FuseSession(fs, fd, workers=workers, passthrough=passthrough)
+    session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens)
     try:
         def on_init(s: FuseSession) -> None:
             record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats)
@@ -65,16 +66,20 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
                 ready(s)
 
         def publish_stats(s: FuseSession) -> None:  # what `cachefs status` shows about this mount, every second
-            last = dict(s.fs.stats)
+            last = None
             ticks = 0
-            while not s.stopped.wait(1.0):
-                ticks += 1
-                if ticks % 30 == 0:  # let go of evicted objects the kernel still holds for idle passthrough
+            while True:
+                if ticks % 5 == 0:
+                    s.maybe_skip_opens()
+                if ticks % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
                     s.fs.sweep()
-                now = dict(s.fs.stats)
+                now = (dict(s.fs.stats), s.opens_skipped)
                 if now != last:
-                    record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now)
+                    record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0], opens_skipped=now[1])
                     last = now
+                if s.stopped.wait(1.0):
+                    break
+                ticks += 1
 
         session.on_init = on_init
         session.serve(resume=resume)

@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..engine import Dataset, Engine, ReadStream
+from ..engine import WOULD_WAIT, Dataset, Engine, ReadStream
 from ..types import Entry
 from .journal import MountJournal
 
@@ -55,6 +55,9 @@ class Node:
     #: Never opened since the kernel first looked it up from this daemon: its page cache is empty and no read
     #: of it can be in flight, so its bytes may be stored there before the open is answered (Handle.prefill).
     unopened: bool = False
+    #: Read state of this inode's READs that name no open file (fh 0: the kernel no longer sends OPEN, see
+    #: CacheFS.opens_needed).
+    reads: Handle | None = None
 
 
 @dataclass
@@ -97,7 +100,9 @@ class CacheFS:
         #: Whether packed small files are stored into the page cache at their first open (``Handle.prefill``);
         #: the session turns it off if the kernel refuses FUSE_NOTIFY_STORE.
         self.prefill = True
-        self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "userspace_read_bytes": 0, "prefilled_bytes": 0}
+        self._walked_at = -1  # the dataset's cached bytes when opens_needed last walked the manifest
+        self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "userspace_read_bytes": 0, "prefilled_bytes": 0,
+                      "disk_waits": 0, "opens_refused": 0}
 
     # -- inodes ---------------------------------------------------------------------------------------------
     def node(self, ino: int) -> Node:
@@ -213,13 +218,35 @@ class CacheFS:
             # Only at the first open: a page another open cached, or a READ the kernel has in flight for it,
             # would make the store wait on a locked page, and the request thread holding the device with it.
             if first and self.prefill and n.entry.size > 0 and self.engine.small.packable(n.entry):
-                h.prefill = self._whole_local(n.entry)  # None: not on this node (yet)
-                packed = h.prefill is not None
+                whole = self.engine.read_local(self.ds, n.entry, 0, n.entry.size, None, wait=False)
+                packed = whole is not None  # WOULD_WAIT: here, but on disk only; its READ will not hold the device
+                h.prefill = whole if packed and whole is not WOULD_WAIT else None
             else:
                 packed = self.passthrough and self._packed_here(n.entry)
             h.page_cache = not self.passthrough or packed
         self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
         return fh, h
+
+    def opens_needed(self, check_local: bool = True) -> bool:
+        """Whether the kernel must go on sending OPEN and RELEASE. Not when every file is a packed small file
+        (none can ever be passthrough) and, with ``check_local`` (passthrough on), each is on this node: then
+        every open gets the same answer (page cache, nothing to register) and a READ brings what a prefill
+        would, so the session answers OPEN with ENOSYS and the kernel opens files without asking for the rest
+        of the mount (``fc->no_open``): a small file in the page cache then costs no request at all. (An open
+        of a file that is not here is answered direct-I/O in passthrough mode, so that a read waiting on the
+        origin can be interrupted; once opens are skipped, a file evicted later is read through the page
+        cache, where only a fatal signal or the origin timeout ends such a wait.) May walk the manifest."""
+        info = self.ds.record.manifest(self.ds.version)
+        if info is None or info.largest is None or info.largest > self.engine.small.threshold:
+            return True
+        if not check_local:
+            return False
+        cached = self.engine.index.dataset_stats(self.ds.ref.id).cached_bytes
+        # (It counts every version of the dataset's objects, so only falling short is conclusive.)
+        if cached < info.bytes or cached == self._walked_at:
+            return True
+        self._walked_at = cached  # walk again only once the cache holds something else
+        return any(self.engine.cached_bytes(self.ds, e) != e.size for e in self.ds.walk_files())
 
     def _packed_here(self, entry) -> bool:
         return self.engine.small.packable(entry) and self.engine.cached_bytes(self.ds, entry) == entry.size
@@ -251,16 +278,14 @@ class CacheFS:
             self._backing_close_quietly(duplicate)
         return True
 
-    def _whole_local(self, entry: Entry) -> bytes | None:
-        """The whole object if it is on this node (checksum verified), else None."""
-        data = self.engine.read_local(self.ds, entry, 0, entry.size, None)
-        return data if data is not None and len(data) == entry.size else None
-
-    def read_local(self, ino: int, fh: int, offset: int, size: int) -> bytes | None:
-        """The bytes if every block is in the local store (no waiting), else None: use :meth:`fetch`."""
+    def read_local(self, ino: int, fh: int, offset: int, size: int, *, wait: bool = True) -> bytes | None:
+        """The bytes if every block is in the local store, else None: use :meth:`fetch`. Without ``wait``,
+        WOULD_WAIT if a packed file's bytes are on disk but not in the page cache (see Engine.read_local)."""
         h = self._handle(ino, fh)
-        data = self.engine.read_local(self.ds, h.node.entry, offset, offset + size, h.stream)
-        if data is not None:
+        data = self.engine.read_local(self.ds, h.node.entry, offset, offset + size, h.stream, wait=wait)
+        if data is WOULD_WAIT:
+            self.stats["disk_waits"] += 1
+        elif data is not None:
             self.stats["userspace_read_bytes"] += len(data)
         return data
 
@@ -272,6 +297,13 @@ class CacheFS:
         return data
 
     def _handle(self, ino: int, fh: int) -> Handle:
+        if not fh:  # no OPEN was sent (open-less mode): the inode's own read state
+            n = self.node(ino)
+            h = n.reads
+            if h is None:
+                h = n.reads = Handle(n, page_cache=True)
+                h.stream = ReadStream()
+            return h
         h = self._handles.get(fh)
         if h is None:  # opened under a previous daemon: the request names the inode, which is all we need
             h = Handle(self.node(ino))

@@ -25,12 +25,14 @@ def mount_record_path(cache_dir: str, mountpoint: str) -> str:
     return mount_file(cache_dir, mountpoint, ".json")
 
 
-def record_mount(cache_dir: str, mountpoint: str, url: str, mode: str, stats: dict | None = None) -> None:
+def record_mount(cache_dir: str, mountpoint: str, url: str, mode: str, stats: dict | None = None, *,
+                 opens_skipped: bool = False) -> None:
+    """``mode``: passthrough or userspace; ``opens_skipped``: the kernel opens files without asking."""
     os.makedirs(_dir(cache_dir), exist_ok=True)
     tmp = mount_record_path(cache_dir, mountpoint) + f".{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump({"mountpoint": os.path.abspath(mountpoint), "url": url, "pid": os.getpid(), "mode": mode,
-                   "stats": stats or {}}, f)
+                   "opens_skipped": opens_skipped, "stats": stats or {}}, f)
     os.replace(tmp, mount_record_path(cache_dir, mountpoint))
 
 

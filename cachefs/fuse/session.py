@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from .._aio import get_loop
+from ..engine import WOULD_WAIT
 from . import wire
 from .errno_map import to_errno
 from .fs import CacheFS
@@ -37,12 +38,15 @@ class FuseSession:
     """Serves ``fs`` on the mounted ``/dev/fuse`` descriptor ``fd`` with ``workers`` threads."""
 
     def __init__(self, fs: CacheFS, fd: int, *, workers: int = 2, timeout: float = 3600.0,
-                 passthrough: bool = True) -> None:
+                 passthrough: bool = True, skip_opens: bool = True) -> None:
         self.fs, self.fd = fs, fd
         self.workers = max(1, workers)
         self.timeout = timeout
         self.want_passthrough = passthrough
         self.mode = "starting"
+        #: May OPEN be answered ENOSYS once no file needs one (see maybe_skip_opens); and is it now.
+        self.skip_opens = skip_opens
+        self.opens_skipped = False
         self.stopped = threading.Event()
         #: Called with the session once INIT is answered (the mount is usable, ``mode`` is known).
         self.on_init: Callable[[FuseSession], None] | None = None
@@ -55,10 +59,10 @@ class FuseSession:
             Op.INIT: self._init, Op.LOOKUP: self._lookup, Op.GETATTR: self._getattr, Op.OPEN: self._open,
             Op.READ: self._read, Op.RELEASE: self._release, Op.OPENDIR: self._opendir,
             Op.READDIR: self._readdir, Op.READDIRPLUS: self._readdirplus, Op.RELEASEDIR: self._releasedir,
-            Op.STATFS: self._statfs, Op.FLUSH: self._empty, Op.ACCESS: self._access,
+            Op.STATFS: self._statfs, Op.ACCESS: self._access,
             Op.GETXATTR: self._getxattr, Op.LISTXATTR: self._listxattr, Op.DESTROY: self._destroy,
             Op.FSYNC: self._empty, Op.FSYNCDIR: self._empty,
-        }
+        }  # FLUSH is not here: answered ENOSYS, the kernel never sends it again (read-only, nothing to flush)
 
     # -- loop -----------------------------------------------------------------------------------------------
     def serve(self, *, resume: bool = False) -> None:
@@ -78,19 +82,23 @@ class FuseSession:
 
     def _worker(self) -> None:
         """Leader/followers: one thread at a time reads /dev/fuse and answers what is quick itself (lookups,
-        opens, small reads: microseconds of Python), handing the reading over to a waiting thread only before
-        a large READ, whose copy runs without the GIL. Every thread reading at once measured half the rate on
-        small files: each request then woke a second thread to fight over the GIL (bench/fuse_bench.py)."""
+        opens, reads from the page cache: microseconds of Python). A request that would wait (a large READ,
+        whose copy runs without the GIL, or a read from the disk) comes back as a :class:`_Later`; this thread
+        then lets a waiting one read the device and finishes that request meanwhile. Every thread reading at
+        once measured half the rate on small files: each request then woke a second thread to fight over the
+        GIL (bench/fuse_bench.py)."""
         buf = bytearray(MAX_WRITE + 4096 + 8192)
         view = memoryview(buf)
         while not self.stopped.is_set():
+            later = None
             with self._turn:
-                n = self._next_request(buf)
-                while n and not self._slow(view, n):
-                    self._handle(view[:n])
+                while later is None:
                     n = self._next_request(buf)
-            if n:
-                self._handle(view[:n])
+                    if not n:
+                        break
+                    later = self._handle(view[:n])
+            if later is not None:
+                later.finish(self)
 
     def _next_request(self, buf: bytearray) -> int:
         """Read one request (its length), or 0 when there is none to handle (retry, or the session ended)."""
@@ -108,15 +116,7 @@ class FuseSession:
                 return n
         return 0
 
-    @staticmethod
-    def _slow(req: memoryview, n: int) -> bool:
-        """Whether a request is worth another thread reading the next one meanwhile: a READ of more than
-        HANDOVER_READ bytes."""
-        if wire.OPCODE.unpack_from(req, 4)[0] != Op.READ or n < wire.IN_HEADER.size + wire.READ_IN.size:
-            return False
-        return wire.READ_IN.unpack_from(req, wire.IN_HEADER.size)[2] > HANDOVER_READ
-
-    def _handle(self, req: memoryview) -> None:
+    def _handle(self, req: memoryview) -> _Later | None:
         length, opcode, unique, nodeid, _uid, _gid, _pid, extlen, _ = wire.IN_HEADER.unpack_from(req)
         body = req[wire.IN_HEADER.size:length - 8 * extlen]  # extension headers (8-byte units) sit at the end
         if opcode == Op.FORGET:
@@ -141,13 +141,16 @@ class FuseSession:
             payload = handler(nodeid, unique, body)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
             self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
-            return
+            return None
         if payload is DEFERRED:
-            return  # answered when its fetch completes
+            return None  # answered when its fetch completes
+        if type(payload) is _Later:
+            return payload
         if payload is not None:
             self._reply(unique, 0, payload)
         if opcode == Op.INIT and self.on_init is not None:
             self.on_init(self)
+        return None
 
     def _interrupt(self, unique: int) -> None:
         """The caller gave up (a signal): cancel its fetch and answer EINTR now."""
@@ -231,7 +234,19 @@ class FuseSession:
         return wire.pack_attr_out(wire.pack_attr(nodeid, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid),
                                   self.timeout)
 
+    def maybe_skip_opens(self) -> bool:
+        """From now on answer OPEN with ENOSYS, so that the kernel stops sending OPEN and RELEASE, if no file
+        needs them (CacheFS.opens_needed; may walk the manifest, so not from a request thread). True if so."""
+        if self.skip_opens and not self.opens_skipped and self.mode != "starting" and \
+                not self.fs.opens_needed(check_local=self.fs.passthrough):
+            self.opens_skipped = True
+            log.info("every file is a packed small file on this node: the kernel opens files without asking")
+        return self.opens_skipped
+
     def _open(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        if self.opens_skipped:
+            self.fs.stats["opens_refused"] += 1
+            raise OSError(errno.ENOSYS, "open-less mode")  # the kernel sets no_open: no more OPEN or RELEASE
         flags, _ = wire.OPEN_IN.unpack_from(body)
         fh, h = self.fs.open(nodeid, flags)
         # NOFLUSH: read-only, nothing to flush at close, so the kernel need not ask.
@@ -258,12 +273,22 @@ class FuseSession:
                 self.fs.prefill = False
 
     def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes | object:
-        """Cached bytes are answered at once; a fetch from the origin is answered when it completes, so a slow
-        origin never holds a request thread (and an INTERRUPT can cancel it)."""
+        """Bytes in the page cache are answered at once; large reads and reads from the disk after the device
+        is handed on (:class:`_Later`); a fetch from the origin when it completes, so a slow origin never holds
+        a request thread (and an INTERRUPT can cancel it)."""
         fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
+        if size > HANDOVER_READ:
+            return _Later(unique, nodeid, fh, offset, size)
+        data = self.fs.read_local(nodeid, fh, offset, size, wait=False)
+        if data is WOULD_WAIT:
+            return _Later(unique, nodeid, fh, offset, size)
+        return self._fetch(unique, nodeid, fh, offset, size) if data is None else data
+
+    def _read_waiting(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> bytes | object:
         data = self.fs.read_local(nodeid, fh, offset, size)
-        if data is not None:
-            return data
+        return self._fetch(unique, nodeid, fh, offset, size) if data is None else data
+
+    def _fetch(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> object:
         with self._lock:  # held until registered: the completion callback takes the same lock
             fut = asyncio.run_coroutine_threadsafe(self.fs.fetch(nodeid, fh, offset, size), get_loop())
             self._inflight[unique] = fut
@@ -366,6 +391,24 @@ class FuseSession:
     def _backing_close(self, backing_id: int) -> None:
         arg = bytearray(backing_id.to_bytes(4, "little"))
         fcntl.ioctl(self.fd, wire.FUSE_DEV_IOC_BACKING_CLOSE, arg, True)
+
+
+class _Later:
+    """A READ to finish after the device is handed to another thread (see FuseSession._worker)."""
+
+    __slots__ = ("fh", "nodeid", "offset", "size", "unique")
+
+    def __init__(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> None:
+        self.unique, self.nodeid, self.fh, self.offset, self.size = unique, nodeid, fh, offset, size
+
+    def finish(self, session: FuseSession) -> None:
+        try:
+            payload = session._read_waiting(self.unique, self.nodeid, self.fh, self.offset, self.size)
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
+            session._reply(self.unique, to_errno(exc, f"READ inode {self.nodeid}"))
+            return
+        if payload is not DEFERRED:
+            session._reply(self.unique, 0, payload)
 
 
 def _op_name(opcode: int) -> str:

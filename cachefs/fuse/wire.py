@@ -115,7 +115,6 @@ ATTR_OUT_HEAD = struct.Struct("<QII")  # attr_valid, attr_valid_nsec, dummy
 GETATTR_IN = struct.Struct("<IIQ")  # getattr_flags, dummy, fh
 OPEN_IN = struct.Struct("<II")  # flags, open_flags
 OPEN_OUT = struct.Struct("<QIi")  # fh, open_flags, backing_id
-OPCODE = struct.Struct("<I")  # in_header.opcode, at byte 4
 READ_IN = struct.Struct("<QQIIQII")  # fh, offset, size, read_flags, lock_owner, flags, padding
 RELEASE_IN = struct.Struct("<QIIQ")  # fh, flags, release_flags, lock_owner
 FORGET_IN = struct.Struct("<Q")  # nlookup

@@ -25,6 +25,8 @@ class ManifestInfo:
     files: int
     bytes: int
     skipped: int = 0
+    #: The largest file's size (None: a manifest written before this was recorded).
+    largest: int | None = None
 
 
 @dataclass

@@ -70,7 +70,8 @@ async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: Da
         log.warning("%s: skipped %r (%s)", ds.url, path, why)
     if writer.skipped > len(writer.skipped_examples):
         log.warning("%s: skipped %d names in all", ds.url, writer.skipped)
-    rec.manifests.append(ManifestInfo(version, writer.created, writer.files, writer.bytes, writer.skipped))
+    rec.manifests.append(ManifestInfo(version, writer.created, writer.files, writer.bytes, writer.skipped,
+                                      writer.largest))
     rec.current = version
     dropped = rec.manifests[:-KEEP_VERSIONS]
     rec.manifests = rec.manifests[-KEEP_VERSIONS:]

@@ -132,6 +132,7 @@ class ManifestWriter:
         self.created = time.time()
         self.files = 0
         self.bytes = 0
+        self.largest = 0  # an upper bound: a file later shadowed by a directory still counts
         self.skipped = 0
         #: The first few skipped paths and why, for the log and ``cachefs status``.
         self.skipped_examples: list[tuple[str, str]] = []
@@ -157,6 +158,7 @@ class ManifestWriter:
                     continue
                 self.files += 1
                 self.bytes += e.size
+                self.largest = max(self.largest, e.size)
 
     def _add_dir(self, txn, path: str) -> None:
         while path not in self._dirs:

@@ -102,6 +102,7 @@ def test_every_file_reads_back_byte_for_byte_large_ones_by_passthrough_packed_on
         with open(m.path(rel), "rb") as f:
             assert f.read() == data, rel
     assert m.record()["mode"] == "passthrough"
+    assert m.record()["opens_skipped"] is False  # large files: their opens answer with a backing file
     large = [rel for rel, data in files.items() if len(data) > 1024 * 1024]  # over the default pack threshold
     small = sum(len(d) for rel, d in files.items() if rel not in large)
     for attempt in range(6):  # cached now; from the second time round packed files come from the page cache too
@@ -150,6 +151,64 @@ def test_a_packed_file_is_in_the_page_cache_when_its_first_open_returns(mounted)
             assert stats.get("prefilled_bytes") == packed and stats["userspace_read_bytes"] == 0, stats
         else:
             assert not stats.get("prefilled_bytes") and stats["userspace_read_bytes"] >= packed, stats
+
+
+def test_opens_stop_once_every_file_is_a_packed_small_file_on_this_node(s3, cache_dir, tmp_path):
+    """A dataset of small files only. While some are not on this node the kernel's opens are answered (an
+    uncached file opens direct-I/O in passthrough mode, so that a read waiting on the origin can be
+    interrupted); once all are, OPEN is answered ENOSYS and the kernel opens files without asking, so a file in
+    the page cache costs no request at all. Packs that are not in the page cache are read off the request
+    thread, with the same bytes. With ``--keep-opens`` every open is answered."""
+    _, client, bucket = s3
+    files = make_files(n_small=60, big_sizes=(400_000,), seed=4)
+    put_tree(client, bucket, "ds", files)
+    url = f"s3://{bucket}/ds"
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+
+    def read_all(m: Mounted) -> None:
+        for rel, data in files.items():
+            with open(m.path(rel), "rb") as f:
+                assert f.read() == data, rel
+
+    m = Mounted(cache_dir, url, str(mnt))
+    try:
+        assert m.stats()["opens_refused"] == 0 and m.record()["opens_skipped"] is False  # nothing cached yet
+        read_all(m)  # fetches and packs every file
+        assert m.stats()["userspace_opens"] == len(files)
+        deadline = time.monotonic() + 30
+        while not m.record()["opens_skipped"]:
+            assert time.monotonic() < deadline, "opens were not skipped once every file was on this node"
+            time.sleep(0.2)
+        for _ in range(2):  # the first pass puts the pages into the page cache through READ
+            before = m.stats()
+            reclaimed = sum(len(data) - resident_bytes(m.path(rel)) for rel, data in files.items())
+            read_all(m)
+            stats = m.stats()
+        assert stats["userspace_opens"] == len(files)  # not one more open was answered
+        assert stats["opens_refused"] == 1  # the one that switched the kernel over
+        assert stats["userspace_read_bytes"] - before["userspace_read_bytes"] <= max(0, reclaimed)
+    finally:
+        m.close()
+
+    packs = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(cache_dir, "packs")) for n in names]
+    assert packs
+    for p in packs:  # out of the page cache: reading a member now waits on the disk
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    for extra, skipped in (((), True), (("--keep-opens",), False)):
+        again = Mounted(cache_dir, url, str(mnt), *extra)
+        try:
+            time.sleep(0.3)  # (the first check runs as the mount comes up)
+            read_all(again)
+            stats = again.stats()
+            assert again.record()["opens_skipped"] is skipped
+            assert (stats["userspace_opens"] == 0) is skipped and (stats["opens_refused"] == 1) is skipped
+            if skipped:
+                assert stats["disk_waits"] >= 1, stats  # answered after the device was handed on
+        finally:
+            again.close()
 
 
 def test_tree_metadata_walk_ls_find_stat(mounted):

@@ -63,6 +63,8 @@ def test_a_million_entry_manifest_from_a_local_tree(tmp_path, config):
             assert sum(1 for _ in ds.walk_files()) == DIRS * PER_DIR
             assert [e.path for e in ds.listdir("d3")] == [f"d3/f{i:06d}" for i in range(PER_DIR)]
             assert ds.stat("d5/f050000").size == 6 and ds.stat("d5/f050001").size == 0
+            info = ds.record.manifest(ds.version)
+            assert (info.files, info.largest) == (DIRS * PER_DIR, 10)
         finally:
             engine.close()
         rng = random.Random(1)
@@ -91,6 +93,7 @@ def test_a_hundred_thousand_objects_listed_from_s3(s3, config):
         assert sum(1 for _ in ds.walk_files()) == count + 1
         listed = ds.listdir("d7")
         assert len(listed) == count // DIRS + 1 and ds.stat("d7/sized.bin").size == 5
+        assert ds.record.manifest(ds.version).largest == 5
         assert {e.path for e in listed} == {f"d7/f{i:07d}" for i in range(7, count, DIRS)} | {"d7/sized.bin"}
     finally:
         engine.close()

@@ -357,7 +357,7 @@ def test_a_packed_file_read_in_pieces_is_read_from_its_pack_once(tree, config):
         await engine.small.flush()
         reads = []
         local = engine.small.local
-        engine.small.local = lambda *a: reads.append(a) or local(*a)
+        engine.small.local = lambda *a, **kw: reads.append(a) or local(*a, **kw)
         stream, out = ReadStream(), b""
         for start in range(0, len(data), 1000):
             got = engine.read_local(ds, entry, start, start + 1000, stream)
