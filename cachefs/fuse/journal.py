@@ -9,7 +9,8 @@ SIGKILL; only a machine crash loses it, and that loses the mount too).
 
 Only what cannot be rebuilt is written, and nothing per open: inode numbers (→ path) when first handed out
 and backing ids when registered or dropped. File and directory handles are rebuilt on first use from the
-request itself (it carries the inode).
+request itself (it carries the inode). A forgotten inode is written with the next record, not on its own: a
+daemon that dies first leaves its successor one inode too many, which the kernel never asks about.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import threading
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 
 __all__ = ["JournalState", "MountJournal"]
 
@@ -44,6 +46,7 @@ class MountJournal:
         self._fd = -1
         self._lock = threading.Lock()
         self._size = self._live_size = 0
+        self._forgotten: list[int] = []  # inodes forgotten since the last write
         self.state = JournalState()
 
     @classmethod
@@ -63,35 +66,43 @@ class MountJournal:
     # -- records --------------------------------------------------------------------------------------------
     def init(self, mode: str, flags: int, manifest_version: int) -> None:
         self.state.init = {"mode": mode, "flags": flags, "manifest_version": manifest_version}
-        self._append(["init", self.state.init])
+        self._append(_line(["init", self.state.init]))
 
     def inode(self, ino: int, path: str) -> None:
         if self.state.inodes.get(ino) != path:
             self.state.inodes[ino] = path
-            self._append(["i", ino, path])
+            self._append(b'["i",%d,%s]\n' % (ino, encode_basestring_ascii(path).encode()))
 
     def forget(self, ino: int) -> None:
         if self.state.inodes.pop(ino, None) is not None:
-            self._append(["f", ino])
+            with self._lock:
+                self._forgotten.append(ino)
 
     def backing(self, ino: int, backing_id: int) -> None:
         self.state.backing[ino] = backing_id
-        self._append(["b", ino, backing_id])
+        self._append(_line(["b", ino, backing_id]))
 
     def backing_closed(self, ino: int) -> None:
         self.state.backing.pop(ino, None)
-        self._append(["c", ino])
+        self._append(_line(["c", ino]))
 
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
+                os.write(self._fd, self._take_forgotten())
                 os.close(self._fd)
                 self._fd = -1
 
     # -- file -----------------------------------------------------------------------------------------------
-    def _append(self, rec: list) -> None:
-        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
+    def _take_forgotten(self) -> bytes:
+        out = b"".join(b'["f",%d]\n' % ino for ino in self._forgotten)
+        self._forgotten.clear()
+        return out
+
+    def _append(self, line: bytes) -> None:
         with self._lock:
+            if self._forgotten:
+                line = self._take_forgotten() + line
             os.write(self._fd, line)
             self._size += len(line)
             # Compact once the file is twice what the last compaction left (at least COMPACT_BYTES): when the
@@ -112,7 +123,8 @@ class MountJournal:
             lines.append(["init", s.init])
         lines += [["i", ino, p] for ino, p in s.inodes.items()]
         lines += [["b", ino, b] for ino, b in s.backing.items()]
-        data = "".join(json.dumps(rec, separators=(",", ":")) + "\n" for rec in lines).encode()
+        data = b"".join(_line(rec) for rec in lines)
+        self._forgotten.clear()  # (the state no longer holds them)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -125,6 +137,10 @@ class MountJournal:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         self._size = self._live_size = len(data)
+
+
+def _line(rec: list) -> bytes:
+    return (json.dumps(rec, separators=(",", ":")) + "\n").encode()
 
 
 def replay(path: str) -> JournalState:

@@ -25,6 +25,23 @@ def test_replay_gives_back_the_live_state(tmp_path):
     assert _read(path).count('"a/b"') == 1
 
 
+def test_a_forget_is_written_with_the_next_record_and_names_survive_escaping(tmp_path):
+    """An inode is on disk before its lookup is answered; a forget waits for the next record (one write
+    fewer per file), so a daemon killed in between leaves its successor an inode the kernel never names."""
+    path = str(tmp_path / "m.journal")
+    j = MountJournal.start(path)
+    odd = 'd\u00e9j\u00e0 "quoted"\\back\udcff\n'
+    j.inode(10, odd)
+    j.inode(11, "b")
+    j.forget(11)
+    assert replay(path).inodes == {10: odd, 11: "b"}  # SIGKILL now: the forget is not written yet
+    j.inode(12, "c")
+    assert replay(path).inodes == {10: odd, 12: "c"}
+    j.forget(12)
+    j.close()  # a clean exit writes it
+    assert replay(path).inodes == {10: odd}
+
+
 def test_resume_counts_generations_and_compacts(tmp_path):
     path = str(tmp_path / "m.journal")
     j = MountJournal.start(path)
