@@ -589,10 +589,17 @@ class Engine:
             self._ds_stats = {}
             dirs, self._dir_hits = self._dir_hits, {}
         packs = self.small.take_pack_access()
+        self.small.close_unlinked()
         try:
             self.index.record_access(objs, ds, packs, dirs, half_life=self.config.engine.hot_dir_half_life)
         except Exception:
             log.exception("could not write access statistics")
+
+    async def start_background(self) -> None:
+        """Start the periodic statistics flush now. It otherwise starts with the first read that reaches the
+        event loop, which a process serving only local reads (a FUSE daemon on a warm cache) never makes; its
+        hits and hot directories would reach the index only when it closes."""
+        self._start_background()
 
     def _start_background(self) -> None:
         if self._stats_task is None or self._stats_task.done():

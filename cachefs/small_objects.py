@@ -202,11 +202,19 @@ class SmallObjects:
     def _open_pack(self, ds_id: str, pack_id: int, pkey: bytes) -> int | None:
         with self._lock:
             fd = self._fds.pop(pkey, None)  # taken out while in use: nobody closes it under us
-        if fd is not None:
-            if os.fstat(fd).st_nlink:
-                return fd
-            os.close(fd)  # evicted: let the space go
-        return self.store.open(ds_id, pack_id)
+        # An evicted pack's descriptor still reads its (immutable, checksummed) members; close_unlinked lets
+        # the space go.
+        return fd if fd is not None else self.store.open(ds_id, pack_id)
+
+    def close_unlinked(self) -> int:
+        """Close the kept descriptors of packs that were evicted (by any process), so their disk space is
+        freed; returns how many. Called with the statistics flush."""
+        with self._lock:
+            gone = [k for k, fd in self._fds.items() if os.fstat(fd).st_nlink == 0]
+            fds = [self._fds.pop(k) for k in gone]
+        for fd in fds:
+            os.close(fd)
+        return len(fds)
 
     def _put_back(self, pkey: bytes, fd: int) -> None:
         with self._lock:

@@ -55,6 +55,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     ds = run_sync(engine.open_dataset(url, manifest_version=init["manifest_version"] if init else None))
     # The origin client takes a while to set up (hundreds of ms for S3): do it now, not in the first cold read.
     asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
+    asyncio.run_coroutine_threadsafe(engine.start_background(), get_loop())  # hits of local reads reach the index
     fs = CacheFS(engine, ds, journal=journal)
     fs.prefill = prefill
     session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens)

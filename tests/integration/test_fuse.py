@@ -211,6 +211,38 @@ def test_opens_stop_once_every_file_is_a_packed_small_file_on_this_node(s3, cach
             again.close()
 
 
+def test_reads_of_a_warm_mount_reach_the_index_while_it_is_mounted(s3, cache_dir, tmp_path):
+    """Hits served from local data (no fetch ever reaches the event loop) are flushed to the index as they
+    happen, so `cachefs status` shows a hot directory while the mount is up, not after it ends."""
+    _, client, bucket = s3
+    files = make_files(n_small=30, big_sizes=(), seed=6)
+    put_tree(client, bucket, "ds", files)
+    url = f"s3://{bucket}/ds"
+    cli = [sys.executable, "-m", "cachefs.cli.main"]
+    subprocess.run([*cli, "prefetch", url, "-q", "--cache-dir", cache_dir], check=True, timeout=120)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache_dir, url, str(mnt), "--keep-opens")
+    try:
+        hot = [rel for rel in files if rel.startswith("small/d1/")]
+        for _ in range(3):
+            for rel in hot:
+                with open(m.path(rel), "rb", buffering=0) as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # so the read reaches the daemon
+                    assert f.read() == files[rel]
+        deadline = time.monotonic() + 20
+        while True:
+            out = subprocess.run([*cli, "status", "--json", "--cache-dir", cache_dir], capture_output=True,
+                                 text=True, timeout=60, check=True).stdout
+            dirs = json.loads(out)["hot_directories"]
+            if dirs and dirs[0]["path"] == "small/d1":
+                break
+            assert time.monotonic() < deadline, dirs
+            time.sleep(0.5)
+    finally:
+        m.close()
+
+
 def test_tree_metadata_walk_ls_find_stat(mounted):
     m, files = mounted
     seen = set()

@@ -141,6 +141,31 @@ def test_eviction_removes_whole_packs_and_files_come_back(tree, config):
     assert run(engine, read_all(engine, url, files)) == files
 
 
+def test_a_pack_evicted_by_another_process_is_closed_here_and_its_files_come_back(tree, config):
+    """A reader keeps pack descriptors open; another process evicting the pack must not leave its space held
+    by them, and the files must come back from the origin."""
+    url, _root, files = tree
+    small = {r: d for r, d in files.items() if r.startswith("train/")}
+    engine = Engine(config)
+
+    async def scenario():
+        assert await read_all(engine, url, small) == small
+        await engine.small.flush()
+        ds = await engine.open_dataset(url)
+        for rel, data in small.items():  # from the packs now: their descriptors are kept
+            assert engine.read_local(ds, ds.file(rel), 0, len(data)) == data
+        other = Engine(config)  # another process's eviction
+        assert other.evict_sync(everything=True) > 0
+        other.close()
+        assert engine.small.close_unlinked() >= 1
+        assert engine.small.close_unlinked() == 0
+        for rel, data in small.items():
+            assert engine.read_local(ds, ds.file(rel), 0, len(data)) == (None if data else b"")  # gone here
+        return await read_all(engine, url, small)
+
+    assert run(engine, scenario()) == small
+
+
 def test_a_corrupted_member_is_detected_and_fetched_again(tree, config, caplog):
     url, _root, files = tree
     engine = Engine(config)
