@@ -61,7 +61,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens)
     try:
         def on_init(s: FuseSession) -> None:
-            record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats)
+            record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats, opens_skipped=s.opens_skipped)
             threading.Thread(target=publish_stats, args=(s,), name="cachefs-fuse-stats", daemon=True).start()
             if ready is not None:
                 ready(s)

@@ -35,6 +35,7 @@ class JournalState:
     generation: int = 0  # how many daemons served this mount before
     inodes: dict[int, str] = field(default_factory=dict)  # ino → path
     backing: dict[int, int] = field(default_factory=dict)  # ino → backing id registered with the kernel
+    opens_skipped: bool = False  # OPEN was answered ENOSYS: the kernel sends no more OPEN or RELEASE
 
 
 class MountJournal:
@@ -67,6 +68,10 @@ class MountJournal:
     def init(self, mode: str, flags: int, manifest_version: int) -> None:
         self.state.init = {"mode": mode, "flags": flags, "manifest_version": manifest_version}
         self._append(_line(["init", self.state.init]))
+
+    def skip_opens(self) -> None:
+        self.state.opens_skipped = True
+        self._append(_line(["noopen"]))
 
     def inode(self, ino: int, path: str) -> None:
         if self.state.inodes.get(ino) != path:
@@ -121,6 +126,8 @@ class MountJournal:
         lines = [["gen", s.generation]]
         if s.init:
             lines.append(["init", s.init])
+        if s.opens_skipped:
+            lines.append(["noopen"])
         lines += [["i", ino, p] for ino, p in s.inodes.items()]
         lines += [["b", ino, b] for ino, b in s.backing.items()]
         data = b"".join(_line(rec) for rec in lines)
@@ -163,6 +170,8 @@ def replay(path: str) -> JournalState:
             s.generation = int(rec[1])
         elif kind == "init":
             s.init = dict(rec[1])
+        elif kind == "noopen":
+            s.opens_skipped = True
         elif kind == "i":
             s.inodes[int(rec[1])] = rec[2]
         elif kind == "f":

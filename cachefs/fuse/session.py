@@ -170,6 +170,8 @@ class FuseSession:
             self.fs.passthrough = init["mode"] == "passthrough"
             self.mode = init["mode"]
             self.fs.restore()
+        # Whether a previous daemon refused an OPEN (then the kernel sends none, whatever we decide now).
+        self.opens_skipped = self.fs.journal.state.opens_skipped
         try:
             os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size, wire.NOTIFY_RESEND, 0))
         except OSError as exc:  # kernels before 6.9: requests the old daemon had read stay unanswered
@@ -239,6 +241,8 @@ class FuseSession:
         needs them (CacheFS.opens_needed; may walk the manifest, so not from a request thread). True if so."""
         if self.skip_opens and not self.opens_skipped and self.mode != "starting" and \
                 not self.fs.opens_needed(check_local=self.fs.passthrough):
+            if self.fs.journal is not None:  # before any OPEN is refused: the kernel's choice outlives us
+                self.fs.journal.skip_opens()
             self.opens_skipped = True
             log.info("every file is a packed small file on this node: the kernel opens files without asking")
         return self.opens_skipped

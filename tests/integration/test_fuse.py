@@ -188,6 +188,18 @@ def test_opens_stop_once_every_file_is_a_packed_small_file_on_this_node(s3, cach
         assert stats["userspace_opens"] == len(files)  # not one more open was answered
         assert stats["opens_refused"] == 1  # the one that switched the kernel over
         assert stats["userspace_read_bytes"] - before["userspace_read_bytes"] <= max(0, reclaimed)
+
+        # A restarted daemon knows the kernel opens without asking, and serves READs that name no handle.
+        first = m.wait_for_daemon()
+        os.kill(first["pid"], signal.SIGKILL)
+        second = m.wait_for_daemon(other_than=first["pid"])
+        assert second["opens_skipped"] is True
+        for rel in files:
+            with open(m.path(rel), "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        read_all(m)
+        stats = m.stats()
+        assert stats["userspace_opens"] == 0 and stats["userspace_read_bytes"] > 0, stats
     finally:
         m.close()
 

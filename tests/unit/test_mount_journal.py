@@ -17,8 +17,13 @@ def test_replay_gives_back_the_live_state(tmp_path):
     j.backing(10, 7)
     j.backing(12, 8)
     j.backing_closed(12)
+    assert not replay(path).opens_skipped
+    j.skip_opens()
     j.close()
     s = replay(path)
+    assert s.opens_skipped
+    assert MountJournal.resume(path).state.opens_skipped  # (kept by the compaction too)
+    assert replay(path).opens_skipped
     assert s.init == {"mode": "passthrough", "flags": 0x1234, "manifest_version": 3}
     assert s.inodes == {10: "a/b"}
     assert s.backing == {10: 7}
