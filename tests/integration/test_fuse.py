@@ -189,6 +189,30 @@ def test_opens_stop_once_every_file_is_a_packed_small_file_on_this_node(s3, cach
         assert stats["opens_refused"] == 1  # the one that switched the kernel over
         assert stats["userspace_read_bytes"] - before["userspace_read_bytes"] <= max(0, reclaimed)
 
+        # Many readers of one packed file at once, its pages dropped under them: the READs share the inode's
+        # read state (no open file of their own) and still get the right bytes.
+        big = files["big/0.bin"]
+        errors: list[str] = []
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            fd = os.open(m.path("big/0.bin"), os.O_RDONLY)
+            try:
+                for _ in range(40):
+                    if rng.random() < 0.3:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    off, n = rng.randrange(len(big)), rng.randrange(1, 200_000)
+                    if os.pread(fd, n, off) != big[off:off + n]:
+                        errors.append(f"{off}+{n}")
+            finally:
+                os.close(fd)
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+
         # A restarted daemon knows the kernel opens without asking, and serves READs that name no handle.
         first = m.wait_for_daemon()
         os.kill(first["pid"], signal.SIGKILL)
