@@ -60,8 +60,13 @@ _READ_AHEAD_PIECE = 2 * 1024 * 1024
 _MAX_LISTINGS = 64
 
 
+class _WouldWait:
+    def __repr__(self) -> str:
+        return "WOULD_WAIT"
+
+
 #: What a local read that must not wait answers when the bytes are on this node but not in the page cache.
-WOULD_WAIT = type("WouldWait", (), {"__repr__": lambda self: "WOULD_WAIT", "__bool__": lambda self: False})()
+WOULD_WAIT = _WouldWait()
 _nowait_reads = hasattr(os, "RWF_NOWAIT")
 
 

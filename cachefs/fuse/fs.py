@@ -301,10 +301,9 @@ class CacheFS:
             n = self.node(ino)
             h = n.reads
             if h is None:
-                h = n.reads = Handle(n, page_cache=True)
-                h.stream = ReadStream()
-            return h
-        h = self._handles.get(fh)
+                h = n.reads = Handle(n)
+        else:
+            h = self._handles.get(fh)
         if h is None:  # opened under a previous daemon: the request names the inode, which is all we need
             h = Handle(self.node(ino))
             with self._lock:

@@ -94,7 +94,8 @@ class MountJournal:
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
-                os.write(self._fd, self._take_forgotten())
+                if self._forgotten:
+                    os.write(self._fd, self._take_forgotten())
                 os.close(self._fd)
                 self._fd = -1
 
