@@ -8,6 +8,10 @@ Passes, for each cache layout (packed / per-file):
 
 * **cold prefetch** of the whole tree (``cachefs prefetch``): MB/s against the link's capacity;
 * **cold prefetch through a packed mirror** (``cachefs pack`` first, then a node with an empty cache);
+* **cold read through the mount** (packed layout), 1 and N reader processes in the seeded random order a
+  training loader uses, on an empty cache: before the mirror exists (a GET per file, plus the directory
+  read-ahead a miss starts) and through it (a miss brings the pack window holding the file, and the windows
+  after it);
 * **warm reads**, page cache dropped before every pass (cachefs's and the local tree's alike), files in a
   seeded random order, 1 and N reader processes: through the FUSE mount and through fsspec (``cachefs::``),
   against the same tree on local disk.
@@ -159,6 +163,13 @@ def run(args, server, work: str, capped: bool) -> None:
     if "mirror" not in args.passes:
         return
 
+    paths = [os.path.join(mnt, x) for x in names]
+    per_file_read = {}
+    for n in (1, args.readers):
+        secs = per_file_read[n] = cold_read(url, mnt, os.path.join(work, f"cache-read-{n}"), split(paths, n), nbytes)
+        print(f"    read: cold x{n} through the mount, no mirror: {secs:6.1f} s, {nbytes / secs / 1e6:7.1f} MB/s, "
+              f"{len(names) / secs:7.0f} files/s")
+
     # Cold through a packed mirror: `cachefs pack` once, then a node with an empty cache prefetches.
     t = time.perf_counter()
     subprocess.run([*cli, "pack", url, "--cache-dir", os.path.join(work, "cache-packer"), "--json"], check=True,
@@ -171,6 +182,22 @@ def run(args, server, work: str, capped: bool) -> None:
     cap = f" = {rate / (args.rate_mbit / 8):.2f}× the link" if capped else ""
     print(f"  mirror: cold prefetch {secs:6.1f} s, {rate:7.1f} MB/s, {len(names) / secs:7.0f} files/s{cap}"
           + (f"; {cold['packed'] / secs:.1f}× the cold path without a mirror (a GET per file)" if cold else ""))
+    for n in (1, args.readers):
+        secs = cold_read(url, mnt, os.path.join(work, f"cache-read-mirror-{n}"), split(paths, n), nbytes)
+        print(f"    read: cold x{n} through the mount and the mirror: {secs:6.1f} s, {nbytes / secs / 1e6:7.1f} MB/s, "
+              f"{len(names) / secs:7.0f} files/s = {per_file_read[n] / secs:.1f}× the same read without a mirror")
+
+
+def cold_read(url: str, mnt: str, cache: str, groups: list[list[str]], nbytes: int) -> float:
+    """Seconds for ``groups`` of readers to read every file through a mount of ``url`` on an empty cache."""
+    mount = cachefs_mount(url, mnt, cache)
+    try:
+        drop_caches()
+        secs, got = parallel_read(groups)
+        assert got == nbytes, (got, nbytes)
+    finally:
+        mount.close()
+    return secs
 
 
 def server_ceiling(endpoint: str, keys: list[str], in_flight: int = 128) -> float:
