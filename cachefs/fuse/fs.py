@@ -220,7 +220,7 @@ class CacheFS:
             if first and self.prefill and n.entry.size > 0 and self.engine.small.packable(n.entry):
                 whole = self.engine.read_local(self.ds, n.entry, 0, n.entry.size, None, wait=False)
                 packed = whole is not None  # WOULD_WAIT: here, but on disk only; its READ will not hold the device
-                h.prefill = whole if packed and whole is not WOULD_WAIT else None
+                h.prefill = None if whole is WOULD_WAIT else whole
             else:
                 packed = self.passthrough and self._packed_here(n.entry)
             h.page_cache = not self.passthrough or packed
