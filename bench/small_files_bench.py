@@ -200,9 +200,9 @@ def cold_read(url: str, mnt: str, cache: str, groups: list[list[str]], nbytes: i
     return secs
 
 
-def server_ceiling(endpoint: str, keys: list[str], in_flight: int = 128) -> float:
-    """Seconds for a bare aiohttp client (no signing, nothing kept) to GET every key once: the most this
-    server gives any client on this machine, the yardstick beside the link."""
+def server_ceiling(endpoint: str, keys: list[str] | list[tuple[str, int, int]], in_flight: int = 128) -> float:
+    """Seconds for a bare aiohttp client (no signing, nothing kept) to GET every key (or ``(key, start, end)``
+    byte range) once: the most this server gives any client on this machine, the yardstick beside the link."""
     import asyncio
 
     import aiohttp
@@ -211,9 +211,11 @@ def server_ceiling(endpoint: str, keys: list[str], in_flight: int = 128) -> floa
         todo = iter(keys)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=in_flight)) as session:
             async def worker() -> None:
-                for key in todo:
-                    async with session.get(f"{endpoint}/bench/{key}") as resp:
-                        assert resp.status == 200, resp.status
+                for item in todo:
+                    key, headers = (item, {}) if isinstance(item, str) else (
+                        item[0], {"Range": f"bytes={item[1]}-{item[2] - 1}"})
+                    async with session.get(f"{endpoint}/bench/{key}", headers=headers) as resp:
+                        assert resp.status in (200, 206), resp.status
                         await resp.read()
 
             t = time.perf_counter()
