@@ -11,7 +11,7 @@ looks for it:
     without it (an interrupted ``cachefs pack``) is ignored.
 ``packs/pNNNNNN.arrow``
     pack files in the node's own format (:mod:`cachefs.store.packs`): files in path order, so a directory's
-    files sit together.
+    files sit together. A node installs a pack it fetches as it is (:mod:`cachefs.mirror_fetch`).
 ``index.arrow``
     an Arrow IPC file with one row per packed file: ``path``, ``version`` (the source's ETag/version when
     packed), ``size``, ``pack`` (position in ``packs``), ``offset``, ``length``, ``checksum`` (xxh3-64).
@@ -76,12 +76,29 @@ class MirrorIndex:
     # Per pack, members by offset: (offset, length, okey, checksum, path, version), to find a window's members.
     layout: list[list[tuple[int, int, bytes, int, str, str]]] = field(default_factory=list)
 
+    _bounds: dict[int, list[int]] = field(default_factory=dict)
+
     def window(self, pack: int, start: int, end: int) -> list[tuple[int, int, bytes, int, str, str]]:
         """Members of ``pack`` whose bytes start in ``[start, end)``."""
         members = self.layout[pack]
         lo = bisect.bisect_left(members, (start,))
         hi = bisect.bisect_left(members, (end,))
         return members[lo:hi]
+
+    def bounds(self, pack: int, window: int) -> list[int]:
+        """Where the windows of ``pack`` start, and its size last: window ``w`` is bytes ``[b[w], b[w+1])``. The
+        windows cover the whole pack file without overlap, each about ``window`` bytes, and a member never
+        straddles two (a window ends where the first member starting past its nominal end begins)."""
+        got = self._bounds.get(pack)
+        if got is None:
+            got, members, size = [0], self.layout[pack], self.pack_sizes[pack]
+            for nominal in range(window, size, window):
+                i = bisect.bisect_left(members, (nominal,))
+                if i < len(members) and got[-1] < members[i][0] < size:
+                    got.append(members[i][0])
+            got.append(size)
+            self._bounds[pack] = got
+        return got
 
 
 def _index_schema():

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from .checksum import block_checksum
 from .errors import CacheFSError, CacheFullError
 from .index.records import PackRecord, pack_key
-from .mirror import MirrorIndex, load_mirror
+from .mirror_fetch import MirrorFetcher
 from .store.packs import Member, PackStore
 from .types import Entry
 
@@ -47,11 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds after the last addition before a pending pack is written even if it is not full.
 FLUSH_DELAY = 1.0
-#: A miss on a file that a dataset's packed mirror holds fetches every member starting in the same window of
-#: the mirror's pack: one ranged GET of up to this many bytes instead of one GET per file.
-MIRROR_WINDOW = 8 * 1024 * 1024
-#: Windows fetched ahead of the one a reader waits for.
-MIRROR_AHEAD = 3
 _MAX_OPEN_PACKS = 256
 #: A pack read this many times within SWEEP_WINDOW seconds is read ahead whole (see the module docstring).
 SWEEP_READS = 3
@@ -82,6 +77,17 @@ def _read_ahead(fd: int) -> None:
         finally:
             os.close(fd)
     threading.Thread(target=run, name="cachefs-pack-readahead", daemon=True).start()
+
+
+_CORRUPT = object()  # what _read_member answers for a member that failed its checksum
+
+
+def _read_member(fd: int, offset: int, length: int, checksum: int, wait: bool) -> bytes | bytearray | object:
+    """A member's bytes, verified; WOULD_WAIT (only without ``wait``) or _CORRUPT."""
+    data = os.pread(fd, length, offset) if wait else _pread_cached(fd, length, offset)
+    if data is None:
+        return WOULD_WAIT
+    return data if len(data) == length and block_checksum(data) == checksum else _CORRUPT
 
 
 def _pread_cached(fd: int, length: int, offset: int) -> bytes | bytearray | None:
@@ -126,11 +132,7 @@ class SmallObjects:
         self._sweeps: dict[bytes, list] = {}  # pack key → [window start, reads in it, read ahead at]
         #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
         self.full_error: CacheFullError | None = None
-        self._mirrors: dict[str, MirrorIndex | None] = {}  # dataset id → its packed mirror (None: has none)
-        self._mirror_locks: dict[str, asyncio.Lock] = {}
-        self._windows: dict[tuple[str, int, int], asyncio.Future] = {}
-        #: Files fetched from a mirror, and the GETs that brought them.
-        self.mirror_files = self.mirror_gets = 0
+        self.mirror = MirrorFetcher(self)
         removed = self.store.clean(engine.index.has_pack)
         if removed:
             log.info("removed %d unfinished or orphaned pack file(s)", removed)
@@ -143,7 +145,7 @@ class SmallObjects:
         with self._lock:
             if okey in self._pending_data:
                 return True
-        return self.engine.index.packed(okey) is not None
+        return self.mirror.holds(okey) or self.engine.index.packed(okey) is not None
 
     def local(self, ds_id: str, okey: bytes, size: int, *, wait: bool = True) -> bytes | bytearray | None:
         """The whole object if this node holds it (pending or packed, checksum verified), else None. Without
@@ -154,6 +156,13 @@ class SmallObjects:
             data = self._pending_data.get(okey)
         if data is not None:
             return data
+        assembling = self.mirror.pending(okey)
+        if assembling is not None:  # in a mirror pack being written here
+            assembly, offset, length, checksum = assembling
+            with assembly.lock:
+                if assembly.fd >= 0:
+                    data = _read_member(assembly.fd, offset, length, checksum, wait)
+                    return None if data is _CORRUPT else data
         loc = self.engine.index.packed(okey)
         if loc is None:
             return None
@@ -164,15 +173,12 @@ class SmallObjects:
             self.engine.index.remove_pack(ds_id, pack_id)
             return None
         try:
-            data = os.pread(fd, length, offset) if wait else _pread_cached(fd, length, offset)
-            if data is None:
-                return WOULD_WAIT
-            intact = len(data) == length and block_checksum(data) == checksum
-            if intact and self._count_read(pkey):
+            data = _read_member(fd, offset, length, checksum, wait)
+            if data is not WOULD_WAIT and data is not _CORRUPT and self._count_read(pkey):
                 _read_ahead(os.dup(fd))
         finally:
             self._put_back(pkey, fd)
-        if not intact:
+        if data is _CORRUPT:
             log.warning("pack %016x: a member failed its checksum; dropping it so it is fetched again", pack_id)
             self.engine.index.drop_packed(ds_id, okey)
             return None
@@ -249,10 +255,15 @@ class SmallObjects:
         return await asyncio.shield(fut), False
 
     async def _fetch(self, ds: Dataset, okey: bytes, entry: Entry, *, reserved: bool = False) -> bytes:
-        mirror = await self._mirror(ds)
+        data = self.local(ds.ref.id, okey, entry.size)
+        if data is not None:  # read ahead, and meanwhile here with another's window or pack
+            if reserved:
+                await self.engine.budget.release(entry.size)
+            return data
+        mirror = await self.mirror.mirror(ds)
         if mirror is not None and okey in mirror.entries:
             try:
-                data = await self._from_mirror(ds, mirror, okey)
+                data = await self.mirror.fetch(ds, mirror, okey)
             except CacheFSError as exc:  # a mirror rewritten or damaged: the source still has the file
                 log.warning("%s: %s; reading %s from the source", mirror.url, exc, entry.path)
             else:
@@ -272,78 +283,6 @@ class SmallObjects:
             return await self.engine.origin_read(ds, entry, 0, entry.size)
         finally:
             await budget.release(entry.size)
-
-    async def _mirror(self, ds: Dataset) -> MirrorIndex | None:
-        ds_id = ds.ref.id
-        if ds_id not in self._mirrors:
-            async with self._mirror_locks.setdefault(ds_id, asyncio.Lock()):
-                if ds_id not in self._mirrors:
-                    try:
-                        self._mirrors[ds_id] = await load_mirror(self.engine, ds)
-                    except (CacheFSError, ValueError, KeyError) as exc:
-                        log.warning("%s: cannot use its packed mirror (%s); reading files one by one", ds.ref.url, exc)
-                        self._mirrors[ds_id] = None
-                    if self._mirrors[ds_id] is not None:
-                        log.info("%s: using its packed mirror %s", ds.ref.url, self._mirrors[ds_id].url)
-        return self._mirrors[ds_id]
-
-    async def _from_mirror(self, ds: Dataset, mirror: MirrorIndex, okey: bytes) -> bytes:
-        """Fetch the mirror window holding ``okey`` (single-flight) and return ``okey``'s bytes."""
-        pack, offset, _length, _ck = mirror.entries[okey]
-        fut = self._window(ds, mirror, pack, offset // MIRROR_WINDOW)
-        # Readers (and prefetch) move through a mirror in pack order: keep the next windows on the wire too.
-        for ahead in range(1, MIRROR_AHEAD + 1):
-            p, window = pack, offset // MIRROR_WINDOW + ahead
-            if window * MIRROR_WINDOW >= mirror.pack_sizes[pack]:
-                p, window = pack + 1, window - -(-mirror.pack_sizes[pack] // MIRROR_WINDOW)
-            if p >= len(mirror.packs):
-                break
-            first = mirror.window(p, window * MIRROR_WINDOW, (window + 1) * MIRROR_WINDOW)[:1]
-            if first and not self.has(first[0][2]):  # (a window already here is not fetched again)
-                self._window(ds, mirror, p, window)
-        got = await asyncio.shield(fut)
-        if okey not in got:
-            raise CacheFSError(f"pack {pack}: the window fetched did not hold the file")
-        return got[okey]
-
-    def _window(self, ds: Dataset, mirror: MirrorIndex, pack: int, window: int) -> asyncio.Future:
-        """The (single-flight) fetch of one window of a mirror pack."""
-        key = (ds.ref.id, pack, window)
-        fut = self._windows.get(key)
-        if fut is None:
-            fut = _single_flight(self._windows, key, self._fetch_window(ds, mirror, pack, window * MIRROR_WINDOW))
-        return fut
-
-    async def _fetch_window(self, ds: Dataset, mirror: MirrorIndex, pack: int, start: int) -> dict[bytes, bytes]:
-        members = mirror.window(pack, start, start + MIRROR_WINDOW)
-        if not members:
-            return {}
-        lo, hi = members[0][0], max(m[0] + m[1] for m in members)
-        url, version = mirror.packs[pack]
-        budget = self.engine.budget
-        await budget.acquire(hi - lo)
-        try:
-            raw = await self.engine.origin_get(ds.source, url, version, lo, hi - lo)
-        finally:
-            await budget.release(hi - lo)
-        self.mirror_gets += 1
-        view, out, new = memoryview(raw), {}, []
-        for off, length, okey, checksum, path, file_version in members:
-            try:
-                if ds.stat(path).version != file_version:
-                    continue  # changed at the source since it was packed: the manifest names another version
-            except OSError:
-                continue  # not in this manifest at all
-            data = bytes(view[off - lo:off - lo + length])
-            if block_checksum(data) != checksum:
-                raise CacheFSError(f"{url}: a member failed its checksum")
-            out[okey] = data
-            if okey not in self._pending_data and self.engine.index.packed(okey) is None:
-                new.append(Member(okey, path, file_version, checksum, data))
-        for member in new:  # every file of the window joins this node's packs, not just the one asked for
-            await self._add(ds.ref.id, member)
-        self.mirror_files += len(out)
-        return out
 
     async def _add(self, ds_id: str, member: Member) -> None:
         with self._lock:
@@ -432,7 +371,8 @@ class SmallObjects:
         return written.size
 
     async def flush(self) -> None:
-        """Write every pending pack now and wait for all writes."""
+        """Write every pending pack now and wait for all writes (mirror packs on the wire included)."""
+        await self.mirror.flush()
         for ds_id in list(self._pending):
             self._start_write(ds_id)
         while self._writes:
@@ -444,6 +384,7 @@ class SmallObjects:
             members = self._take(ds_id)
             if members:
                 self._write(ds_id, members)
+        self.mirror.close()
 
     # -- directory read-ahead -----------------------------------------------------------------------------
     def read_ahead(self, ds: Dataset, entry: Entry) -> None:

@@ -74,20 +74,37 @@ class PackStore:
 
     def write(self, dataset: str, members: list[Member]) -> WrittenPack:
         """Write ``members`` as one new pack (crash-safely) and return where each member's bytes are."""
-        pack_id = int.from_bytes(os.urandom(8), "big")
         view, placed = serialize(members)
+        pack_id, tmp, fd = self.begin(dataset)
+        try:
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+        except OSError as exc:
+            self.abandon(tmp, fd)
+            raise _write_error(exc, f"a pack of {len(members)} files", tmp) from None
+        self.publish(dataset, pack_id, tmp, fd)
+        return WrittenPack(pack_id, len(view), placed)
+
+    def begin(self, dataset: str) -> tuple[int, str, int]:
+        """A new pack's id, and its temp file (path, writable descriptor): fill it, then :meth:`publish` it
+        (or :meth:`abandon` it). The temp file of a writer that died is removed by :meth:`clean`."""
+        pack_id = int.from_bytes(os.urandom(8), "big")
         path = self.pack_path(dataset, pack_id)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                written = 0
-                while written < len(view):
-                    written += os.write(fd, view[written:])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise _write_error(exc, "a new pack", tmp) from None
+        return pack_id, tmp, fd
+
+    def publish(self, dataset: str, pack_id: int, tmp: str, fd: int) -> None:
+        """Make a filled temp file the pack ``pack_id``: fsync, rename, fsync the directory; closes ``fd``.
+        Only after this may the index name the pack."""
+        path = self.pack_path(dataset, pack_id)
+        try:
+            os.fsync(fd)
             os.rename(tmp, path)
             dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -95,14 +112,17 @@ class PackStore:
             finally:
                 os.close(dfd)
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise CacheFullError(f"cache disk full while writing a pack of {len(members)} files") from None
-            raise CacheFSError(f"cache disk error writing {path}: {exc.strerror}", errno_=exc.errno) from None
-        return WrittenPack(pack_id, len(view), placed)
+            self.abandon(tmp, fd)
+            raise _write_error(exc, "a pack", path) from None
+        os.close(fd)
+
+    def abandon(self, tmp: str, fd: int) -> None:
+        """Drop an unpublished temp file (closes ``fd``)."""
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
     def open(self, dataset: str, pack_id: int) -> int | None:
         """A read-only descriptor of the pack, or None if it is gone (evicted)."""
@@ -151,6 +171,12 @@ class PackStore:
             if old:
                 removed += _unlink(path)
         return removed
+
+
+def _write_error(exc: OSError, what: str, path: str) -> CacheFSError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CacheFullError(f"cache disk full while writing {what}")
+    return CacheFSError(f"cache disk error writing {path}: {exc.strerror}", errno_=exc.errno)
 
 
 def serialize(members: list[Member]) -> tuple[memoryview, list[tuple[bytes, int, int, int]]]:

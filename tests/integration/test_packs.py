@@ -348,7 +348,7 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
             await engine.persist()
         finally:
             await source.close()
-        return got, engine.small.mirror_files, engine.small.mirror_gets
+        return got, engine.small.mirror.files, engine.small.mirror.gets
 
     got, mirror_files, mirror_gets = run(engine, scenario())
     assert got == changed  # every byte right, the changed file's new bytes included
@@ -358,6 +358,42 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
     assert sorted(per_file) == [f"{url}/big.bin"] * 2 + [f"{url}/train/c1/0001.jpg"]
     assert len(reads) - len(per_file) == mirror_gets <= summary["packs"] + 4  # a few pack GETs, not 299 file GETs
 
+    # The mirror's packs were installed here as they are (no re-packing): byte-identical files, plus the one pack
+    # this node wrote for the changed file.
+    mirror_packs = {client.get_object(Bucket=bucket, Key=f"ds.cachefs/{p['name']}")["Body"].read()
+                    for p in meta["packs"]}
+    here = _pack_files(cache2)
+    assert mirror_packs <= set(here) and len(here) == len(mirror_packs) + 1
+
+    # One file read on a fresh node brings its whole pack and the next one, which serve later reads (after a
+    # restart too) without another GET.
+    cache4 = os.path.join(os.path.dirname(config.cache.dir), "cache4")
+    config4 = dataclasses.replace(config, cache=dataclasses.replace(config.cache, dir=cache4))
+    first_pack = sorted(r for r in files if r != "big.bin")[:2]
+
+    async def sparse(engine):
+        counting = FailingSource(open_origin(url, config4).inner)
+        source = RetryingSource(counting, RetryPolicy(3, 0.001, 0.01), 10.0)
+        try:
+            ds = await engine.open_dataset(url, source=source)
+            got = [await engine.read(ds, ds.file(rel), 0, 1 << 20, ReadStream()) for rel in first_pack]
+            await engine.persist()
+        finally:
+            await source.close()
+        return got, counting.reads
+
+    engine = Engine(config4)
+    got, gets = run(engine, sparse(engine))
+    # Pack 0 (one window here), pack 1 read ahead, and, as the directory's next files are read ahead and some are
+    # in pack 1, pack 2 after it: whole packs, each installed as it is.
+    assert got == [files[r] for r in first_pack] and 2 <= gets <= 3
+    here = _pack_files(cache4)
+    assert sorted(here) == sorted(client.get_object(Bucket=bucket, Key=f"ds.cachefs/{p['name']}")["Body"].read()
+                                  for p in meta["packs"][:gets])
+    engine = Engine(config4)  # a restarted process: the index has the installed packs
+    got, gets = run(engine, sparse(engine))
+    assert got == [files[r] for r in first_pack] and gets == 0
+
     # The prefetch CLI through the mirror counts every file it brought in, also those that came with another's window.
     r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "prefetch", url, "--json", "--cache-dir",
                         os.path.join(os.path.dirname(config.cache.dir), "cache3")], capture_output=True, text=True,
@@ -366,6 +402,14 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
     done = json.loads(r.stdout)
     total = sum(len(d) for d in changed.values())
     assert done["files_done"] == len(changed) and done["bytes_fetched"] == done["bytes_done"] == total
+
+
+def _pack_files(cache_dir: str) -> list[bytes]:
+    out = []
+    for _ds, _id, path in packs_module.PackStore(cache_dir).files():
+        with open(path, "rb") as f:
+            out.append(f.read())
+    return out
 
 
 def test_a_packed_file_read_in_pieces_is_read_from_its_pack_once(tree, config):
