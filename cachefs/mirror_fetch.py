@@ -52,6 +52,7 @@ class _Assembly:
     pack_id: int
     tmp: str
     fd: int
+    size: int
     windows: int
     done: set[int] = field(default_factory=set)
     #: (object key, offset, length, checksum) of the members the index will learn
@@ -171,7 +172,7 @@ class MirrorFetcher:
             except CacheFSError as exc:
                 log.warning("%s: cannot keep mirror pack %d here: %s", mirror.url, pack, exc)
                 return
-            assembly = self._assembling[key] = _Assembly(ds.ref.id, pack, pack_id, tmp, fd,
+            assembly = self._assembling[key] = _Assembly(ds.ref.id, pack, pack_id, tmp, fd, mirror.pack_sizes[pack],
                                                          len(mirror.bounds(pack, MIRROR_WINDOW)) - 1)
         for attempt in range(2):
             try:
@@ -198,8 +199,11 @@ class MirrorFetcher:
             task.add_done_callback(self._installed_done)
 
     def _publish(self, assembly: _Assembly) -> int:
-        """Publish a complete pack and record its members (a thread); returns its size."""
+        """Publish a complete pack and record its members (a thread); returns its size (0: not kept)."""
         size = os.fstat(assembly.fd).st_size
+        if size != assembly.size:
+            self._give_up(assembly, CacheFSError(f"{size} bytes written of {assembly.size}"))
+            return 0
         # The temp file is renamed under its descriptor; reads through it keep working until it is closed.
         dup = os.dup(assembly.fd)
         try:
@@ -217,13 +221,16 @@ class MirrorFetcher:
             return
         if task.exception() is not None:
             log.warning("installing a mirror pack failed: %s", task.exception())
-        else:
+        elif task.result():
+            self.small.full_error = None
             self.engine.note_stored(task.result())
 
     def _give_up(self, assembly: _Assembly, exc: BaseException) -> None:
         log.warning("mirror pack %d: not kept on this node (%s)", assembly.pack, exc)
         if isinstance(exc, CacheFullError):
             self.engine.warn_full()
+            self.small.full_error = CacheFullError(f"cache disk full: could not keep a mirror pack of "
+                                                   f"{assembly.size} B (capacity {self.engine.capacity} B)")
         self._assembling.pop((assembly.ds_id, assembly.pack), None)
         self._forget(assembly)
         try:

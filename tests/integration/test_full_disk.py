@@ -63,3 +63,23 @@ def test_capacity_from_watermarks_keeps_disk_usable(s3, tiny_fs):
     rep = json.loads(cli("status", "--cache-dir", cache, "--json", env=env).stdout)
     assert rep["used_bytes"] <= rep["capacity_bytes"]
     assert rep["disk_free_bytes"] >= rep["min_free_bytes"]
+
+
+def test_full_disk_under_a_mirror_prefetch_fails_clearly_and_leaves_no_half_pack(s3, tiny_fs, tmp_path):
+    _, client, bucket = s3
+    files = {f"d/f{i:02d}.bin": os.urandom(400_000) for i in range(12)}  # one 4.8 MB mirror pack, a 3 MB disk
+    put_tree(client, bucket, "mfull", files)
+    url = f"s3://{bucket}/mfull"
+    r = cli("pack", url, "--cache-dir", str(tmp_path / "packer"))
+    assert r.returncode == 0, r.stderr
+    cache = os.path.join(tiny_fs, "cache")
+    env = {"CACHEFS_CACHE_CAPACITY": "100MB", "CACHEFS_CACHE_MIN_FREE": "0"}
+    r = cli("prefetch", url, "--cache-dir", cache, env=env)
+    assert r.returncode == 5, (r.stdout, r.stderr)
+    assert "full" in r.stderr and "Traceback" not in r.stderr
+    left = [n for _d, _s, names in os.walk(os.path.join(cache, "packs")) for n in names]
+    assert left == []  # the temp file of the pack that did not fit is gone
+    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache, dataset=url, skip_instance_cache=True,
+                           cache_capacity="100MB", cache_min_free="0")
+    for name, data in files.items():
+        assert fs.cat_file(f"{bucket}/mfull/{name}") == data
