@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["get_loop", "run_sync"]
+__all__ = ["get_loop", "run_sync", "single_flight"]
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -47,6 +47,15 @@ def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     except BaseException:
         fut.cancel()
         raise
+
+
+def single_flight(table: dict, key, coro) -> asyncio.Future:
+    """Run ``coro`` as ``table[key]`` until it finishes (then the entry goes; its outcome is marked seen, the
+    awaiters get any exception themselves). Call from the loop."""
+    fut = asyncio.ensure_future(coro)
+    table[key] = fut
+    fut.add_done_callback(lambda f: (table.pop(key, None), f.cancelled() or f.exception()))
+    return fut
 
 
 def _stop() -> None:

@@ -76,7 +76,7 @@ class MirrorIndex:
     # Per pack, members by offset: (offset, length, okey, checksum, path, version), to find a window's members.
     layout: list[list[tuple[int, int, bytes, int, str, str]]] = field(default_factory=list)
 
-    _bounds: dict[int, list[int]] = field(default_factory=dict)
+    _bounds: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     def window(self, pack: int, start: int, end: int) -> list[tuple[int, int, bytes, int, str, str]]:
         """Members of ``pack`` whose bytes start in ``[start, end)``."""
@@ -89,7 +89,7 @@ class MirrorIndex:
         """Where the windows of ``pack`` start, and its size last: window ``w`` is bytes ``[b[w], b[w+1])``. The
         windows cover the whole pack file without overlap, each about ``window`` bytes, and a member never
         straddles two (a window ends where the first member starting past its nominal end begins)."""
-        got = self._bounds.get(pack)
+        got = self._bounds.get((pack, window))
         if got is None:
             got, members, size = [0], self.layout[pack], self.pack_sizes[pack]
             for nominal in range(window, size, window):
@@ -97,7 +97,7 @@ class MirrorIndex:
                 if i < len(members) and got[-1] < members[i][0] < size:
                     got.append(members[i][0])
             got.append(size)
-            self._bounds[pack] = got
+            self._bounds[pack, window] = got
         return got
 
 

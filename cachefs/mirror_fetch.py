@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import errno
 import logging
 import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ._aio import single_flight
 from .checksum import block_checksum
 from .errors import CacheFSError, CacheFullError
 from .mirror import MirrorIndex, load_mirror
@@ -126,9 +126,7 @@ class MirrorFetcher:
             assembly = self._assembling.get((ds.ref.id, pack))
             if assembly is not None and window in assembly.done:
                 return None
-            fut = asyncio.ensure_future(self._fetch_window(ds, mirror, pack, window))
-            self._windows[key] = fut
-            fut.add_done_callback(lambda f: (self._windows.pop(key, None), f.cancelled() or f.exception()))
+            fut = single_flight(self._windows, key, self._fetch_window(ds, mirror, pack, window))
         return fut
 
     async def _fetch_window(self, ds: Dataset, mirror: MirrorIndex, pack: int, window: int
@@ -176,15 +174,17 @@ class MirrorFetcher:
                                                          len(mirror.bounds(pack, MIRROR_WINDOW)) - 1)
         for attempt in range(2):
             try:
-                if not await asyncio.to_thread(_pwrite_all, assembly, raw, lo):
+                if not await asyncio.to_thread(self._write_window, assembly, raw, lo):
                     return  # given up meanwhile
                 break
-            except OSError as exc:
-                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                if full and attempt == 0:
+            except CacheFullError as exc:
+                if attempt == 0:
                     await self.engine.evict(force=True)
                     continue
-                self._give_up(assembly, CacheFullError("cache disk full") if full else exc)
+                self._give_up(assembly, exc)
+                return
+            except CacheFSError as exc:
+                self._give_up(assembly, exc)
                 return
         if self._assembling.get(key) is not assembly:
             return  # given up meanwhile
@@ -198,6 +198,14 @@ class MirrorFetcher:
             self._installs.add(task)
             task.add_done_callback(self._installed_done)
 
+    def _write_window(self, assembly: _Assembly, raw: bytes, lo: int) -> bool:
+        """Write a window at its offset in the assembly's temp file (a thread); False if it was given up."""
+        with assembly.lock:  # not closed under the write
+            if assembly.fd < 0:
+                return False
+            self.small.store.write_at(assembly.fd, raw, lo, assembly.tmp)
+        return True
+
     def _publish(self, assembly: _Assembly) -> int:
         """Publish a complete pack and record its members (a thread); returns its size (0: not kept)."""
         size = os.fstat(assembly.fd).st_size
@@ -209,10 +217,10 @@ class MirrorFetcher:
         try:
             self.small.store.publish(assembly.ds_id, assembly.pack_id, assembly.tmp, dup)
             self.engine.index.commit_pack(assembly.ds_id, assembly.pack_id, size, assembly.members)
-        except CacheFSError:
-            self._forget(assembly)
-            raise
-        self._forget(assembly)
+        finally:
+            fd = self._detach(assembly)
+            if fd >= 0:
+                os.close(fd)
         return size
 
     def _installed_done(self, task: asyncio.Future) -> None:
@@ -232,22 +240,20 @@ class MirrorFetcher:
             self.small.full_error = CacheFullError(f"cache disk full: could not keep a mirror pack of "
                                                    f"{assembly.size} B (capacity {self.engine.capacity} B)")
         self._assembling.pop((assembly.ds_id, assembly.pack), None)
-        self._forget(assembly)
-        try:
-            os.unlink(assembly.tmp)
-        except OSError:
-            pass
+        fd = self._detach(assembly)
+        if fd >= 0:
+            self.small.store.abandon(assembly.tmp, fd)
 
-    def _forget(self, assembly: _Assembly) -> None:
-        """Serve the assembly's members from the index (or not at all) from now on, and close its temp file."""
+    def _detach(self, assembly: _Assembly) -> int:
+        """Serve the assembly's members from the index (or not at all) from now on; returns its temp file's
+        descriptor for the caller to close (-1 if that was done already)."""
         for okey, *_rest in assembly.members:
             got = self._members.get(okey)
             if got is not None and got[0] is assembly:
                 del self._members[okey]
         with assembly.lock:
             fd, assembly.fd = assembly.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        return fd
 
     async def flush(self) -> None:
         """Wait for the windows on the wire and the publication of every pack they complete."""
@@ -262,14 +268,3 @@ class MirrorFetcher:
 
 def _window_of(bounds: list[int], offset: int) -> int:
     return bisect.bisect_right(bounds, offset) - 1
-
-
-def _pwrite_all(assembly: _Assembly, data: bytes, offset: int) -> bool:
-    """Write ``data`` at ``offset`` of the assembly's temp file; False if it was given up (closed)."""
-    view, done = memoryview(data), 0
-    with assembly.lock:  # not closed under the write
-        if assembly.fd < 0:
-            return False
-        while done < len(view):
-            done += os.pwrite(assembly.fd, view[done:], offset + done)
-    return True

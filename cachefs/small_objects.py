@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from ._aio import single_flight
 from .checksum import block_checksum
 from .errors import CacheFSError, CacheFullError
 from .index.records import PackRecord, pack_key
@@ -250,16 +251,11 @@ class SmallObjects:
             return data, False
         fut = self._inflight.get(okey)
         if fut is None:
-            fut = _single_flight(self._inflight, okey, self._fetch(ds, okey, entry))
+            fut = single_flight(self._inflight, okey, self._fetch(ds, okey, entry))
             return await asyncio.shield(fut), True
         return await asyncio.shield(fut), False
 
     async def _fetch(self, ds: Dataset, okey: bytes, entry: Entry, *, reserved: bool = False) -> bytes:
-        data = self.local(ds.ref.id, okey, entry.size)
-        if data is not None:  # read ahead, and meanwhile here with another's window or pack
-            if reserved:
-                await self.engine.budget.release(entry.size)
-            return data
         mirror = await self.mirror.mirror(ds)
         if mirror is not None and okey in mirror.entries:
             try:
@@ -406,9 +402,18 @@ class SmallObjects:
                 if okey not in self._inflight and not self.has(okey):
                     if not budget.try_reserve(e.size):
                         break  # read-ahead uses spare budget only; the next miss carries on from here
-                    _single_flight(self._inflight, okey, self._fetch(ds, okey, e, reserved=True))
+                    single_flight(self._inflight, okey, self._fetch_ahead(ds, okey, e))
             reached += 1
         self._ahead[key] = reached
+
+    async def _fetch_ahead(self, ds: Dataset, okey: bytes, entry: Entry) -> bytes:
+        """:meth:`_fetch` for read-ahead, which reserved ``entry.size`` of budget when it queued the file: by
+        the time this runs, the file may have come with another's mirror window or pack."""
+        data = self.local(ds.ref.id, okey, entry.size)
+        if data is not None:
+            await self.engine.budget.release(entry.size)
+            return data
+        return await self._fetch(ds, okey, entry, reserved=True)
 
     def _listing(self, ds: Dataset, parent: str) -> tuple[list[str], list[Entry]]:
         key = (ds.ref.id, ds.version, parent)
@@ -429,12 +434,3 @@ class SmallObjects:
         self.close_pack(rec.key())
         self.store.remove(rec.dataset, rec.pack_id)
         return freed
-
-
-def _single_flight(table: dict, key, coro) -> asyncio.Future:
-    """Run ``coro`` as ``table[key]`` until it finishes (then the entry goes; its outcome is marked seen, the
-    awaiters get any exception themselves)."""
-    fut = asyncio.ensure_future(coro)
-    table[key] = fut
-    fut.add_done_callback(lambda f: (table.pop(key, None), f.cancelled() or f.exception()))
-    return fut

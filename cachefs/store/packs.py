@@ -77,12 +77,10 @@ class PackStore:
         view, placed = serialize(members)
         pack_id, tmp, fd = self.begin(dataset)
         try:
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
-        except OSError as exc:
+            self.write_at(fd, view, 0, tmp)
+        except CacheFSError:
             self.abandon(tmp, fd)
-            raise _write_error(exc, f"a pack of {len(members)} files", tmp) from None
+            raise
         self.publish(dataset, pack_id, tmp, fd)
         return WrittenPack(pack_id, len(view), placed)
 
@@ -98,6 +96,17 @@ class PackStore:
         except OSError as exc:
             raise _write_error(exc, "a new pack", tmp) from None
         return pack_id, tmp, fd
+
+    @staticmethod
+    def write_at(fd: int, data: bytes | memoryview, offset: int, tmp: str) -> None:
+        """Write all of ``data`` at ``offset`` of the temp file ``tmp`` (open as ``fd``); CacheFullError when
+        the disk is full, CacheFSError for any other failure."""
+        view, done = memoryview(data), 0
+        try:
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as exc:
+            raise _write_error(exc, "a pack", tmp) from None
 
     def publish(self, dataset: str, pack_id: int, tmp: str, fd: int) -> None:
         """Make a filled temp file the pack ``pack_id``: fsync, rename, fsync the directory; closes ``fd``.

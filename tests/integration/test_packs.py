@@ -206,11 +206,11 @@ CRASH = textwrap.dedent("""
     from cachefs.index import index as index_module
     url, cache, where = sys.argv[1:4]
     if where == "mid-write":  # half the pack's bytes reach the temp file, then the process dies
-        real_write = os.write
-        def write(fd, data):
-            real_write(fd, bytes(data[: len(data) // 2]))
+        real_pwrite = os.pwrite
+        def pwrite(fd, data, offset):
+            real_pwrite(fd, bytes(data[: len(data) // 2]), offset)
             os.kill(os.getpid(), signal.SIGKILL)
-        packs.os.write = write
+        packs.os.pwrite = pwrite
     else:  # the pack is complete and renamed, the process dies before the index learns of it
         def commit(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
