@@ -1,8 +1,9 @@
 """Manifest scale: a directory of 1,000,000 entries stored, listed and stat'ed; a 100,000-file local tree
-snapshotted through the real listing path, and (as root) walked through the FUSE mount. Ratios are against
-``os.scandir``/``os.stat`` of the same local tree, measured in the same run.
+snapshotted through the real listing path, and (as root) walked through the FUSE mount; a 100,000-object S3
+bucket (the local test server) snapshotted with cachefs's own listing requests and with botocore's. Ratios are
+against ``os.scandir``/``os.stat`` of the same local tree, or botocore's listing, measured in the same run.
 
-    python -m bench.manifest_bench [--entries 1000000] [--tree 100000]
+    python -m bench.manifest_bench [--entries 1000000] [--tree 100000] [--s3 100000]
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--entries", type=int, default=1_000_000)
     p.add_argument("--tree", type=int, default=100_000)
+    p.add_argument("--s3", type=int, default=100_000, help="objects in the S3 snapshot pass (0: skip it)")
+    p.add_argument("--rounds", type=int, default=2, help="S3 snapshots per listing path, interleaved")
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="cachefs-mbench-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
     try:
         one_big_directory(work, args.entries)
         local_tree(work, args.tree)
+        if args.s3:
+            s3_snapshot(work, args.s3, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -131,6 +136,43 @@ def walk_through_mount(work: str, root: str, cache: str, n: int) -> None:
               f"= {m / b:.2f}× the time (target ≤ 2×)")
     finally:
         subprocess.run([sys.executable, "-m", "cachefs.cli.main", "umount", mnt], check=False)
+
+
+def s3_snapshot(work: str, n: int, rounds: int) -> None:
+    """Take the manifest of an ``n``-object bucket on the local S3 server (its fast listing, so that the client
+    is what is measured), once with cachefs's own signed listing requests and once through botocore
+    (``origin.direct_get: false``), interleaved; wall and CPU seconds of this process."""
+    import statistics
+
+    from cachefs.testing.s3server import S3Server
+
+    with S3Server(fast=True) as server:
+        os.environ.update(server.env())
+        client = server.client()
+        client.create_bucket(Bucket="bench")
+        server.seed("bench", "ds", n, dirs=1000)
+        took: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        for r in range(rounds * 2):
+            direct = r % 2 == 1
+            cfg = load_config(env={}, overrides={"cache_dir": os.path.join(work, f"cache-s3-{r}"),
+                                                 "origin_direct_get": direct})
+            engine = Engine(cfg)
+
+            async def snap(engine=engine, direct=direct):
+                src = engine.source_for("s3://bench/ds")
+                await src.connect()  # (the client's set-up is not the listing)
+                t, c = time.perf_counter(), time.process_time()
+                ds = await engine.open_dataset("s3://bench/ds")
+                took[direct].append((time.perf_counter() - t, time.process_time() - c))
+                assert sum(1 for _ in ds.walk_files()) == n
+                await engine.aclose()
+
+            asyncio.run(snap())
+        ours, theirs = (statistics.median(w for w, _ in took[d]) for d in (True, False))
+        our_cpu, their_cpu = (statistics.median(c for _, c in took[d]) for d in (True, False))
+        print(f"S3 bucket of {n:,} objects: manifest taken in {ours:.1f}s ({n / ours:,.0f} objects/s, CPU "
+              f"{our_cpu:.1f}s) with cachefs's listing requests vs {theirs:.1f}s (CPU {their_cpu:.1f}s) through "
+              f"botocore = {theirs / ours:.1f}× faster")
 
 
 if __name__ == "__main__":

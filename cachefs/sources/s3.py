@@ -117,7 +117,7 @@ class S3Source(Source):
                 self._client = await with_retries(fs.set_session, what="connect to S3", policy=self._policy)
                 self._fs = fs
                 if o.direct_get:
-                    self._direct = SignedGet(self._client, self._pool, o.connect_timeout)
+                    self._direct = SignedGet(self._client, self._pool, o.connect_timeout, parse_timestamp)
         return self._client
 
     async def list_tree(self, root_url: str) -> AsyncIterator[list[Entry]]:
@@ -134,13 +134,8 @@ class S3Source(Source):
             token = None
             async with sem:
                 while True:
-                    kw = {"Bucket": bucket, "Prefix": pfx}
-                    if delimiter:
-                        kw["Delimiter"] = delimiter
-                    if token:
-                        kw["ContinuationToken"] = token
                     page = await with_retries(
-                        lambda kw=kw: client.list_objects_v2(**kw),
+                        lambda token=token: self._list_page(client, bucket, pfx, delimiter, token),
                         what=f"list s3://{bucket}/{pfx}",
                         policy=self._policy,
                         timeout=self._origin.request_timeout,
@@ -183,6 +178,23 @@ class S3Source(Source):
             # An empty listing is either an empty prefix or a missing bucket; only the latter is an error.
             await with_retries(lambda: client.head_bucket(Bucket=bucket), what=f"s3://{bucket}",
                                policy=self._policy, timeout=self._origin.request_timeout)
+
+    async def _list_page(self, client, bucket: str, prefix: str, delimiter: str, token: str | None) -> dict:
+        """One ListObjectsV2 page: signed and read by us once the bucket's listing route is known, else (and for
+        any answer that is not a readable success) through botocore."""
+        if self._direct is not None:
+            page = await self._direct.list(bucket, prefix, delimiter, token)
+            if page is not None:
+                return page
+        kw = {"Bucket": bucket, "Prefix": prefix}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        if token:
+            kw["ContinuationToken"] = token
+        page = await client.list_objects_v2(**kw)
+        if self._direct is not None:
+            self._direct.learn_list(bucket)
+        return page
 
     async def stat(self, url: str) -> Entry:
         bucket, key = _split(url)
