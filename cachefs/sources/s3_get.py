@@ -51,15 +51,7 @@ def route_from_request(url: str, authorization: str, key: str) -> BucketRoute | 
     quoted = quote(key, safe="/~")
     if not base.endswith("/" + quoted):
         return None
-    prefix = base[: -len(quoted)]
-    parts = urlsplit(prefix)
-    region = None
-    if authorization:
-        m = _CREDENTIAL.match(authorization)
-        if m is None:
-            return None
-        region = m.group(1)
-    return BucketRoute(prefix=prefix, host=parts.netloc, path_prefix=parts.path, region=region)
+    return _route(base[: -len(quoted)], authorization)
 
 
 def route_from_list_request(url: str, authorization: str, bucket: str) -> BucketRoute | None:
@@ -71,13 +63,20 @@ def route_from_list_request(url: str, authorization: str, bucket: str) -> Bucket
     if parts.path.strip("/") != quote(bucket, safe="~") and not (parts.path == "/" and
                                                                  parts.netloc.startswith(bucket + ".")):
         return None
+    return _route(base, authorization)
+
+
+def _route(prefix: str, authorization: str) -> BucketRoute | None:
+    """The route at URL ``prefix`` signed for the region in ``authorization`` ("": unsigned); None for a
+    signature other than SigV4 for S3."""
     region = None
     if authorization:
         m = _CREDENTIAL.match(authorization)
         if m is None:
             return None
         region = m.group(1)
-    return BucketRoute(prefix=base, host=parts.netloc, path_prefix=parts.path, region=region)
+    parts = urlsplit(prefix)
+    return BucketRoute(prefix=prefix, host=parts.netloc, path_prefix=parts.path, region=region)
 
 
 def list_query(prefix: str, delimiter: str = "", token: str | None = None) -> str:
