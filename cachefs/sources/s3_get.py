@@ -58,12 +58,14 @@ def route_from_list_request(url: str, authorization: str, bucket: str) -> Bucket
     """The listing route of ``bucket``, from a ListObjectsV2 as botocore sent it: ``prefix`` is the URL the
     query string goes after (``http://host/bucket`` path-style, ``https://bucket.host/`` virtual-host). None when
     it was signed some other way than SigV4 or the URL names the bucket neither way."""
-    base = url.partition("?")[0]
-    parts = urlsplit(base)
-    if parts.path.strip("/") != quote(bucket, safe="~") and not (parts.path == "/" and
-                                                                 parts.netloc.startswith(bucket + ".")):
-        return None
-    return _route(base, authorization)
+    return _route(url.partition("?")[0], authorization) if _lists_bucket(url, bucket) else None
+
+
+def _lists_bucket(url: str, bucket: str) -> bool:
+    """Whether ``url`` is a listing of ``bucket`` (path-style or virtual-host)."""
+    parts = urlsplit(url.partition("?")[0])
+    return parts.path.strip("/") == quote(bucket, safe="~") or (parts.path == "/" and
+                                                                parts.netloc.startswith(bucket + "."))
 
 
 def _route(prefix: str, authorization: str) -> BucketRoute | None:
@@ -168,8 +170,7 @@ class SignedGet:
     success. Call :meth:`learn` (:meth:`learn_list`) after botocore's GET (listing) succeeded.
     """
 
-    def __init__(self, client: Any, pool: int, connect_timeout: float,
-                 parse_time: Callable[[str], Any] = str) -> None:
+    def __init__(self, client: Any, pool: int, connect_timeout: float, parse_time: Callable[[str], Any]) -> None:
         self._client = client
         self._pool = pool
         self._connect_timeout = connect_timeout
@@ -192,25 +193,14 @@ class SignedGet:
 
     def learn(self, bucket: str, key: str) -> None:
         """Take the bucket's route from botocore's GET of ``key`` that just succeeded."""
-        if bucket in self._routes:
-            return
         quoted = "/" + quote(key, safe="/~")
-        for url, auth in list(self._sent.items()):
-            if url.endswith(quoted):
-                self._routes[bucket] = route_from_request(url, auth, key)
-                self._sent.pop(url, None)
-                return
+        _take_route(self._sent, self._routes, bucket, lambda url: url.endswith(quoted),
+                    lambda url, auth: route_from_request(url, auth, key))
 
     def learn_list(self, bucket: str) -> None:
         """Take the bucket's listing route from botocore's ListObjectsV2 that just succeeded."""
-        if bucket in self._list_routes:
-            return
-        for url, auth in list(self._sent_lists.items()):
-            route = route_from_list_request(url, auth, bucket)
-            if route is not None:
-                self._list_routes[bucket] = route
-                self._sent_lists.pop(url, None)
-                return
+        _take_route(self._sent_lists, self._list_routes, bucket, lambda url: _lists_bucket(url, bucket),
+                    lambda url, auth: route_from_list_request(url, auth, bucket))
 
     async def list(self, bucket: str, prefix: str, delimiter: str = "", token: str | None = None) -> dict | None:
         """One ListObjectsV2 page (see :func:`parse_list_page`); None when botocore should send it."""
@@ -269,6 +259,19 @@ class SignedGet:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+
+def _take_route(sent: dict[str, str], routes: dict[str, BucketRoute | None], bucket: str,
+                matches: Callable[[str], bool], route_of: Callable[[str, str], BucketRoute | None]) -> None:
+    """Record ``bucket``'s route from the request in ``sent`` that ``matches``: None (botocore keeps the bucket)
+    when it was signed some way we do not sign. Once per bucket."""
+    if bucket in routes:
+        return
+    for url, auth in list(sent.items()):
+        if matches(url):
+            routes[bucket] = route_of(url, auth)
+            sent.pop(url, None)
+            return
 
 
 def _remember(sent: dict[str, str], request) -> None:

@@ -231,10 +231,9 @@ def _variable(type_, values: list[bytes]):
     offsets = array("i", [0])
     offsets.extend(accumulate(map(len, values)))
     buf = pa.allocate_buffer(offsets[-1])
-    out, at = memoryview(buf).cast("B"), 0
-    for v in values:
+    out = memoryview(buf).cast("B")
+    for v, at in zip(values, offsets, strict=False):  # (offsets ends with one more: the total)
         out[at:at + len(v)] = v
-        at += len(v)
     return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(offsets), buf])
 
 
