@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import Any
 
+from .._collector import quiet_collector
 from ..config import Config, load_config
 from ..errors import (
     CacheFSError,
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(noisy).setLevel(logging.WARNING)
     from . import commands
 
+    quiet_collector()  # after the imports: what they made is never walked again
     try:
         return asyncio.run(getattr(commands, args.command.replace("-", "_"))(args, _config(args)))
     except KeyboardInterrupt:

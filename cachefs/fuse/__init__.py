@@ -14,6 +14,7 @@ import sys
 import threading
 
 from .._aio import get_loop, run_sync
+from .._collector import quiet_collector
 from ..config import Config
 from ..engine import get_engine
 from .fs import CacheFS
@@ -59,6 +60,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     fs = CacheFS(engine, ds, journal=journal)
     fs.prefill = prefill
     session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens)
+    quiet_collector()  # the engine, the manifest and the origin client are built: set them aside
     try:
         def on_init(s: FuseSession) -> None:
             record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats, opens_skipped=s.opens_skipped)
