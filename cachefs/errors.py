@@ -197,14 +197,15 @@ def translate_origin_error(exc: BaseException, what: str) -> CacheFSError:
             return CredentialsError(f"{what}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)")
         if cname == "ProfileNotFound":
             return CredentialsError(f"{what}: {cause}")
-        if cname in ("EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError", "ClientConnectorDNSError"):
+        if cname in ("EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError", "ClientConnectorDNSError",
+                     "gaierror"):
             return OriginUnavailableError(f"{what}: cannot reach the origin endpoint ({cname})")
         if isinstance(cause, (asyncio.TimeoutError, TimeoutError)) or cname in (
             "ReadTimeoutError", "ConnectTimeoutError", "ServerTimeoutError",
         ):
             return TransientOriginError(f"{what}: timed out")
         if cname in ("ResponseStreamingError", "ClientPayloadError", "IncompleteReadError", "ServerDisconnectedError",
-                     "ClientOSError", "ContentLengthError"):
+                     "ClientOSError", "ContentLengthError", "ConnectionResetError", "BrokenPipeError"):
             return TruncatedBodyError(f"{what}: connection dropped mid-body ({cname})")
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(f"{what}: not found")

@@ -276,9 +276,12 @@ class SmallObjects:
         if not reserved:
             await budget.acquire(entry.size)
         try:
-            return await self.engine.origin_read(ds, entry, 0, entry.size)
+            data = await self.engine.origin_read(ds, entry, 0, entry.size)
         finally:
             await budget.release(entry.size)
+        # A whole small object is handed to readers (and waits in its pending pack) as it is: bytes, not the
+        # bytearray a source may have received the body into.
+        return data if type(data) is bytes else bytes(data)
 
     async def _add(self, ds_id: str, member: Member) -> None:
         with self._lock:

@@ -43,8 +43,9 @@ class Source(abc.ABC):
         """The current entry of one object (``path`` is the full URL)."""
 
     @abc.abstractmethod
-    async def read(self, url: str, version: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``version`` of the object at ``url``; exactly ``end - start`` bytes."""
+    async def read(self, url: str, version: str, start: int, end: int) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of ``version`` of the object at ``url``; exactly ``end - start`` bytes (a
+        ``bytearray`` where the body was received straight into one)."""
 
     async def connect(self) -> None:  # noqa: B027 - optional hook
         """Set up the client (sessions, credentials) ahead of the first read; sends no request."""
@@ -108,11 +109,11 @@ class RetryingSource(Source):
     async def stat(self, url: str) -> Entry:
         return await with_retries(lambda: self.inner.stat(url), what=url, policy=self.policy, timeout=self.timeout)
 
-    async def read(self, url: str, version: str, start: int, end: int) -> bytes:
+    async def read(self, url: str, version: str, start: int, end: int) -> bytes | bytearray:
         if end <= start:
             return b""
 
-        async def attempt() -> bytes:
+        async def attempt() -> bytes | bytearray:
             data = await self.inner.read(url, version, start, end)
             if len(data) != end - start:
                 raise TruncatedBodyError(f"{url} [{start}, {end}): got {len(data)} of {end - start} bytes")

@@ -27,6 +27,8 @@ from typing import Any
 from urllib.parse import quote, unquote_plus, urlsplit
 from xml.etree import ElementTree
 
+from .http1 import Http1Pool, UnsupportedResponse
+
 __all__ = ["BucketRoute", "SignedGet", "list_query", "parse_list_page", "route_from_list_request",
            "route_from_request", "sigv4_headers"]
 
@@ -180,8 +182,9 @@ class SignedGet:
         self._sent: dict[str, str] = {}  # URL -> Authorization of GETs botocore sent, until their bucket's route is known
         self._sent_lists: dict[str, str] = {}  # the same for listings (URL without its query)
         self._keys: dict = {}
-        self._session = None
-        self._url = None  # yarl.URL, imported with aiohttp on the first request
+        self._session = None  # aiohttp, for listing pages
+        self._gets: Http1Pool | None = None  # for GETs
+        self._url = None  # yarl.URL, imported with aiohttp on the first listing
         client.meta.events.register("before-send.s3.GetObject", self._observe)
         client.meta.events.register("before-send.s3.ListObjectsV2", self._observe_list)
 
@@ -212,19 +215,27 @@ class SignedGet:
         return None if body is None else parse_list_page(body, self._parse_time)
 
     async def _send(self, route: BucketRoute, path: str, query: str, headers: dict[str, str]) -> bytes | None:
-        """GET ``route.prefix`` + the rest of ``path`` (``?query``), signed; the body of a success, else None."""
-        if route.region is not None:
-            creds = await self._credentials()
-            if creds is None:
-                return None
-            headers.update(sigv4_headers(host=route.host, path=path, region=route.region,
-                                         access_key=creds.access_key, secret_key=creds.secret_key,
-                                         token=creds.token, keys=self._keys, query=query))
+        """GET ``route.prefix`` + the rest of ``path`` (``?query``), signed, through aiohttp (listing pages come
+        chunked); the body of a success, else None."""
+        if not await self._sign(route, path, query, headers):
+            return None
         session = self._http()
         url = route.prefix + path[len(route.path_prefix):] + (f"?{query}" if query else "")
         async with session.get(self._url(url, encoded=True), headers=headers) as resp:
             body = await resp.read()
             return body if resp.status in (200, 206) else None
+
+    async def _sign(self, route: BucketRoute, path: str, query: str, headers: dict[str, str]) -> bool:
+        """Add the SigV4 headers for ``path?query`` to ``headers`` (nothing for an unsigned route); False when
+        there are no credentials to sign with."""
+        if route.region is None:
+            return True
+        creds = await self._credentials()
+        if creds is None:
+            return False
+        headers.update(sigv4_headers(host=route.host, path=path, region=route.region, access_key=creds.access_key,
+                                     secret_key=creds.secret_key, token=creds.token, keys=self._keys, query=query))
+        return True
 
     async def _credentials(self):
         creds = getattr(getattr(self._client, "_request_signer", None), "_credentials", None)
@@ -245,20 +256,33 @@ class SignedGet:
                 auto_decompress=False, skip_auto_headers=("User-Agent",))
         return self._session
 
-    async def get(self, bucket: str, key: str, range_header: str, if_match: str | None) -> bytes | None:
-        """The body of a successful ranged GET; None when botocore should send it."""
+    async def get(self, bucket: str, key: str, range_header: str, if_match: str | None) -> bytearray | None:
+        """The body of a successful ranged GET, received straight into a bytearray (:mod:`.http1`); None when
+        botocore should send it (also for a response that client does not read)."""
         route = self._routes.get(bucket)
         if route is None:
             return None
         headers = {"Range": range_header}
         if if_match:
             headers["If-Match"] = if_match
-        return await self._send(route, route.path_prefix + quote(key, safe="/~"), "", headers)
+        path = route.path_prefix + quote(key, safe="/~")
+        if not await self._sign(route, path, "", headers):
+            return None
+        if self._gets is None:
+            self._gets = Http1Pool(self._pool, self._connect_timeout)
+        try:
+            resp = await self._gets.get(route.prefix + path[len(route.path_prefix):], headers)
+        except UnsupportedResponse:
+            return None
+        return resp.body if resp.status in (200, 206) else None
 
     async def close(self) -> None:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+        gets, self._gets = self._gets, None
+        if gets is not None:
+            await gets.close()
 
 
 def _take_route(sent: dict[str, str], routes: dict[str, BucketRoute | None], bucket: str,
