@@ -182,12 +182,14 @@ def test_opens_stop_once_every_file_is_a_packed_small_file_on_this_node(s3, cach
             time.sleep(0.2)
         for _ in range(2):  # the first pass puts the pages into the page cache through READ
             before = m.stats()
-            reclaimed = sum(len(data) - resident_bytes(m.path(rel)) for rel, data in files.items())
+            # A file with any page gone may be read again whole; pages kept past a file's end must not offset
+            # another file's missing ones.
+            reclaimed = sum(len(data) for rel, data in files.items() if resident_bytes(m.path(rel)) < len(data))
             read_all(m)
             stats = m.stats()
         assert stats["userspace_opens"] == len(files)  # not one more open was answered
         assert stats["opens_refused"] == 1  # the one that switched the kernel over
-        assert stats["userspace_read_bytes"] - before["userspace_read_bytes"] <= max(0, reclaimed)
+        assert stats["userspace_read_bytes"] - before["userspace_read_bytes"] <= reclaimed
 
         # Many readers of one packed file at once, its pages dropped under them: the READs share the inode's
         # read state (no open file of their own) and still get the right bytes.
