@@ -204,7 +204,7 @@ class S3Source(Source):
         head = await client.head_object(Bucket=bucket, Key=key)
         return Entry(url, int(head["ContentLength"]), _etag(head.get("ETag")), head["LastModified"].timestamp())
 
-    async def read(self, url: str, version: str, start: int, end: int) -> bytes:
+    async def read(self, url: str, version: str, start: int, end: int) -> bytes | bytearray:
         bucket, key = _split(url)
         client = await self._s3()
         kw = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
