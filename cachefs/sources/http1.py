@@ -10,8 +10,9 @@ the kernel (or the TLS layer) copies the body directly into a ``bytearray`` of t
 block's buffer is a fresh mapping either way, and faulting it in costs more than the copies saved.)
 
 It does what an S3 GET needs and nothing else: ``GET`` on keep-alive connections (a pool per host), a
-``Content-Length`` body, plain or TLS. A response it does not take (chunked, no length, a header over 64 KiB)
-raises :class:`UnsupportedResponse`; the caller sends the request another way.
+``Content-Length`` body, plain or TLS. A response it does not take (chunked, no length, a header over 64 KiB,
+a body longer than the caller allows, so that a server's word alone never sizes an allocation) raises
+:class:`UnsupportedResponse`; the caller sends the request another way.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _MAX_HEAD = 64 * 1024
 
 
 class UnsupportedResponse(ConnectionError):
-    """A response this client does not read (chunked, no Content-Length, an oversized header)."""
+    """A response this client does not read (chunked, no Content-Length, an oversized header or body)."""
 
 
 @dataclass
@@ -49,6 +50,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._got = 0
         self._response: Response | None = None
         self._waiter: asyncio.Future | None = None
+        self._max_body = 0
         self.reusable = True
 
     # -- protocol -----------------------------------------------------------------------------------------
@@ -95,9 +97,10 @@ class _Connection(asyncio.BufferedProtocol):
         self._fail(exc or ConnectionResetError("connection closed"))
 
     # -- requests -----------------------------------------------------------------------------------------
-    async def request(self, head: bytes) -> Response:
+    async def request(self, head: bytes, max_body: int) -> Response:
         assert self._waiter is None and self.transport is not None
         self._head_len, self._body, self._buffer, self._got, self._response = 0, None, None, 0, None
+        self._max_body = max_body
         self._waiter = asyncio.get_running_loop().create_future()
         self.transport.write(head)
         return await self._waiter
@@ -124,6 +127,8 @@ class _Connection(asyncio.BufferedProtocol):
         length = int(headers["content-length"])
         if length < 0:
             raise UnsupportedResponse("a negative Content-Length")
+        if length > self._max_body:  # never allocated: the buffer is sized by what the server says
+            raise UnsupportedResponse(f"a body of {length} bytes, over the {self._max_body} this request allows")
         if headers.get("connection", "").lower() == "close" or version == "HTTP/1.0":
             self.reusable = False
         extra = self._head_len - end - 4
@@ -164,8 +169,10 @@ class Http1Pool:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._closed = False
 
-    async def get(self, url: str, headers: dict[str, str]) -> Response:
-        """``GET url`` (already percent-encoded) with ``headers`` (``Host`` from the URL unless given)."""
+    async def get(self, url: str, headers: dict[str, str], max_body: int) -> Response:
+        """``GET url`` (already percent-encoded) with ``headers`` (``Host`` from the URL unless given). A response
+        whose ``Content-Length`` exceeds ``max_body`` is refused (:class:`UnsupportedResponse`) before its buffer
+        is allocated."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
@@ -183,7 +190,7 @@ class Http1Pool:
             for attempt in range(2):
                 conn, reused = await self._take(where)
                 try:
-                    response = await conn.request(head)
+                    response = await conn.request(head, max_body)
                 except (ConnectionResetError, BrokenPipeError):
                     conn.close()
                     if reused and attempt == 0:  # the server closed an idle keep-alive connection: a new one

@@ -33,6 +33,8 @@ __all__ = ["BucketRoute", "SignedGet", "list_query", "parse_list_page", "route_f
            "route_from_request", "sigv4_headers"]
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+_RANGE = re.compile(r"bytes=(\d+)-(\d+)$")
+_ERROR_BODY_MAX = 1 << 20
 _CREDENTIAL = re.compile(r"AWS4-HMAC-SHA256 Credential=[^/]+/\d{8}/([^/]+)/s3/aws4_request[,\s]")
 
 
@@ -270,8 +272,11 @@ class SignedGet:
             return None
         if self._gets is None:
             self._gets = Http1Pool(self._pool, self._connect_timeout)
+        m = _RANGE.match(range_header)
+        # The range asked for, or an error document; anything longer goes to botocore, which streams it.
+        most = max(int(m.group(2)) - int(m.group(1)) + 1, _ERROR_BODY_MAX) if m else _ERROR_BODY_MAX
         try:
-            resp = await self._gets.get(route.prefix + path[len(route.path_prefix):], headers)
+            resp = await self._gets.get(route.prefix + path[len(route.path_prefix):], headers, most)
         except UnsupportedResponse:
             return None
         return resp.body if resp.status in (200, 206) else None

@@ -71,6 +71,7 @@ def run(coro):
 
 
 BODY = os.urandom(3 * 1024 * 1024 + 17)
+LIMIT = 8 << 20
 
 
 @pytest.mark.parametrize("split", ["whole", "head-and-body-apart", "body-in-the-head-packet", "one-byte-head"])
@@ -85,7 +86,8 @@ def test_bodies_arrive_whole_in_any_segmentation(split):
     async def go():
         async with Scripted(lambda head, nth: parts) as srv:
             pool = Http1Pool(4, 5.0)
-            r = await pool.get(f"http://127.0.0.1:{srv.port}/bucket/k%20ey?x-id=GetObject", {"Range": "bytes=0-9"})
+            r = await pool.get(f"http://127.0.0.1:{srv.port}/bucket/k%20ey?x-id=GetObject", {"Range": "bytes=0-9"},
+                               len(BODY))
             await pool.close()
             return r, srv.heads[0]
 
@@ -100,7 +102,7 @@ def test_keep_alive_reuses_one_connection_and_a_given_host_header_is_not_doubled
     async def go():
         async with Scripted(lambda head, nth: [ok(b"%d" % nth)]) as srv:
             pool = Http1Pool(4, 5.0)
-            got = [bytes((await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {"host": "example:1"})).body)
+            got = [bytes((await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {"host": "example:1"}, LIMIT)).body)
                    for _ in range(5)]
             await pool.close()
             return got, srv
@@ -119,7 +121,7 @@ def test_a_server_closing_idle_connections_is_met_with_a_new_one():
             pool = Http1Pool(4, 5.0)
             out = []
             for _ in range(3):
-                out.append(bytes((await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {})).body))
+                out.append(bytes((await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, LIMIT)).body))
                 await asyncio.sleep(0.05)  # let the close arrive (or not) before the next request
             await pool.close()
             return out, srv.connections
@@ -134,7 +136,7 @@ def test_connection_close_is_honoured():
         async with Scripted(lambda head, nth: [ok(b"a", extra="Connection: close\r\n")]) as srv:
             pool = Http1Pool(4, 5.0)
             for _ in range(2):
-                assert bytes((await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {})).body) == b"a"
+                assert bytes((await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, LIMIT)).body) == b"a"
             await pool.close()
             return srv.connections
 
@@ -155,9 +157,9 @@ def test_responses_it_does_not_read_are_refused_and_the_connection_dropped(respo
         async with srv:
             pool = Http1Pool(4, 5.0)
             with pytest.raises(UnsupportedResponse):
-                await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {})
+                await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, LIMIT)
             # the refused connection is not reused: the next request opens a new one and gets its own answer
-            r = await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {})
+            r = await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, LIMIT)
             await pool.close()
             return r, srv.connections
 
@@ -166,12 +168,27 @@ def test_responses_it_does_not_read_are_refused_and_the_connection_dropped(respo
     assert bytes(r.body) == b"next"
 
 
+def test_a_body_over_the_limit_is_refused_before_it_is_allocated():
+    async def go():
+        srv = Scripted(lambda head, nth: [b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\nxx"]
+                       if srv.count == 1 else [ok(b"small")])
+        async with srv:
+            pool = Http1Pool(4, 5.0)
+            with pytest.raises(UnsupportedResponse, match="over the 1024"):
+                await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, 1024)
+            r = await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, 1024)
+            await pool.close()
+            return bytes(r.body), srv.connections
+
+    assert run(go()) == (b"small", 2)
+
+
 def test_error_statuses_come_back_with_their_body():
     async def go():
         async with Scripted(lambda head, nth: [ok(b"<Error><Code>PreconditionFailed</Code></Error>",
                                                   status="412 Precondition Failed")]) as srv:
             pool = Http1Pool(4, 5.0)
-            r = await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {"If-Match": '"v1"'})
+            r = await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {"If-Match": '"v1"'}, LIMIT)
             await pool.close()
             return r
 
@@ -186,7 +203,7 @@ def test_a_drop_mid_body_is_a_truncated_body_error_not_a_short_answer():
         async with Scripted(lambda head, nth: [response[:len(response) // 2], CLOSE]) as srv:
             pool = Http1Pool(4, 5.0)
             try:
-                await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {})
+                await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, LIMIT)
             finally:
                 await pool.close()
 
@@ -202,8 +219,8 @@ def test_a_cancelled_request_leaves_no_connection_behind_to_be_reused():
         async with srv:
             pool = Http1Pool(4, 5.0)
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}), 0.3)
-            r = await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {})
+                await asyncio.wait_for(pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, LIMIT), 0.3)
+            r = await pool.get(f"http://127.0.0.1:{srv.port}/b/k", {}, LIMIT)
             await pool.close()
             return bytes(r.body), srv.connections
 
@@ -218,7 +235,7 @@ def test_refused_connection_is_an_unreachable_origin():
         port = probe.sockets[0].getsockname()[1]
         probe.close()
         await probe.wait_closed()
-        await pool.get(f"http://127.0.0.1:{port}/b/k", {})
+        await pool.get(f"http://127.0.0.1:{port}/b/k", {}, LIMIT)
 
     with pytest.raises(ConnectionRefusedError) as info:
         run(go())
@@ -227,7 +244,7 @@ def test_refused_connection_is_an_unreachable_origin():
 
 def test_not_an_http_url_is_a_clear_error():
     with pytest.raises(ValueError, match="not an http"):
-        run(Http1Pool(1, 1.0).get("ftp://127.0.0.1/x", {}))
+        run(Http1Pool(1, 1.0).get("ftp://127.0.0.1/x", {}, LIMIT))
 
 
 @pytest.mark.parametrize("url, headers", [
@@ -237,7 +254,7 @@ def test_not_an_http_url_is_a_clear_error():
 ])
 def test_no_line_break_or_space_reaches_the_wire(url, headers):
     with pytest.raises(ValueError, match="line break or space"):
-        run(Http1Pool(1, 1.0).get(url, headers))
+        run(Http1Pool(1, 1.0).get(url, headers, LIMIT))
 
 
 def _self_signed(tmp_path):
@@ -271,12 +288,12 @@ def test_tls_bodies_are_received_straight_and_certificates_are_checked(tmp_path)
     async def go():
         async with Scripted(lambda head, nth: [ok(BODY)], tls=server_tls) as srv:
             pool = Http1Pool(4, 5.0, trusting)
-            r1 = await pool.get(f"https://127.0.0.1:{srv.port}/b/k", {})
-            r2 = await pool.get(f"https://127.0.0.1:{srv.port}/b/k", {})
+            r1 = await pool.get(f"https://127.0.0.1:{srv.port}/b/k", {}, LIMIT)
+            r2 = await pool.get(f"https://127.0.0.1:{srv.port}/b/k", {}, LIMIT)
             await pool.close()
             strict = Http1Pool(4, 5.0)  # the system's trust store does not know this certificate
             with pytest.raises(ssl.SSLCertVerificationError):
-                await strict.get(f"https://127.0.0.1:{srv.port}/b/k", {})
+                await strict.get(f"https://127.0.0.1:{srv.port}/b/k", {}, LIMIT)
             await strict.close()
             return r1, r2, srv.connections
 
