@@ -71,12 +71,11 @@ def parallel_read(groups: list[list[str]]) -> tuple[float, int]:
 def bare_caching_client(endpoint: str, ranges: list[tuple[str, int, int]], originals: list[str], work: str,
                         in_flight: int) -> float:
     """Seconds for the least a caching client must do to read half-cached files: the missing ``ranges`` GET by a
-    bare aiohttp client (``in_flight`` at once) and written into sparse copies of ``originals`` holding the rest,
-    while another thread reads that rest from disk (page cache dropped first). No checksums, no index, no FUSE,
-    and every missing range asked for at once: the yardstick for the half-cached pass on this machine."""
-    import asyncio
-
-    import aiohttp
+    bare aiohttp client (``in_flight`` at once, as in the server ceiling) and written into sparse copies of
+    ``originals`` holding the rest, while another thread reads that rest from disk (page cache dropped first).
+    No checksums, no index, no FUSE, and every missing range asked for at once: the yardstick for the
+    half-cached pass on this machine."""
+    from .small_files_bench import server_ceiling
 
     os.makedirs(work, exist_ok=True)
     fds, cached = {}, []
@@ -96,23 +95,11 @@ def bare_caching_client(endpoint: str, ranges: list[tuple[str, int, int]], origi
             for off in range(0, lo, CHUNK):
                 os.pread(fd, min(CHUNK, lo - off), off)
 
-    async def fetch() -> None:
-        todo = iter(ranges)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=in_flight)) as session:
-            async def worker() -> None:
-                for key, lo, hi in todo:
-                    async with session.get(f"{endpoint}/bench/{key}", headers={"Range": f"bytes={lo}-{hi - 1}"}) as r:
-                        assert r.status == 206, r.status
-                        body = await r.read()
-                    await asyncio.to_thread(os.pwrite, fds[key], body, lo)
-
-            await asyncio.gather(*(worker() for _ in range(in_flight)))
-
     try:
         t = time.perf_counter()
         reader = threading.Thread(target=read_cached)
         reader.start()
-        asyncio.run(fetch())
+        server_ceiling(endpoint, ranges, in_flight, store=lambda item, body: os.pwrite(fds[item[0]], body, item[1]))
         reader.join()
         return time.perf_counter() - t
     finally:

@@ -200,9 +200,11 @@ def cold_read(url: str, mnt: str, cache: str, groups: list[list[str]], nbytes: i
     return secs
 
 
-def server_ceiling(endpoint: str, keys: list[str] | list[tuple[str, int, int]], in_flight: int = 128) -> float:
+def server_ceiling(endpoint: str, keys: list[str] | list[tuple[str, int, int]], in_flight: int = 128,
+                   store=None) -> float:
     """Seconds for a bare aiohttp client (no signing, nothing kept) to GET every key (or ``(key, start, end)``
-    byte range) once: the most this server gives any client on this machine, the yardstick beside the link."""
+    byte range) once: the most this server gives any client on this machine, the yardstick beside the link.
+    ``store(item, body)``, if given, is run on a worker thread for every body (a bare caching client)."""
     import asyncio
 
     import aiohttp
@@ -216,7 +218,9 @@ def server_ceiling(endpoint: str, keys: list[str] | list[tuple[str, int, int]], 
                         item[0], {"Range": f"bytes={item[1]}-{item[2] - 1}"})
                     async with session.get(f"{endpoint}/bench/{key}", headers=headers) as resp:
                         assert resp.status in (200, 206), resp.status
-                        await resp.read()
+                        body = await resp.read()
+                    if store is not None:
+                        await asyncio.to_thread(store, item, body)
 
             t = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(in_flight)))

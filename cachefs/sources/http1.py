@@ -187,39 +187,43 @@ class Http1Pool:
             raise ValueError(f"a line break or space inside the request line or a header: {lines[0][:80]!r}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         async with self._slots:
-            for attempt in range(2):
-                conn, reused = await self._take(where)
+            conn = self._idle_connection(where)
+            if conn is not None:
                 try:
-                    response = await conn.request(head, max_body)
+                    return await self._exchange(conn, where, head, max_body)
                 except (ConnectionResetError, BrokenPipeError):
-                    conn.close()
-                    if reused and attempt == 0:  # the server closed an idle keep-alive connection: a new one
-                        continue
-                    raise
-                except BaseException:
-                    conn.close()  # cancelled or failed mid-response: its state is unknown
-                    raise
-                if conn.reusable and not self._closed:
-                    self._idle.setdefault(where, []).append(conn)
-                else:
-                    conn.close()
-                return response
-        raise AssertionError("unreachable")
+                    pass  # the server closed it while it was idle: once more on a new connection
+            loop = asyncio.get_running_loop()
+            tls = None
+            if where[0] == "https":
+                if self._ssl is None:  # once: it loads the system's trust store
+                    self._ssl = ssl.create_default_context()
+                tls = self._ssl
+            _, conn = await asyncio.wait_for(loop.create_connection(_Connection, where[1], where[2], ssl=tls),
+                                             self._connect_timeout)
+            return await self._exchange(conn, where, head, max_body)
 
-    async def _take(self, where: tuple[str, str, int]) -> tuple[_Connection, bool]:
+    def _idle_connection(self, where: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(where)
         while idle:
             conn = idle.pop()
             if conn.reusable and conn.transport is not None and not conn.transport.is_closing():
-                return conn, True
-        scheme, host, port = where
-        tls = None
-        if scheme == "https":
-            tls = self._ssl or ssl.create_default_context()
-        loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(loop.create_connection(_Connection, host, port, ssl=tls),
-                                         self._connect_timeout)
-        return conn, False
+                return conn
+        return None
+
+    async def _exchange(self, conn: _Connection, where: tuple[str, str, int], head: bytes, max_body: int
+                        ) -> Response:
+        """One request on ``conn``; the connection goes back to the idle list if it can carry another."""
+        try:
+            response = await conn.request(head, max_body)
+        except BaseException:
+            conn.close()  # failed or cancelled mid-response: its state is unknown
+            raise
+        if conn.reusable and not self._closed:
+            self._idle.setdefault(where, []).append(conn)
+        else:
+            conn.close()
+        return response
 
     async def close(self) -> None:
         self._closed = True

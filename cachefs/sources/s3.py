@@ -211,7 +211,7 @@ class S3Source(Source):
         if version:
             kw["IfMatch"] = f'"{version}"'
         if self._direct is not None:
-            body = await self._direct.get(bucket, key, kw["Range"], kw.get("IfMatch"))
+            body = await self._direct.get(bucket, key, kw["Range"], kw.get("IfMatch"), end - start)
             if body is not None:
                 return body
         # not signed by us, or not a success: botocore sends it (again) and raises its classified error
