@@ -29,14 +29,23 @@ Eviction
 When cached bytes pass ``high_watermark × capacity`` or the disk's free space drops under ``min_free``,
 whole objects are removed until usage is under ``low_watermark × capacity``: first objects read at most once,
 then the rest, least recently used first within each group (:func:`eviction_order`).
-An object that any process has open (a shared ``flock`` on its file) is skipped, so eviction never pulls
-data out from under a reader.
+An object that a reader in any process has open (a file open through the mount or fsspec holds a shared
+``flock`` on its cache file, see :meth:`Engine.pin`) is skipped. Descriptors this process merely keeps open
+for speed hold nothing: an object evicted under them reads on from its unlinked file and is let go.
+
+A full disk
+-----------
+Every write goes through :class:`~cachefs.space.DiskSpace`: admitted only within the capacity and the
+free-space floor, after one eviction if need be. A block that cannot be stored is served anyway; if read-ahead
+fetched it, it waits in memory (:attr:`Engine.unstored_limit` bytes at most) for the reader, so a reader
+streaming past a full disk still gets the origin's speed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -49,13 +58,14 @@ from typing import Any
 from ._memory import bound_allocator
 from .budget import MemoryBudget
 from .checksum import block_checksum
-from .config import Config, resolve_size
-from .errors import CacheFullError, ConfigError, CorruptBlockError
+from .config import Config, prepare_cache_dir, resolve_size
+from .errors import CacheFSError, CacheFullError, ConfigError, CorruptBlockError
 from .index import DatasetRecord, Index, ObjectRecord
 from .index.records import PackRecord
 from .manifest import ManifestStore, take_snapshot
 from .small_objects import WOULD_WAIT, SmallObjects
 from .sources import Source, open_origin
+from .space import DiskSpace
 from .store import DiskStore, StoredObject
 from .types import DatasetRef, Entry, object_key
 
@@ -123,6 +133,13 @@ class _Open:
     nblocks: int = 0
     hits: int = 0
     last_access: float = field(default_factory=time.time)
+    #: Pins and block writes under way: while above zero the file is held (flock) against eviction.
+    holds: int = 0
+    #: The file was evicted under this handle: it reads on (every block in ``present`` is whole in it) but is
+    #: no longer in the table, takes no writes, and is closed once nobody uses it.
+    stale: bool = False
+    #: Blocks read-ahead brought that no reader has been served yet (their first serving counts as a miss).
+    ahead: set[int] = field(default_factory=set)
 
 
 class Engine:
@@ -131,14 +148,32 @@ class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
         c = config.cache
+        prepare_cache_dir(c.dir)
         self.block_size = c.block_size
         self.index = Index(c.dir)
         self.store = DiskStore(c.dir, c.block_size)
         self.manifests = ManifestStore(self.index)
-        disk_total, _ = self.store.disk_usage()
+        disk_total, disk_free = self.store.disk_usage()
         self.capacity = resolve_size(c.capacity, disk_total, "cache.capacity")
         self.min_free = resolve_size(c.min_free, disk_total, "cache.min_free")
+        self.index.keep_reserve(disk_total, disk_free - self.min_free)  # see cachefs/index/reserve.py
         self.budget = MemoryBudget(config.engine.memory_budget)
+        self.space = DiskSpace(capacity=self.capacity, min_free=self.min_free, used=lambda: self.index.totals()[0],
+                               disk=self.store.disk_usage,
+                               evict=lambda need: self.evict_sync(force=True, need=need))
+        # Disk writes and evictions run here rather than in asyncio's default executor, so that closing the
+        # engine can wait for every write still running before it closes the files they write to.
+        self._disk = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="cachefs-disk")
+        self._disk_jobs: set[concurrent.futures.Future] = set()
+        #: Read-ahead blocks that a full disk could not take, kept for their reader (see "A full disk").
+        self.unstored_limit = min(config.engine.readahead_max, config.engine.memory_budget // 4)
+        self._unstored: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+        self._unstored_bytes = 0
+        self._closing = False
+        #: Set (epoch seconds) while a prefetch runs in this process. Objects and packs used since then are not
+        #: evicted, so that a selection larger than the cache fails clearly instead of evicting what it just
+        #: fetched; and files it brings are not read-ahead (a later read of them is a hit, not a miss).
+        self.prefetching_since: float | None = None
         # Limits are checked (an index read and a statvfs) every this many stored bytes rather than per block:
         # half the room between the high watermark and the capacity, so usage still never passes capacity.
         self._check_every = max(1, min(64 * 1024 * 1024, int(self.capacity * (1 - c.high_watermark) / 2)))
@@ -157,7 +192,7 @@ class Engine:
         self._stats_lock = threading.Lock()
         self._stats_task: asyncio.Task | None = None
         self._evicting: asyncio.Task | None = None
-        self._warned_full = False
+        self._background: set[asyncio.Future] = set()  # read-ahead tasks (awaited by aclose)
         self._dir_hits: dict[tuple[str, str], int] = {}  # (dataset id, directory) -> accesses not yet flushed
         self.small = SmallObjects(self)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the async core runs on
@@ -235,6 +270,60 @@ class Engine:
     def _release(self, ob: _Open) -> None:
         with self._open_lock:
             ob.refs -= 1
+            if ob.stale and ob.refs <= 0 and ob.holds <= 0:
+                ob.stored.close()
+
+    def _hold(self, ob: _Open) -> bool:
+        """Hold ``ob``'s file against eviction (see :meth:`pin`); False if it was evicted (``ob`` is stale
+        then: it reads on, but nothing may be written to it or recorded for it)."""
+        with self._open_lock:
+            if ob.stale:
+                return False
+            if ob.holds == 0 and not ob.stored.hold():
+                self._mark_stale(ob)
+                return False
+            ob.holds += 1
+            return True
+
+    def _unhold(self, ob: _Open) -> None:
+        with self._open_lock:
+            ob.holds -= 1
+            if ob.holds == 0:
+                if ob.stale:
+                    if ob.refs <= 0:
+                        ob.stored.close()
+                else:
+                    ob.stored.unhold()
+
+    def _mark_stale(self, ob: _Open) -> None:
+        """``ob``'s file was evicted by some process: take it out of the table (the next use opens the new
+        file). Call with ``_open_lock`` held."""
+        if ob.stale:
+            return
+        ob.stale = True
+        okey = ob.stored.key
+        if self._open.get(okey) is ob:
+            del self._open[okey]
+            self._note_access(okey, ob)
+        if ob.refs <= 0 and ob.holds <= 0:
+            ob.stored.close()
+
+    def pin(self, ds: Dataset, entry: Entry) -> object | None:
+        """Keep ``entry``'s cache file from eviction by any process until :meth:`unpin` (a reader has the file
+        open). Packed small files need no pin (a pack is read on after eviction); None for them."""
+        if self.small.packable(entry):
+            return None
+        for _ in range(3):
+            ob = self._acquire(ds, entry)
+            if self._hold(ob):
+                return ob
+            self._release(ob)  # evicted while idle here: the next acquire opens its new file
+        return None
+
+    def unpin(self, pin: object | None) -> None:
+        if pin is not None:
+            self._unhold(pin)
+            self._release(pin)
 
     def _trim_open(self) -> None:
         excess = len(self._open) - _MAX_OPEN_OBJECTS
@@ -255,26 +344,50 @@ class Engine:
         if not ob.present:  # opened but never filled: do not leave an empty file the index does not know
             self.store.try_remove(okey, ob.record.dataset, lambda: self.index.object(okey) is None)
 
+    def close_evicted(self) -> int:
+        """Close the idle descriptors of objects some process evicted (their space comes back); returns how
+        many. Called with the statistics flush."""
+        with self._open_lock:
+            gone = [(k, ob) for k, ob in self._open.items() if ob.refs == 0 and not ob.stored.linked()]
+            for okey, ob in gone:
+                self._close_open(okey, ob)
+        return len(gone)
+
     def _has(self, ob: _Open, idx: int) -> bool:
         if idx in ob.present:
             return True
         got = self.index.block(ob.stored.key, idx)  # another process may have fetched it
         if got is not None:
+            if not ob.stored.linked():  # into the object's new file, not this evicted one
+                with self._open_lock:
+                    self._mark_stale(ob)
+                return False
             ob.present[idx] = got
             return True
         return False
 
     def local_path(self, ds: Dataset, entry: Entry) -> str | None:
-        """Path of the complete local file of ``entry``, or None if some block is missing (or it is packed)."""
+        """Path of the complete local file of ``entry``, or None if some block is missing (or it is packed,
+        or evicted)."""
         if self.small.packable(entry):
             return None
         ob = self._acquire(ds, entry)
         try:
-            if all(self._has(ob, i) for i in range(ob.nblocks)):
+            if all(self._has(ob, i) for i in range(ob.nblocks)) and ob.stored.linked():
                 return ob.stored.path
             return None
         finally:
             self._release(ob)
+
+    def local_fd(self, pin: object) -> int | None:
+        """A new read-only descriptor of a pinned object's cache file if every block is present, else None:
+        what FUSE passthrough hands the kernel (a descriptor, not a path that eviction could swap)."""
+        ob = pin
+        if not all(self._has(ob, i) for i in range(ob.nblocks)) or ob.stale:
+            return None
+        import os
+
+        return os.open(f"/proc/self/fd/{ob.stored.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
 
     # -- reads --------------------------------------------------------------------------------------------
     def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None, *,
@@ -297,7 +410,8 @@ class Engine:
                 if whole is None or whole is WOULD_WAIT:
                     return whole
                 _keep_member(stream, okey, whole, start, end)
-            self._count_small(ds, entry, stream, hit=end - start)
+            ahead = self.small.take_ahead(okey)
+            self._count_small(ds, entry, stream, hit=0 if ahead else end - start, miss=end - start if ahead else 0)
             return whole[start:end] if (start, end) != (0, len(whole)) else whole
         ob = self._acquire(ds, entry)
         try:
@@ -309,7 +423,8 @@ class Engine:
             except CorruptBlockError as exc:
                 self._drop_corrupt(ob, exc)
                 return None
-            self._count(ob, ds.ref.id, stream, hit=len(data))
+            ahead = self._take_ahead(ob, start, end) if ob.ahead else 0
+            self._count(ob, ds.ref.id, stream, hit=len(data) - ahead, miss=ahead)
             if stream is not None:
                 self._advance(stream, start, end)
                 if stream.window:
@@ -352,7 +467,8 @@ class Engine:
             okey = self.object_key(ds, entry)
             whole, fetched = await self.small.fetch(ds, okey, entry)
             _keep_member(stream, okey, whole, start, end)
-            self._count_small(ds, entry, stream, hit=0 if fetched else end - start, miss=end - start if fetched else 0)
+            miss = self.small.take_ahead(okey) or fetched
+            self._count_small(ds, entry, stream, hit=0 if miss else end - start, miss=end - start if miss else 0)
             if fetched and stream is not None:
                 self.small.read_ahead(ds, entry)
             return whole[start:end]
@@ -364,8 +480,10 @@ class Engine:
                 missing = [i for i in range(first, last + 1) if not self._has(ob, i)]
                 fetched: dict[int, bytes] = {}
                 if missing:
+                    fetched = self._take_unstored(ob.stored.key, missing)
+                    missing = [i for i in missing if i not in fetched]
                     got = await asyncio.gather(*(self._block(ds, entry, ob, i) for i in missing))
-                    fetched = {i: b for i, b in zip(missing, got, strict=True) if b is not None}
+                    fetched.update((i, b) for i, b in zip(missing, got, strict=True) if b is not None)
                 try:
                     data = self._assemble(ob, start, end, fetched)
                     break
@@ -373,7 +491,10 @@ class Engine:
                     self._drop_corrupt(ob, exc)
             else:
                 raise CorruptBlockError(f"{entry.path}: blocks keep failing their checksums; is the cache disk healthy?")
-            fetched_bytes = sum(len(b) for b in fetched.values())
+            fetched_bytes = self._take_ahead(ob, start, end) if ob.ahead else 0
+            fetched_bytes += sum(min(end, (i + 1) * bs) - max(start, i * bs) for i in fetched)
+            if last in fetched and end < min((last + 1) * bs, entry.size):
+                ob.ahead.add(last)  # the rest of that block came for this reader too: a miss when it gets there
             self._count(ob, ds.ref.id, stream, hit=max(0, len(data) - fetched_bytes),
                         miss=min(len(data), fetched_bytes))
             if stream is not None:
@@ -405,7 +526,8 @@ class Engine:
             return
         ob.present.pop(idx, None)
         ob.stored.forget_verified(idx)
-        self.index.drop_block(ob.stored.key, idx)
+        if ob.stored.linked():  # (an evicted file's record is gone already, or names another file's block)
+            self.index.drop_block(ob.stored.key, idx)
 
     def _advance(self, stream: ReadStream, start: int, end: int) -> None:
         max_window = self.config.engine.readahead_max // self.block_size
@@ -417,19 +539,25 @@ class Engine:
             return
         bs = self.block_size
         nxt = -(-stream.next_offset // bs)
+        if self._closing:
+            return
         for i in range(nxt, min(ob.nblocks, nxt + stream.window)):
-            if self._has(ob, i) or (ob.stored.key, i) in self._inflight:
+            key = (ob.stored.key, i)
+            if self._has(ob, i) or key in self._inflight or key in self._unstored:
                 continue
             length = min(bs, entry.size - i * bs)
             if not self.budget.try_reserve(length):
                 break  # read-ahead only uses spare budget
-            ob.refs += 1
-            task = asyncio.ensure_future(self._block(ds, entry, ob, i, reserved=True))
-            task.add_done_callback(lambda t, ob=ob: (self._release(ob), _retrieve(t)))
+            with self._open_lock:
+                ob.refs += 1
+            task = asyncio.ensure_future(self._block(ds, entry, ob, i, reserved=True, ahead=True))
+            self._background.add(task)
+            task.add_done_callback(lambda t, ob=ob: (self._background.discard(t), self._release(ob), _retrieve(t)))
 
     async def _block(self, ds: Dataset, entry: Entry, ob: _Open, idx: int, *, reserved: bool = False,
-                     strict: bool = False) -> bytes | None:
-        """Make block ``idx`` present; returns its bytes if this call fetched them (single-flight)."""
+                     strict: bool = False, ahead: bool = False) -> bytes | None:
+        """Make block ``idx`` present; returns its bytes if this call fetched them (single-flight). With
+        ``ahead`` (read-ahead), bytes the disk cannot take are kept in memory for the reader instead."""
         key = (ob.stored.key, idx)
         task = self._inflight.get(key)
         if task is None:
@@ -445,6 +573,11 @@ class Engine:
         data, stored_ok = await asyncio.shield(task)
         if strict and not stored_ok:
             raise CacheFullError(f"cache disk full: cannot store {entry.path} (capacity {self.capacity} B)")
+        if ahead:
+            if stored_ok:
+                ob.ahead.add(idx)
+            else:
+                self._keep_unstored(key, data)
         return data
 
     async def origin_read(self, ds: Dataset, entry: Entry, start: int, length: int) -> bytes:
@@ -473,31 +606,82 @@ class Engine:
         return data, stored
 
     async def _store_block(self, ob: _Open, idx: int, data: bytes, checksum: int) -> bool:
-        for attempt in range(2):
+        """Write block ``idx`` and record it, if the disk has room (see :class:`DiskSpace`); whether it did."""
+        if self._closing or ob.stale:
+            return False
+
+        def write() -> bool:
+            if not self._hold(ob):
+                return False  # evicted meanwhile: its next reader opens the new file
             try:
-                if len(data) >= 256 * 1024:
-                    await asyncio.to_thread(ob.stored.write_block, idx, data)
-                else:
-                    ob.stored.write_block(idx, data)
-                break
-            except CacheFullError:
-                if attempt == 0:
-                    await self.evict(force=True)
-                    continue
-                self.warn_full()
-                return False
-        self.index.put_block(ob.stored.key, idx, checksum, len(data), ob.record)
+                ob.stored.write_block(idx, data)
+                try:
+                    self.index.put_block(ob.stored.key, idx, checksum, len(data), ob.record)
+                except CacheFullError:
+                    ob.stored.drop_block(idx)
+                    raise
+            finally:
+                self._unhold(ob)
+            return True
+
+        decided, stored = (False, None) if len(data) >= 256 * 1024 else self.space.try_store(len(data), write)
+        if not decided:
+            stored = await self.run_disk(self.space.store, len(data), write)
+        if not stored:
+            return False
         ob.present[idx] = (checksum, len(data))
         self.note_stored(len(data))
         return True
 
-    def warn_full(self) -> None:
-        if not self._warned_full:
-            log.warning("cache disk full and nothing evictable: serving from the origin without caching")
-            self._warned_full = True
+    async def run_disk(self, fn, *args):
+        """``fn(*args)`` on the disk threads (blocking file and index work); the engine's close waits for it."""
+        try:
+            job = self._disk.submit(fn, *args)
+        except RuntimeError:  # the interpreter is exiting (atexit flush): no new threads, do it here
+            return fn(*args)
+        self._disk_jobs.add(job)
+        job.add_done_callback(self._disk_jobs.discard)
+        return await asyncio.wrap_future(job)
+
+    def _wait_disk(self) -> None:
+        """Wait for every disk job submitted so far (also those whose awaiting task was cancelled)."""
+        concurrent.futures.wait(list(self._disk_jobs))
+
+    def _keep_unstored(self, key: tuple[bytes, int], data: bytes) -> None:
+        """Keep a read-ahead block the disk could not take for its reader, within ``unstored_limit`` bytes."""
+        if key in self._unstored or len(data) > self.unstored_limit:
+            return
+        self._unstored[key] = data
+        self._unstored_bytes += len(data)
+        while self._unstored_bytes > self.unstored_limit:
+            _, old = self._unstored.popitem(last=False)
+            self._unstored_bytes -= len(old)
+
+    def _take_unstored(self, okey: bytes, blocks: list[int]) -> dict[int, bytes]:
+        if not self._unstored:
+            return {}
+        got = {}
+        for i in blocks:
+            data = self._unstored.pop((okey, i), None)
+            if data is not None:
+                self._unstored_bytes -= len(data)
+                got[i] = data
+        return got
+
+    @staticmethod
+    def _take_ahead(ob: _Open, start: int, end: int) -> int:
+        """Bytes of ``[start, end)`` in blocks read-ahead brought and no reader was served yet: misses (the
+        origin was read for this reader, only earlier), and from now on ordinary cached blocks."""
+        bs, n = ob.record.block_size or 1, 0
+        for i in range(start // bs, (end - 1) // bs + 1):
+            if i in ob.ahead:
+                ob.ahead.discard(i)
+                n += min(end, (i + 1) * bs) - max(start, i * bs)
+        return n
 
     def note_stored(self, nbytes: int) -> None:
         """Count bytes newly on disk; check the limits (and start eviction) every so often. Event loop only."""
+        self.space.clear()
         self._stored_since_check += nbytes
         if self._stored_since_check >= self._check_every:
             self._stored_since_check = 0
@@ -507,21 +691,27 @@ class Engine:
     def object_key(ds: Dataset, entry: Entry) -> bytes:
         return object_key(ds.ref.id, entry.path, entry.version)
 
-    async def ensure_cached(self, ds: Dataset, entry: Entry) -> None:
-        """Make every block of ``entry`` present (prefetch). Raises CacheFullError."""
+    async def ensure_cached(self, ds: Dataset, entry: Entry, on_bytes=None) -> None:
+        """Make every block of ``entry`` present (prefetch). Raises CacheFullError. ``on_bytes(n)`` is called
+        as each piece lands (progress while a large file is on the wire). Warming is not a read: it counts
+        neither hits nor misses (a job that reads the warmed data later gets hits)."""
         self._start_background()
         if self.small.packable(entry):
-            whole, fetched = await self.small.fetch(ds, self.object_key(ds, entry), entry)
+            await self.small.fetch(ds, self.object_key(ds, entry), entry)
             if self.small.full_error is not None:
                 raise self.small.full_error
-            self._count_bytes(ds.ref.id, None, 0, len(whole) if fetched else 0)  # warming is not an access
             return
         ob = self._acquire(ds, entry)
         try:
             missing = [i for i in range(ob.nblocks) if not self._has(ob, i)]
-            got = await asyncio.gather(*(self._block(ds, entry, ob, i, strict=True) for i in missing))
-            fetched = sum(len(b) for b in got if b is not None)
-            self._count(ob, ds.ref.id, ReadStream(counted=True), miss=fetched)  # warming is not an access
+
+            async def block(i: int) -> bytes | None:
+                got = await self._block(ds, entry, ob, i, strict=True)
+                if on_bytes is not None:
+                    on_bytes(min(self.block_size, entry.size - i * self.block_size))
+                return got
+
+            await asyncio.gather(*(block(i) for i in missing))
         finally:
             self._release(ob)
 
@@ -590,10 +780,18 @@ class Engine:
             dirs, self._dir_hits = self._dir_hits, {}
         packs = self.small.take_pack_access()
         self.small.close_unlinked()
+        self.close_evicted()
         try:
             self.index.record_access(objs, ds, packs, dirs, half_life=self.config.engine.hot_dir_half_life)
-        except Exception:
-            log.exception("could not write access statistics")
+        except CacheFullError as exc:  # these figures are dropped; the next flush tries again
+            log.warning("access statistics not recorded: %s", exc)
+        except CacheFSError as exc:
+            log.error("access statistics not recorded: %s", exc)
+        try:
+            total, free = self.store.disk_usage()
+            self.index.keep_reserve(total, free - self.min_free)
+        except OSError as exc:
+            log.debug("index reserve: %s", exc)
 
     async def start_background(self) -> None:
         """Start the periodic statistics flush now. It otherwise starts with the first read that reaches the
@@ -611,18 +809,30 @@ class Engine:
             await asyncio.to_thread(self.flush_stats)
 
     async def aclose(self) -> None:
-        """:meth:`close`, and release the origin connections."""
+        """Stop fetching, let every write finish, write pending packs, release the origin connections, then
+        :meth:`close` the files. In that order: a file is never closed under a write still running."""
+        self._closing = True
+        fetches = [*self._background, *self._inflight.values()]
+        for task in fetches:
+            task.cancel()
+        await asyncio.gather(*fetches, return_exceptions=True)
         await self.small.flush()
         for task in (self._stats_task, self._evicting):
             if task is not None and not task.done():
                 task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        # Block writes the cancelled fetches started (awaited through their futures: no thread needed, which
+        # matters at interpreter exit, when no new thread may start).
+        await asyncio.gather(*(asyncio.wrap_future(j) for j in list(self._disk_jobs)), return_exceptions=True)
         sources, self._sources = list(self._sources.values()), {}
         for src in sources:
             await src.close()
         self.close()
 
     def close(self) -> None:
-        """Write pending packs, flush statistics and close every open object file."""
+        """Write pending packs, flush statistics and close every open object file (call :meth:`aclose` from
+        the event loop instead while fetches may be running). The engine stays usable: files open again."""
+        self._wait_disk()
         self.small.flush_sync()
         self.flush_stats()
         with self._open_lock:
@@ -642,11 +852,17 @@ class Engine:
 
     async def evict(self, *, force: bool = False) -> int:
         """Evict objects in :func:`eviction_order` until under the low watermark; returns bytes freed."""
-        return await asyncio.to_thread(self.evict_sync, force=force)
+        if force:
+            return await self.run_disk(self.space.evict)
+        return await self.run_disk(self.evict_sync)
 
-    def evict_sync(self, *, force: bool = False, dataset: str | None = None, everything: bool = False) -> int:
+    def evict_sync(self, *, force: bool = False, dataset: str | None = None, everything: bool = False,
+                   need: int = 0) -> int:
+        """Evict (``force``: even under the high watermark) until usage is under the low watermark and ``need``
+        more bytes fit (see :class:`DiskSpace`); ``dataset``/``everything``: all of it that no reader holds."""
         self.flush_stats()
-        target = int(self.capacity * self.config.cache.low_watermark)
+        target = min(int(self.capacity * self.config.cache.low_watermark), self.capacity - need)
+        floor = max(self.min_free * 1.1, self.min_free + need)
         total, _ = self.index.totals()
         _, free = self.store.disk_usage()
         if not (force or everything or dataset) and total <= self.capacity * self.config.cache.high_watermark \
@@ -655,32 +871,44 @@ class Engine:
         candidates = sorted([*self.index.objects(dataset), *((None, p) for p in self.index.packs(dataset))],
                             key=lambda kv: eviction_order(kv[1]))
         freed = 0
+        keep = None if (everything or dataset) else self.prefetching_since
         for okey, rec in candidates:
+            if keep is not None and rec.last_access >= keep:
+                continue
             if not (everything or dataset):
                 total, _ = self.index.totals()
                 _, free = self.store.disk_usage()
-                if total <= target and free >= self.min_free * 1.1:
+                if total <= target and free >= floor:
                     break
-            if okey is None:  # a pack: no locks, readers that still have it open keep reading their bytes
-                freed += self.small.remove_pack(rec)
-                continue
-            with self._open_lock:
-                ob = self._open.get(okey)
-                if ob is not None:
-                    if ob.refs > 0:
-                        continue
-                    self._close_open(okey, ob)
-            removed: list[int] = []
-
-            def forget(okey: bytes = okey, removed: list[int] = removed) -> bool:
-                removed.append(self.index.remove_object(okey))
-                return True
-
-            if self.store.try_remove(okey, rec.dataset, forget):
-                freed += sum(removed)
+            try:
+                freed += self._evict_one(okey, rec)
+            except CacheFullError as exc:  # not even the index's reserve let it commit
+                log.error("eviction stopped: %s", exc)
+                break
         if freed:
             log.info("evicted %d bytes", freed)
+            self.space.clear()
         return freed
+
+    def _evict_one(self, okey: bytes | None, rec: ObjectRecord | PackRecord) -> int:
+        """Evict one object (or pack, ``okey`` None) unless a reader holds it; returns bytes freed."""
+        if okey is None:  # a pack: no locks, readers that still have it open keep reading their bytes
+            return self.small.remove_pack(rec)
+        with self._open_lock:
+            ob = self._open.get(okey)
+            if ob is not None:
+                if ob.holds > 0:
+                    return 0  # pinned by a reader here (the exclusive lock would fail anyway)
+                if ob.refs == 0:
+                    self._close_open(okey, ob)
+                # else: a read is under way; it reads on from the unlinked file and drops the handle after
+        removed: list[int] = []
+
+        def forget() -> bool:
+            removed.append(self.index.remove_object(okey))
+            return True
+
+        return sum(removed) if self.store.try_remove(okey, rec.dataset, forget) else 0
 
 
 def _keep_member(stream: ReadStream | None, okey: bytes, whole: bytes, start: int, end: int) -> None:

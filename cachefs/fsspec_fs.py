@@ -221,6 +221,13 @@ class CacheFile(io.RawIOBase):
         self.mode = "rb"
         self._pos = 0
         self._stream = ReadStream()
+        self._pin = fs.engine.pin(ds, entry)  # eviction skips the object while this file is open
+
+    def close(self) -> None:
+        if not self.closed:
+            pin, self._pin = self._pin, None
+            self.fs.engine.unpin(pin)
+        super().close()
 
     def readable(self) -> bool:
         return True

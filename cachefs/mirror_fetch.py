@@ -154,6 +154,7 @@ class MirrorFetcher:
                 if not self.small.has(okey):
                     keep.append((okey, off, length, checksum))
             self.files += len(valid)
+            self.small.note_ahead(k[0] for k in keep)  # the one a reader asked for is counted as fetched anyway
             await self._write(ds, mirror, pack, window, lo, raw, keep)
         finally:
             await budget.release(hi - lo)
@@ -172,20 +173,17 @@ class MirrorFetcher:
                 return
             assembly = self._assembling[key] = _Assembly(ds.ref.id, pack, pack_id, tmp, fd, mirror.pack_sizes[pack],
                                                          len(mirror.bounds(pack, MIRROR_WINDOW)) - 1)
-        for attempt in range(2):
-            try:
-                if not await asyncio.to_thread(self._write_window, assembly, raw, lo):
-                    return  # given up meanwhile
-                break
-            except CacheFullError as exc:
-                if attempt == 0:
-                    await self.engine.evict(force=True)
-                    continue
-                self._give_up(assembly, exc)
-                return
-            except CacheFSError as exc:
-                self._give_up(assembly, exc)
-                return
+        try:
+            written = await self.engine.run_disk(self.engine.space.store, len(raw),
+                                                 lambda: self._write_window(assembly, raw, lo))
+        except CacheFSError as exc:
+            self._give_up(assembly, exc)
+            return
+        if written is None:
+            self._give_up(assembly, CacheFullError("no room on the cache disk"))
+            return
+        if not written:
+            return  # given up meanwhile
         if self._assembling.get(key) is not assembly:
             return  # given up meanwhile
         assembly.done.add(window)
@@ -194,7 +192,7 @@ class MirrorFetcher:
             self._members[okey] = (assembly, off, length, checksum)
         if len(assembly.done) == assembly.windows:
             del self._assembling[key]
-            task = asyncio.ensure_future(asyncio.to_thread(self._publish, assembly))
+            task = asyncio.ensure_future(self.engine.run_disk(self._publish, assembly))
             self._installs.add(task)
             task.add_done_callback(self._installed_done)
 
@@ -216,7 +214,11 @@ class MirrorFetcher:
         dup = os.dup(assembly.fd)
         try:
             self.small.store.publish(assembly.ds_id, assembly.pack_id, assembly.tmp, dup)
-            self.engine.index.commit_pack(assembly.ds_id, assembly.pack_id, size, assembly.members)
+            try:
+                self.engine.index.commit_pack(assembly.ds_id, assembly.pack_id, size, assembly.members)
+            except CacheFSError:
+                self.small.store.remove(assembly.ds_id, assembly.pack_id)  # never a pack the index does not know
+                raise
         finally:
             fd = self._detach(assembly)
             if fd >= 0:
@@ -236,7 +238,6 @@ class MirrorFetcher:
     def _give_up(self, assembly: _Assembly, exc: BaseException) -> None:
         log.warning("mirror pack %d: not kept on this node (%s)", assembly.pack, exc)
         if isinstance(exc, CacheFullError):
-            self.engine.warn_full()
             self.small.full_error = CacheFullError(f"cache disk full: could not keep a mirror pack of "
                                                    f"{assembly.size} B (capacity {self.engine.capacity} B)")
         self._assembling.pop((assembly.ds_id, assembly.pack), None)

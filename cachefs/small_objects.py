@@ -54,6 +54,18 @@ SWEEP_READS = 3
 SWEEP_WINDOW = 5.0
 _READ_AHEAD_PIECE = 2 * 1024 * 1024
 _MAX_LISTINGS = 64
+#: What a pack adds to its members' bytes (Arrow's header, schema and footer), and per member (its path,
+#: version, checksum, offsets and padding): an upper bound, for asking the disk for room before writing.
+_PACK_OVERHEAD = 4096
+_MEMBER_OVERHEAD = 40
+
+
+def _member_bytes(m: Member) -> int:
+    return len(m.data) + len(m.path) + len(m.version) + _MEMBER_OVERHEAD
+
+
+def _pack_bytes(members: list[Member]) -> int:
+    return _PACK_OVERHEAD + sum(_member_bytes(m) for m in members)
 
 
 class _WouldWait:
@@ -133,6 +145,9 @@ class SmallObjects:
         self._sweeps: dict[bytes, list] = {}  # pack key → [window start, reads in it, read ahead at]
         #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
         self.full_error: CacheFullError | None = None
+        #: Files read-ahead brought (directory read-ahead, the rest of a mirror window) that no reader was
+        #: served yet: their first read is a miss, the origin was read for it (see :meth:`take_ahead`).
+        self._came_ahead: set[bytes] = set()
         self.mirror = MirrorFetcher(self)
         removed = self.store.clean(engine.index.has_pack)
         if removed:
@@ -140,6 +155,20 @@ class SmallObjects:
 
     def packable(self, entry: Entry) -> bool:
         return entry.size <= self.threshold
+
+    def note_ahead(self, okeys) -> None:
+        """These files came by read-ahead (not while a prefetch runs: what it brings is cached on purpose)."""
+        if self.engine.prefetching_since is None:
+            if len(self._came_ahead) > 1 << 20:  # bounded; forgetting one only counts its first read as a hit
+                self._came_ahead.clear()
+            self._came_ahead.update(okeys)
+
+    def take_ahead(self, okey: bytes) -> bool:
+        """Whether ``okey`` came by read-ahead and this is its first read (then no longer)."""
+        if not self._came_ahead or okey not in self._came_ahead:
+            return False
+        self._came_ahead.discard(okey)
+        return True
 
     # -- local reads (any thread) -------------------------------------------------------------------------
     def has(self, okey: bytes) -> bool:
@@ -318,13 +347,13 @@ class SmallObjects:
         members = self._take(ds_id)
         if not members:
             return
-        task = asyncio.ensure_future(asyncio.to_thread(self._write, ds_id, members))
+        task = asyncio.ensure_future(self.engine.run_disk(self._write, ds_id, members))
         self._writes.add(task)
 
         def done(t: asyncio.Task) -> None:
             self._writes.discard(t)
             if not t.cancelled() and t.exception() is not None:
-                log.error("writing a pack failed: %s", t.exception())
+                log.error("writing a pack failed: %s", t.exception())  # (its members are fetched again)
             elif not t.cancelled():
                 self.engine.note_stored(t.result())
             if self._written is not None:
@@ -333,40 +362,55 @@ class SmallObjects:
         task.add_done_callback(done)
 
     def _write(self, ds_id: str, members: list[Member]) -> int:
-        """Write one pack and record its members (any thread); returns bytes written. On a full disk that
-        eviction cannot relieve, what fits is written (the pack is split) and the rest dropped: those members
-        were served, they are just not cached."""
+        """Write one pack and record its members (any thread); returns bytes written. What the disk has no room
+        for (see :class:`~cachefs.space.DiskSpace`) is dropped: those members were served, they are just not
+        cached."""
         nbytes = sum(len(m.data) for m in members)
-        dropped: list[int] = []
+        dropped: list[Member] = []
         try:
-            written = self._write_fitting(ds_id, members, dropped, evict=True)
+            written = self._write_fitting(ds_id, members, dropped)
         finally:
             with self._lock:  # in the index now (or dropped): no longer served from memory
                 for m in members:
                     self._pending_data.pop(m.okey, None)
                 self._unwritten -= nbytes
         if dropped:
-            self.engine.warn_full()
-            self.full_error = CacheFullError(f"cache disk full: could not store {sum(dropped)} small files "
+            self.full_error = CacheFullError(f"cache disk full: could not store {len(dropped)} small files "
                                              f"(capacity {self.engine.capacity} B)")
         else:
             self.full_error = None
         return written
 
-    def _write_fitting(self, ds_id: str, members: list[Member], dropped: list[int], *, evict: bool) -> int:
+    def _write_fitting(self, ds_id: str, members: list[Member], dropped: list[Member]) -> int:
+        """Write as many of ``members`` (in order) as the disk has room for, as one pack; the rest go to
+        ``dropped``. Room is asked for first (evicting once), so a full disk costs no failed writes."""
+        space = self.engine.space
+        if not space.full and not space.admits(_pack_bytes(members)):
+            space.evict(_pack_bytes(members))
+        room = 0 if space.full else space.room()
+        fit, need = 0, _PACK_OVERHEAD
+        for m in members:
+            need += _member_bytes(m)
+            if need > room:
+                break
+            fit += 1
+        dropped.extend(members[fit:])
+        if not fit:
+            space.mark_full()
+            return 0
+        written = space.store(_pack_bytes(members[:fit]), lambda: self._write_pack(ds_id, members[:fit]))
+        if written is None:
+            dropped.extend(members[:fit])
+            return 0
+        return written
+
+    def _write_pack(self, ds_id: str, members: list[Member]) -> int:
+        written = self.store.write(ds_id, members)
         try:
-            written = self.store.write(ds_id, members)
-        except CacheFullError:
-            if evict:
-                self.engine.evict_sync(force=True)
-                return self._write_fitting(ds_id, members, dropped, evict=False)
-            if len(members) == 1:
-                dropped.append(1)
-                return 0
-            half = len(members) // 2
-            return (self._write_fitting(ds_id, members[:half], dropped, evict=False)
-                    + self._write_fitting(ds_id, members[half:], dropped, evict=False))
-        self.engine.index.commit_pack(ds_id, written.pack_id, written.size, written.members)
+            self.engine.index.commit_pack(ds_id, written.pack_id, written.size, written.members)
+        except CacheFSError:
+            self.store.remove(ds_id, written.pack_id)  # never a pack file the index does not know
+            raise
         return written.size
 
     async def flush(self) -> None:
@@ -416,7 +460,9 @@ class SmallObjects:
         if data is not None:
             await self.engine.budget.release(entry.size)
             return data
-        return await self._fetch(ds, okey, entry, reserved=True)
+        data = await self._fetch(ds, okey, entry, reserved=True)
+        self.note_ahead((okey,))
+        return data
 
     def _listing(self, ds: Dataset, parent: str) -> tuple[list[str], list[Entry]]:
         key = (ds.ref.id, ds.version, parent)

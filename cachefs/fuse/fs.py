@@ -73,6 +73,8 @@ class Handle:
     #: that reading it costs no READ request: a packed small file at its first open (see CacheFS.open).
     prefill: bytes | None = None
     stream: ReadStream | None = None  # read-ahead state, made on the first userspace read
+    #: The engine's pin of the cache file while this file is open (eviction skips it), see Engine.pin.
+    pin: object | None = None
 
 
 class CacheFS:
@@ -204,7 +206,7 @@ class CacheFS:
         n = self.node(ino)
         if n.entry.is_dir:
             raise IsADirectoryError(errno.EISDIR, n.path)
-        h = Handle(n)
+        h = Handle(n, pin=self.engine.pin(self.ds, n.entry))
         with self._lock:
             fh = self._next_fh
             self._next_fh += 1
@@ -212,7 +214,7 @@ class CacheFS:
             n.opens += 1
             first, n.unopened = n.unopened, False
             self._idle.pop(n.ino, None)
-        if self.passthrough and (n.backing_id or self._register_backing(n)):
+        if self.passthrough and (n.backing_id or (h.pin is not None and self._register_backing(n, h.pin))):
             h.passthrough = True
         if not h.passthrough:
             # Only at the first open: a page another open cached, or a READ the kernel has in flight for it,
@@ -251,15 +253,15 @@ class CacheFS:
     def _packed_here(self, entry) -> bool:
         return self.engine.small.packable(entry) and self.engine.cached_bytes(self.ds, entry) == entry.size
 
-    def _register_backing(self, n: Node) -> bool:
-        """Hand the complete local file of ``n`` to the kernel (once per inode; concurrent opens share it)."""
-        path = self.engine.local_path(self.ds, n.entry)
-        if path is None:
-            return False
+    def _register_backing(self, n: Node, pin: object) -> bool:
+        """Hand the complete local file of ``n`` to the kernel (once per inode; concurrent opens share it).
+        Its descriptor comes from the pinned object, never from a path eviction could swap under us."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.engine.local_fd(pin)
         except OSError:
-            return False  # evicted between the check and the open: serve from userspace
+            return False
+        if fd is None:
+            return False
         try:
             backing = self.backing_open(fd)
         except OSError:
@@ -318,8 +320,10 @@ class CacheFS:
         close: list[Node] = []
         with self._lock:
             h = self._handles.pop(fh, None)
-            if h is None:
-                return
+        if h is None:
+            return
+        self.engine.unpin(h.pin)
+        with self._lock:
             n = h.node
             n.opens = max(0, n.opens - 1)
             if n.opens or not n.backing_id or n.inherited:
@@ -362,7 +366,13 @@ class CacheFS:
     def backing_id(self, h: Handle) -> int:
         return h.node.backing_id if h.passthrough else 0
 
-    def statfs(self) -> tuple[int, int, int]:
-        """(total bytes, files, block size) of the dataset as the manifest describes it."""
+    def statfs(self) -> tuple[int, int, int, int]:
+        """(used bytes, available bytes, files, block size): the dataset's size (from the manifest) is what is
+        used; what is available is the room the node's cache has left. A read-only dataset reported as a full
+        disk (0 available) trips every disk-usage alert; this says how much more of it the node can cache."""
         info = self.ds.record.manifest(self.ds.version)
-        return (info.bytes, info.files, 4096) if info else (0, 0, 4096)
+        try:
+            room = self.engine.space.room()
+        except OSError:
+            room = 0
+        return (info.bytes, room, info.files, 4096) if info else (0, room, 0, 4096)

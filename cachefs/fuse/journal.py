@@ -15,16 +15,26 @@ daemon that dies first leaves its successor one inode too many, which the kernel
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 
+from .._fallocate import allocate_ahead
+
 __all__ = ["JournalState", "MountJournal"]
+
+log = logging.getLogger("cachefs.fuse")
 
 #: Rewrite the journal with just the live state once it grows past this.
 COMPACT_BYTES = 32 << 20
+#: Appends go into space allocated ahead in steps of this much, so that a cache disk that fills up later does
+#: not stop the journal at once.
+PREALLOCATE = 1 << 20
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass
@@ -47,6 +57,10 @@ class MountJournal:
         self._fd = -1
         self._lock = threading.Lock()
         self._size = self._live_size = 0
+        self._allocated = 0
+        #: The disk had no room for a record: the journal is kept in memory only from then on (a daemon
+        #: restarted later may not know every inode the kernel holds; requests naming one get ESTALE).
+        self.degraded = False
         self._forgotten: list[int] = []  # inodes forgotten since the last write
         self.state = JournalState()
 
@@ -95,7 +109,7 @@ class MountJournal:
         with self._lock:
             if self._fd >= 0:
                 if self._forgotten:
-                    os.write(self._fd, self._take_forgotten())
+                    self._write(self._take_forgotten())
                 os.close(self._fd)
                 self._fd = -1
 
@@ -105,11 +119,35 @@ class MountJournal:
         self._forgotten.clear()
         return out
 
+    def _write(self, data: bytes) -> bool:
+        """Append ``data``; False (and the journal degraded) if the disk has no room for it."""
+        if self.degraded or self._fd < 0:
+            return False
+        # Space allocated ahead (the size unchanged), so appends rarely need new blocks; with no room ahead,
+        # appends go on while the disk takes them.
+        if self._size + len(data) > self._allocated and allocate_ahead(self._fd, self._size, len(data) + PREALLOCATE):
+            self._allocated = self._size + len(data) + PREALLOCATE
+        try:
+            os.write(self._fd, data)
+        except OSError as exc:
+            if exc.errno not in _FULL:
+                raise
+            self._degrade(exc)
+            return False
+        return True
+
+    def _degrade(self, exc: OSError) -> None:
+        if not self.degraded:
+            self.degraded = True
+            log.error("mount journal %s: %s; keeping it in memory only (a restarted daemon may not know every "
+                      "inode)", self.path, exc.strerror)
+
     def _append(self, line: bytes) -> None:
         with self._lock:
             if self._forgotten:
                 line = self._take_forgotten() + line
-            os.write(self._fd, line)
+            if not self._write(line):
+                return
             self._size += len(line)
             # Compact once the file is twice what the last compaction left (at least COMPACT_BYTES): when the
             # kernel holds many inodes the live state alone is large, and a fixed limit would rewrite it all
@@ -133,18 +171,32 @@ class MountJournal:
         lines += [["b", ino, b] for ino, b in s.backing.items()]
         data = b"".join(_line(rec) for rec in lines)
         self._forgotten.clear()  # (the state no longer holds them)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                written = os.write(fd, data)
+            finally:
+                os.close(fd)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            os.replace(tmp, self.path)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if exc.errno not in _FULL:
+                raise
+            self._degrade(exc)
+            return
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._size = self._live_size = len(data)
+        self._fd = fd
+        self._size = self._live_size = self._allocated = len(data)
+        self.degraded = False
 
 
 def _line(rec: list) -> bytes:

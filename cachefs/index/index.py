@@ -11,9 +11,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from ..errors import CacheFSError
+import lmdb
+
+from ..errors import CacheFSError, CacheFullError
 from .env import open_env
 from .records import BLOCK, DIR_HEAT, DS_STATS, FORMAT_VERSION, PACKED, TOTALS, ObjectRecord, PackRecord, pack_key
+from .reserve import IndexReserve, reserve_size
 
 __all__ = ["DatasetRecord", "DatasetStats", "Index", "ManifestInfo"]
 
@@ -73,18 +76,56 @@ class Index:
         self._objects, self._blocks, self.manifest_db = dbs["objects"], dbs["blocks"], dbs["manifest"]
         self._packed, self._packs, self._members = dbs["packed"], dbs["packs"], dbs["pack_members"]
         self._dir_heat = dbs["dir_heat"]
+        self.reserve = IndexReserve(os.path.join(self.path, "reserve"))
         self._check_format()
 
     def _check_format(self) -> None:
-        with self.env.begin(write=True) as txn:
+        with self.env.begin() as txn:
             raw = txn.get(b"format", db=self._meta)
-            if raw is None:
-                txn.put(b"format", str(FORMAT_VERSION).encode(), db=self._meta)
-            elif int(raw) != FORMAT_VERSION:
-                raise CacheFSError(
-                    f"cache index {self.path} has format {int(raw)}, this cachefs reads {FORMAT_VERSION}; "
-                    "point --cache-dir elsewhere or remove the old cache"
-                )
+        if raw is None:
+            self._write(lambda txn: txn.put(b"format", str(FORMAT_VERSION).encode(), db=self._meta))
+        elif int(raw) != FORMAT_VERSION:
+            raise CacheFSError(
+                f"cache index {self.path} has format {int(raw)}, this cachefs reads {FORMAT_VERSION}; "
+                "point --cache-dir elsewhere or remove the old cache"
+            )
+
+    def write_txn(self, body):
+        """:meth:`_write` for callers outside the index (the manifest store): ``body(txn)`` in one write
+        transaction, a full disk as :class:`CacheFullError`."""
+        return self._write(body)
+
+    def _write(self, body):
+        """Run ``body(txn)`` in one write transaction and return what it returns. A full disk raises
+        :class:`CacheFullError` (after the reserve was spent on one more try); nothing is half-written."""
+        for attempt in (0, 1):
+            try:
+                with self.env.begin(write=True) as txn:
+                    return body(txn)
+            except lmdb.Error as exc:
+                if not self._disk_full(exc):
+                    raise CacheFSError(f"cache index {self.path}: {exc}") from None
+                if attempt == 0 and self.reserve.release():
+                    continue
+                raise CacheFullError(f"cache disk full: the index at {self.path} cannot commit") from None
+        raise AssertionError("unreachable")
+
+    def _disk_full(self, exc: lmdb.Error) -> bool:
+        """Whether a failed commit failed for lack of space: ENOSPC or EDQUOT, or EIO (what LMDB reports for a
+        short write) on a disk with next to nothing free."""
+        if isinstance(exc, lmdb.DiskError) or "quota" in str(exc).lower():
+            return True
+        if "Input/output error" not in str(exc):
+            return False
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < 2 * reserve_size(st.f_blocks * st.f_frsize)
+
+    def keep_reserve(self, disk_total: int, disk_free: int) -> bool:
+        """Put the index's reserved space back if it was spent and the disk has room; True if it is there."""
+        return self.reserve.restore(reserve_size(disk_total), disk_free)
 
     # -- datasets ---------------------------------------------------------------------------------------
     def dataset(self, ds_id: str) -> DatasetRecord | None:
@@ -93,8 +134,7 @@ class Index:
         return DatasetRecord.from_json(raw) if raw else None
 
     def put_dataset(self, rec: DatasetRecord) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.put(rec.id.encode(), rec.to_json(), db=self._datasets)
+        self._write(lambda txn: txn.put(rec.id.encode(), rec.to_json(), db=self._datasets))
 
     def datasets(self) -> list[DatasetRecord]:
         with self.env.begin() as txn:
@@ -136,7 +176,7 @@ class Index:
 
     def put_block(self, okey: bytes, idx: int, checksum: int, length: int, obj: ObjectRecord) -> bool:
         """Record a block as present (after its bytes are on disk). Returns False if it already was."""
-        with self.env.begin(write=True) as txn:
+        def body(txn):
             if not txn.put(_bkey(okey, idx), BLOCK.pack(checksum, length), db=self._blocks, overwrite=False):
                 return False
             raw = txn.get(okey, db=self._objects)
@@ -149,11 +189,13 @@ class Index:
             txn.put(okey, rec.pack(), db=self._objects)
             self._add_stats(txn, rec.dataset, cached=length)
             self._add_totals(txn, length, int(new_object))
-        return True
+            return True
+
+        return self._write(body)
 
     def drop_block(self, okey: bytes, idx: int) -> None:
         """Forget one block (it failed its checksum); its bytes will be fetched again."""
-        with self.env.begin(write=True) as txn:
+        def body(txn):
             raw = txn.pop(_bkey(okey, idx), db=self._blocks)
             if raw is None:
                 return
@@ -166,9 +208,11 @@ class Index:
                 self._add_stats(txn, rec.dataset, cached=-length)
             self._add_totals(txn, -length, 0)
 
+        return self._write(body)
+
     def remove_object(self, okey: bytes) -> int:
         """Forget an object and all its blocks; returns the bytes it held."""
-        with self.env.begin(write=True) as txn:
+        def body(txn):
             raw = txn.pop(okey, db=self._objects)
             if raw is None:
                 return 0
@@ -181,6 +225,8 @@ class Index:
             self._add_stats(txn, rec.dataset, cached=-rec.cached_bytes)
             self._add_totals(txn, -rec.cached_bytes, -1)
             return rec.cached_bytes
+
+        return self._write(body)
 
     def objects(self, dataset: str | None = None) -> Iterator[tuple[bytes, ObjectRecord]]:
         with self.env.begin() as txn:
@@ -201,8 +247,9 @@ class Index:
         process packed first keeps its record (this pack's copy is dead weight until the pack is evicted).
         Returns how many members were recorded."""
         pkey = pack_key(dataset, pack_id)
-        live = count = 0
-        with self.env.begin(write=True) as txn:
+
+        def body(txn):
+            live = count = 0
             for okey, offset, length, checksum in members:
                 if txn.put(okey, PACKED.pack(pack_id, offset, length, checksum), db=self._packed, overwrite=False):
                     txn.put(pkey + okey, b"", db=self._members)
@@ -212,11 +259,13 @@ class Index:
             txn.put(pkey, rec.pack(), db=self._packs)
             self._add_stats(txn, dataset, cached=live)
             self._add_totals(txn, size, count)
-        return count
+            return count
+
+        return self._write(body)
 
     def drop_packed(self, dataset: str, okey: bytes) -> None:
         """Forget one packed member (it failed its checksum); it will be fetched again."""
-        with self.env.begin(write=True) as txn:
+        def body(txn):
             raw = txn.pop(okey, db=self._packed)
             if raw is None:
                 return
@@ -230,6 +279,8 @@ class Index:
                 txn.put(pkey, rec.pack(), db=self._packs)
             self._add_stats(txn, dataset, cached=-length)
             self._add_totals(txn, 0, -1)
+
+        return self._write(body)
 
     def has_pack(self, dataset: str, pack_id: int) -> bool:
         with self.env.begin() as txn:
@@ -249,7 +300,7 @@ class Index:
     def remove_pack(self, dataset: str, pack_id: int) -> int:
         """Forget a pack and every member still pointing into it; returns its size on disk (0 if unknown)."""
         pkey = pack_key(dataset, pack_id)
-        with self.env.begin(write=True) as txn:
+        def body(txn):
             raw = txn.pop(pkey, db=self._packs)
             if raw is None:
                 return 0
@@ -268,6 +319,8 @@ class Index:
             self._add_stats(txn, dataset, cached=-rec.live_bytes)
             self._add_totals(txn, -rec.size, -gone)
             return rec.size
+
+        return self._write(body)
 
     # -- hot directories ----------------------------------------------------------------------------------
     def hot_directories(self, half_life: float, limit: int = 20, now: float | None = None) -> list[dict]:
@@ -292,7 +345,7 @@ class Index:
         ``half_life`` seconds)."""
         if not (objects or datasets or packs or dirs):
             return
-        with self.env.begin(write=True) as txn:
+        def body(txn):
             for pkey, (last, hits) in (packs or {}).items():
                 raw = txn.get(pkey, db=self._packs)
                 if raw is None:
@@ -317,6 +370,8 @@ class Index:
                 txn.put(okey, rec.pack(), db=self._objects)
             for ds, (hit, miss) in datasets.items():
                 self._add_stats(txn, ds, hit=hit, miss=miss)
+
+        return self._write(body)
 
     def _add_totals(self, txn, nbytes: int, objects: int) -> None:
         """Add to the node's cached bytes and object count (never below zero)."""

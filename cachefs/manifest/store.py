@@ -65,6 +65,7 @@ class ManifestStore:
     """Read access to the manifests of all datasets on the node."""
 
     def __init__(self, index: Index) -> None:
+        self._index = index
         self._env = index.env
         self._db = index.manifest_db
 
@@ -110,24 +111,26 @@ class ManifestStore:
     def drop(self, ds_id: str, version: int) -> None:
         """Delete every entry of one manifest version (also used to clear a half-written one)."""
         pfx = _prefix(ds_id, version)
-        while True:  # in bounded transactions, so a huge manifest does not hold the writer lock for long
-            with self._env.begin(write=True, db=self._db) as txn:
-                cur = txn.cursor(db=self._db)
-                n = 0
-                if cur.set_range(pfx):
-                    while cur.key()[: len(pfx)] == pfx and n < 50_000:
-                        if not cur.delete():
-                            break
-                        n += 1
-                if n < 50_000:
-                    return
+        def batch(txn) -> int:
+            cur = txn.cursor(db=self._db)
+            n = 0
+            if cur.set_range(pfx):
+                while cur.key()[: len(pfx)] == pfx and n < 50_000:
+                    if not cur.delete():
+                        break
+                    n += 1
+            return n
+
+        # In bounded transactions, so a huge manifest does not hold the writer lock for long.
+        while self._index.write_txn(batch) >= 50_000:
+            pass
 
 
 class ManifestWriter:
     """Writes one new manifest version batch by batch; files whose names POSIX cannot hold are skipped."""
 
     def __init__(self, index: Index, ds_id: str, version: int) -> None:
-        self._env, self._db = index.env, index.manifest_db
+        self._index, self._db = index, index.manifest_db
         self.ds_id, self.version = ds_id, version
         self.created = time.time()
         self.files = 0
@@ -137,28 +140,50 @@ class ManifestWriter:
         #: The first few skipped paths and why, for the log and ``cachefs status``.
         self.skipped_examples: list[tuple[str, str]] = []
         self._dirs: set[str] = {""}
+        self._new_dirs: list[str] = []  # added by the batch being written
 
     def add(self, batch: list[Entry]) -> None:
-        with self._env.begin(write=True) as txn:
-            for e in batch:
-                path = e.path
-                if path.endswith("/") and e.size == 0 and valid_relpath(path.rstrip("/")) is None:
-                    self._add_dir(txn, path.rstrip("/"))  # an S3 "directory marker" object
-                    continue
-                why = valid_relpath(path)
-                if why:
-                    self._skip(path, why)
-                    continue
-                self._add_dir(txn, _split(path)[0])
-                if path in self._dirs:
-                    self._skip(path, "a directory of the same name exists")
-                    continue
-                if not txn.put(_key(self.ds_id, self.version, path), _pack(e), db=self._db, overwrite=False):
-                    self._skip(path, "listed twice")
-                    continue
-                self.files += 1
-                self.bytes += e.size
-                self.largest = max(self.largest, e.size)
+        before = (self.files, self.bytes, self.largest, self.skipped, len(self.skipped_examples))
+
+        def undo() -> None:
+            self.files, self.bytes, self.largest, self.skipped, n_examples = before
+            del self.skipped_examples[n_examples:]
+            self._dirs.difference_update(self._new_dirs)
+            self._new_dirs.clear()
+
+        def body(txn) -> None:
+            # Every attempt starts from the state before the batch: a commit retried on a full disk (see
+            # Index.write_txn) counts nothing twice.
+            undo()
+            self._add_batch(txn, batch)
+
+        try:
+            self._index.write_txn(body)
+        except BaseException:
+            undo()
+            raise
+        self._new_dirs.clear()
+
+    def _add_batch(self, txn, batch: list[Entry]) -> None:
+        for e in batch:
+            path = e.path
+            if path.endswith("/") and e.size == 0 and valid_relpath(path.rstrip("/")) is None:
+                self._add_dir(txn, path.rstrip("/"))  # an S3 "directory marker" object
+                continue
+            why = valid_relpath(path)
+            if why:
+                self._skip(path, why)
+                continue
+            self._add_dir(txn, _split(path)[0])
+            if path in self._dirs:
+                self._skip(path, "a directory of the same name exists")
+                continue
+            if not txn.put(_key(self.ds_id, self.version, path), _pack(e), db=self._db, overwrite=False):
+                self._skip(path, "listed twice")
+                continue
+            self.files += 1
+            self.bytes += e.size
+            self.largest = max(self.largest, e.size)
 
     def _add_dir(self, txn, path: str) -> None:
         while path not in self._dirs:
@@ -172,6 +197,7 @@ class ManifestWriter:
                     self._skip(path, "a directory of the same name exists")
             txn.put(key, _pack(Entry(path, 0, "", self.created, True)), db=self._db)
             self._dirs.add(path)
+            self._new_dirs.append(path)
             path = _split(path)[0]
 
     def _skip(self, path: str, why: str) -> None:

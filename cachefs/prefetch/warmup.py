@@ -45,8 +45,14 @@ class Progress:
 
     @property
     def eta(self) -> float | None:
+        """Seconds left at the rate so far; None until there is a rate worth extrapolating (two seconds and
+        some bytes in: the first GETs' latency alone would give hours)."""
         left = self.bytes_total - self.bytes_done
-        return left / self.rate if self.rate > 0 else None
+        if left <= 0:
+            return 0.0
+        if self.elapsed < 2.0 or self.bytes_fetched == 0:
+            return None
+        return left / self.rate
 
 
 def select_files(files: Iterable[Entry], include: list[str] | None = None, exclude: list[str] | None = None
@@ -90,21 +96,38 @@ async def warm(
 
     async def worker() -> None:
         for e, have in it:
+            left = [e.size - have]  # bytes of this file not counted yet (its blocks are counted as they land)
+
+            def on_bytes(n: int, left: list[int] = left) -> None:
+                n = min(n, left[0])
+                left[0] -= n
+                prog.bytes_fetched += n
+                prog.bytes_done += n
+                if on_progress:
+                    on_progress(prog)
+
             try:
-                await engine.ensure_cached(ds, e)
+                await engine.ensure_cached(ds, e, on_bytes)
             except (CacheFullError, CredentialsError, OriginUnavailableError):
                 raise
             except CacheFSError as exc:
                 prog.failed.append((e.path, str(exc)))
+                landed = e.size - have - left[0]  # (its blocks stay cached; the next run counts them as skipped)
+                prog.bytes_fetched -= landed
+                prog.bytes_done -= landed
                 continue
             # Counted per file from the start of the run: a file that came in with another one (a window of a
             # packed mirror holds hundreds) was fetched by this run all the same.
-            prog.bytes_fetched += e.size - have
-            prog.bytes_done += e.size - have
+            rest = left[0]
+            prog.bytes_fetched += rest
+            prog.bytes_done += rest
             prog.files_done += 1
             if on_progress:
                 on_progress(prog)
 
+    # What this run brings in is not evicted to make room for the rest of it: a selection larger than the cache
+    # fails as a full disk, instead of "succeeding" with most of it evicted again.
+    kept_before, engine.prefetching_since = engine.prefetching_since, time.time() - 1.0
     tasks = [asyncio.ensure_future(worker()) for _ in range(max(1, min(workers, len(todo))))]
     try:
         await asyncio.gather(*tasks)
@@ -113,6 +136,7 @@ async def warm(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        engine.prefetching_since = kept_before
         engine.flush_stats()
     if on_progress:
         on_progress(prog)

@@ -15,7 +15,7 @@ __all__ = ["BlockStore", "StoredObject"]
 
 
 class StoredObject(abc.ABC):
-    """An open, shared-locked local file of one object version. Evictors skip files that are open."""
+    """An open local file of one object version. Evictors skip it while it is held (:meth:`hold`)."""
 
     key: bytes
     size: int
@@ -38,8 +38,28 @@ class StoredObject(abc.ABC):
         """Verify block ``idx`` again on its next read (it was dropped and will be rewritten)."""
 
     @abc.abstractmethod
+    def drop_block(self, idx: int) -> None:
+        """Free the space of block ``idx`` (written, but not recorded in the index)."""
+
+    @abc.abstractmethod
+    def hold(self) -> bool:
+        """Keep evictors off the file until :meth:`unhold`; False (nothing held) if it was evicted already."""
+
+    @abc.abstractmethod
+    def unhold(self) -> None:
+        """Let evictors take the file again."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """The open descriptor of the file."""
+
+    @abc.abstractmethod
+    def linked(self) -> bool:
+        """Whether the file is still the object's cache file (an evicted one reads on, but is not written)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
-        """Release the file (and its lock)."""
+        """Release the file (and any hold)."""
 
 
 class BlockStore(abc.ABC):
@@ -53,7 +73,7 @@ class BlockStore(abc.ABC):
 
     @abc.abstractmethod
     def try_remove(self, key: bytes, dataset: str, on_locked) -> bool:
-        """Remove an object's file if no process has it open. ``on_locked()`` runs while the exclusive lock is
+        """Remove an object's file if no process holds it. ``on_locked()`` runs while the exclusive lock is
         held, before the file disappears (the index forgets the object there); returning False keeps the
         file. Returns whether the file was removed."""
 

@@ -10,9 +10,12 @@ fetched again, and a torn write can never be served because every block is verif
 recorded with it. (Temp-file-and-rename per block would break the one-file-per-object layout that FUSE
 passthrough needs.)
 
-Eviction safety comes from ``flock``: every reader holds a shared lock on the file for as long as it has
-it open; an evictor takes the exclusive lock without waiting, and skips the file if it cannot. A reader
-that opened the path just before an eviction unlinked it notices (inode changed) and opens again.
+Eviction safety comes from ``flock``: a shared lock on the file is held while a reader has the object open
+(a file open through the mount or fsspec) and while a block is written and recorded; an evictor takes the
+exclusive lock without waiting, and skips the file if it cannot. A descriptor kept open with no lock (a
+process's cache of open files) does not stop eviction: the file it reads is then unlinked but still whole for
+every block it knew, which :meth:`DiskObject.hold` and :meth:`DiskObject.linked` tell, so its owner stops
+writing to it and lets it go.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import errno
 import fcntl
 import os
 
+from .._fallocate import punch_hole
 from ..checksum import block_hasher
 from ..errors import CacheFSError, CacheFullError, CorruptBlockError
 from .base import BlockStore, StoredObject
@@ -92,10 +96,37 @@ class DiskObject(StoredObject):
     def forget_verified(self, idx: int) -> None:
         self._verified.discard(idx)
 
+    def drop_block(self, idx: int) -> None:
+        """Give a block's disk space back (it was written but could not be recorded)."""
+        lo = idx * self._bs
+        punch_hole(self._fd, lo, min(self._bs, self.size - lo))  # (without support: freed when evicted)
+
+    def hold(self) -> bool:
+        """Take the shared lock (waits while an evictor removes the file); False, with no lock held, if the
+        file was evicted (unlinked) already."""
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        if self.linked():
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
+    def unhold(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def linked(self) -> bool:
+        """Whether the file is still the object's cache file (not evicted)."""
+        try:
+            return os.fstat(self._fd).st_nlink > 0
+        except OSError:
+            return False
+
     def close(self) -> None:
         fd, self._fd = self._fd, -1
         if fd >= 0:
-            os.close(fd)  # also drops the shared flock
+            os.close(fd)  # also drops a shared flock
 
 
 class DiskStore(BlockStore):
@@ -118,14 +149,6 @@ class DiskStore(BlockStore):
                 continue
             except OSError as exc:
                 raise _disk_error(exc, path) from None
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # evicted between our open and our lock: try again with the new file
-                os.close(fd)
-                continue
             try:
                 if os.fstat(fd).st_size != size:
                     os.ftruncate(fd, size)
@@ -133,7 +156,7 @@ class DiskStore(BlockStore):
                 os.close(fd)
                 raise _disk_error(exc, path) from None
             return DiskObject(key, size, path, fd, self.block_size)
-        raise CacheFSError(f"{path}: could not open a stable cache file")
+        raise CacheFSError(f"{path}: could not create its directory")
 
     def try_remove(self, key: bytes, dataset: str, on_locked) -> bool:
         path = self.object_path(key, dataset)

@@ -169,15 +169,38 @@ class BlockStoreConformance:
         assert info.value.block == 1
         fresh.close()
 
-    def test_open_object_is_not_removed(self, store):
+    def test_held_object_is_not_removed(self, store):
         data = os.urandom(100)
         obj, _ = self._write_all(store, data)
+        assert obj.hold() is True
         assert store.try_remove(self.KEY, "ds", lambda: True) is False
-        obj.close()
+        obj.unhold()
         assert store.try_remove(self.KEY, "ds", lambda: True) is True
         again = store.open(self.KEY, "ds", len(data))
         assert again.read(0, 100, {0: (block_checksum(bytes(100)), 100)}) == bytes(100)  # a new, empty file
         again.close()
+        obj.close()
+
+    def test_idle_open_object_is_removed_and_still_reads(self, store):
+        # A descriptor kept open without a hold (a process's cache of open files) must not stop eviction; it
+        # reads on from the unlinked file, and knows the file is no longer the cache's.
+        data = os.urandom(store.block_size + 10)
+        obj, sums = self._write_all(store, data)
+        assert obj.linked() is True
+        assert store.try_remove(self.KEY, "ds", lambda: True) is True
+        assert obj.linked() is False
+        assert obj.hold() is False
+        assert obj.read(0, len(data), sums) == data
+        obj.close()
+
+    def test_dropped_block_gives_its_space_back(self, store):
+        data = os.urandom(store.block_size * 4)
+        obj, _ = self._write_all(store, data)
+        before = os.stat(obj.path).st_blocks
+        obj.drop_block(1)
+        obj.drop_block(2)
+        assert os.stat(obj.path).st_blocks < before
+        obj.close()
 
     def test_remove_can_be_vetoed(self, store):
         obj, _ = self._write_all(store, b"x" * 10)
