@@ -146,7 +146,7 @@ def daemon_pid(cache: str, mnt: str) -> int:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for m in list_mounts(cache):
-            if m["mountpoint"] == mnt:
+            if m["mountpoint"] == mnt and m["pid"]:
                 return int(m["pid"])
         time.sleep(0.1)
     raise RuntimeError("no daemon record")

@@ -18,7 +18,8 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["CacheConfig", "Config", "EngineConfig", "OriginConfig", "default_cache_dir", "load_config", "parse_size"]
+__all__ = ["CacheConfig", "Config", "EngineConfig", "OriginConfig", "default_cache_dir", "default_log_dir", "load_config",
+           "parse_size", "prepare_cache_dir"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -42,6 +43,14 @@ def parse_size(value: Any, name: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def default_log_dir() -> str:
+    """``/var/log/cachefs`` for root, else ``$XDG_STATE_HOME/cachefs`` (``~/.local/state/cachefs``)."""
+    if os.geteuid() == 0:
+        return "/var/log/cachefs"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "cachefs")
+
+
 def default_cache_dir() -> str:
     """``/var/cache/cachefs`` for root (the node agent), else ``$XDG_CACHE_HOME/cachefs``."""
     if os.geteuid() == 0:
@@ -55,6 +64,9 @@ class CacheConfig:
     """The node-local store."""
 
     dir: str = field(default_factory=default_cache_dir)
+    #: Where background mounts write their logs: not on the cache disk, so that a full cache disk never
+    #: silences them.
+    log_dir: str = field(default_factory=default_log_dir)
     #: Upper bound on cached bytes: a size or a percentage of the cache filesystem.
     capacity: str = "90%"
     #: Eviction starts when usage passes high_watermark × capacity and stops at low_watermark × capacity.
@@ -146,6 +158,8 @@ class Config:
             raise ConfigError("origin.max_attempts must be at least 1")
         if o.backoff_base <= 0 or o.backoff_max < o.backoff_base:
             raise ConfigError("need 0 < origin.backoff_base <= origin.backoff_max")
+        if o.endpoint_url is not None:
+            _check_endpoint(o.endpoint_url)
         if o.request_timeout <= 0 or o.connect_timeout <= 0:
             raise ConfigError("origin timeouts must be positive")
         if o.list_concurrency < 1:
@@ -173,6 +187,41 @@ class Config:
         if e.readahead_max < 0:
             raise ConfigError("engine.readahead_max must not be negative")
         return self
+
+
+def prepare_cache_dir(path: str) -> None:
+    """Create the cache directory (0700) if needed and check that it is writable; ConfigError naming the
+    setting if not."""
+    what = f"cache.dir (--cache-dir, CACHEFS_CACHE_DIR) {path}"
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot create it ({exc.strerror})") from None
+    if not os.path.isdir(path):
+        raise ConfigError(f"{what}: not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        why = "read-only file system" if _read_only_fs(path) else "permission denied"
+        raise ConfigError(f"{what}: not writable ({why})")
+
+
+def _read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _check_endpoint(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"origin.endpoint_url (--endpoint-url, CACHEFS_ORIGIN_ENDPOINT_URL): {url!r} is not an "
+                          "http:// or https:// URL with a host")
 
 
 def _check_size_or_percent(value: str, name: str) -> None:
@@ -305,8 +354,11 @@ def reference_markdown() -> str:
     ]
     for section, cls in _SECTIONS.items():
         for f in fields(cls):
-            default = "`/var/cache/cachefs` as root, else `~/.cache/cachefs`" if f.name == "dir" and section == "cache" \
-                else f"`{f.default}`"
+            default = f"`{f.default}`"
+            if section == "cache" and f.name == "dir":
+                default = "`/var/cache/cachefs` as root, else `~/.cache/cachefs`"
+            elif section == "cache" and f.name == "log_dir":
+                default = "`/var/log/cachefs` as root, else `~/.local/state/cachefs`"
             lines.append(f"| `{section}.{f.name}` | `CACHEFS_{section.upper()}_{f.name.upper()}` | {default} |")
     lines += ["", "Command-line flags: `--cache-dir`, `--config`, `--capacity`, `--memory-budget`, `--endpoint-url`, "
               "`--region`, `--profile`.", ""]

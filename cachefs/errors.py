@@ -193,6 +193,9 @@ def translate_origin_error(exc: BaseException, what: str) -> CacheFSError:
     name = type(exc).__name__
     for cause in _walk_causes(exc):
         cname = type(cause).__name__
+        if cname == "ValueError" and str(cause).startswith("Invalid endpoint"):  # botocore's, for AWS_ENDPOINT_URL too
+            return InvalidURLError(f"{what}: the S3 endpoint is not a URL ({cause}); check --endpoint-url or "
+                                   "AWS_ENDPOINT_URL")
         if cname in ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"):
             return CredentialsError(f"{what}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)")
         if cname == "ProfileNotFound":

@@ -1,51 +1,82 @@
-"""The node's cache status: capacity, usage and per-dataset figures (``cachefs status``, the label publisher)."""
+"""What this node holds, read straight from the index: capacity, usage, per-dataset figures, hot
+directories and mounts (``cachefs status``, the label publisher, the metrics).
+
+Read-only: no engine is built, nothing is fetched, written or cleaned up, and a cache directory that does not
+exist is reported as such (:class:`~cachefs.errors.ObjectNotFoundError`), never created.
+"""
 
 from __future__ import annotations
 
-from .engine import Engine
+import os
+
+from .config import Config, resolve_size
+from .errors import ObjectNotFoundError
 from .fuse.registry import list_mounts
+from .index import Index
 
-__all__ = ["status_report"]
+__all__ = ["NodeSummary", "status_report"]
 
 
-def status_report(engine: Engine) -> dict:
-    """What ``cachefs status --json`` prints: node capacity and usage, and per-dataset figures."""
-    engine.flush_stats()
-    total, objects = engine.index.totals()
-    disk_total, disk_free = engine.store.disk_usage()
-    datasets = []
-    urls = {}
-    for rec in engine.index.datasets():
-        urls[rec.id] = rec.url
-        m = rec.manifest()
-        st = engine.index.dataset_stats(rec.id)
-        size = m.bytes if m else 0
-        served = st.hit_bytes + st.miss_bytes
-        datasets.append({
-            "url": rec.url,
-            "id": rec.id,
-            "manifest_version": rec.current,
-            "manifest_versions": [v.version for v in rec.manifests],
-            "files": m.files if m else 0,
-            "skipped_names": m.skipped if m else 0,
-            "total_bytes": size,
-            "cached_bytes": st.cached_bytes,
-            "cached_fraction": round(min(1.0, st.cached_bytes / size), 4) if size else 1.0,
-            "hit_bytes": st.hit_bytes,
-            "miss_bytes": st.miss_bytes,
-            "hit_ratio": round(st.hit_bytes / served, 4) if served else None,
-        })
-    return {
-        "cache_dir": engine.config.cache.dir,
-        "capacity_bytes": engine.capacity,
-        "used_bytes": total,
-        "objects": objects,
-        "disk_total_bytes": disk_total,
-        "disk_free_bytes": disk_free,
-        "min_free_bytes": engine.min_free,
-        "datasets": datasets,
-        # Directories read most lately (access counts that halve every engine.hot_dir_half_life seconds).
-        "hot_directories": [{**d, "url": urls.get(d["dataset"], "")} for d in
-                            engine.index.hot_directories(engine.config.engine.hot_dir_half_life)],
-        "mounts": list_mounts(engine.config.cache.dir),
-    }
+class NodeSummary:
+    """A read-only view of one cache directory's index."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        d = config.cache.dir
+        if not os.path.isfile(os.path.join(d, "index", "data.mdb")):
+            raise ObjectNotFoundError(f"no cache at {d} (nothing was cached there; is --cache-dir right?)")
+        self.index = Index(d)
+
+    def disk(self) -> tuple[int, int]:
+        """(total, free) bytes of the cache's file system."""
+        st = os.statvfs(self.config.cache.dir)
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+    def report(self) -> dict:
+        """What ``cachefs status --json`` prints."""
+        c = self.config.cache
+        total, objects = self.index.totals()
+        disk_total, disk_free = self.disk()
+        datasets = []
+        urls = {}
+        for rec in self.index.datasets():
+            urls[rec.id] = rec.url
+            m = rec.manifest()
+            st = self.index.dataset_stats(rec.id)
+            size = m.bytes if m else 0
+            served = st.hit_bytes + st.miss_bytes
+            datasets.append({
+                "url": rec.url,
+                "id": rec.id,
+                "manifest_version": rec.current,
+                "manifest_versions": [v.version for v in rec.manifests],
+                "files": m.files if m else 0,
+                "skipped_names": m.skipped if m else 0,
+                "total_bytes": size,
+                "cached_bytes": st.cached_bytes,
+                "cached_fraction": round(min(1.0, st.cached_bytes / size), 4) if size else 1.0,
+                # Hits: bytes read that were on this node before the read asked for them (an earlier read or
+                # a prefetch brought them). Misses: bytes fetched for a read, read-ahead for it included.
+                "hit_bytes": st.hit_bytes,
+                "miss_bytes": st.miss_bytes,
+                "hit_ratio": round(st.hit_bytes / served, 4) if served else None,
+            })
+        return {
+            "cache_dir": c.dir,
+            "capacity_bytes": resolve_size(c.capacity, disk_total, "cache.capacity"),
+            "used_bytes": total,
+            "objects": objects,
+            "disk_total_bytes": disk_total,
+            "disk_free_bytes": disk_free,
+            "min_free_bytes": resolve_size(c.min_free, disk_total, "cache.min_free"),
+            "datasets": datasets,
+            # Directories read most lately (access counts that halve every engine.hot_dir_half_life seconds).
+            "hot_directories": [{**d, "url": urls.get(d["dataset"], "")} for d in
+                                self.index.hot_directories(self.config.engine.hot_dir_half_life)],
+            "mounts": list_mounts(c.dir),
+        }
+
+
+def status_report(config: Config) -> dict:
+    """:meth:`NodeSummary.report` of ``config``'s cache directory."""
+    return NodeSummary(config).report()

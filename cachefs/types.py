@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -13,6 +14,9 @@ __all__ = ["DatasetRef", "Entry", "canonical_url", "dataset_id", "object_key"]
 
 #: Schemes whose URLs name a bucket-like root; anything fsspec knows is accepted, these are just common.
 _OBJECT_STORE_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "r2", "oss"}
+#: What an S3 client accepts as a bucket name: today's rules (3-63 of a-z 0-9 . -) plus the upper case and
+#: underscores of buckets made before 2018 and by S3-compatible stores; anything else is a typo, told as one.
+_S3_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 @functools.lru_cache(maxsize=65536)
@@ -48,6 +52,9 @@ def canonical_url(url: str) -> str:
     parts = urlsplit(f"{scheme}://{rest}")
     if scheme in _OBJECT_STORE_SCHEMES and not parts.netloc:
         raise InvalidURLError(f"{url!r}: no bucket name")
+    if scheme == "s3" and not _S3_BUCKET.fullmatch(parts.netloc):
+        raise InvalidURLError(f"{url!r}: {parts.netloc!r} is not a valid S3 bucket name (letters, digits, '.', "
+                              "'-' and '_' only)")
     if parts.query or parts.fragment:
         raise InvalidURLError(f"{url!r}: query strings and fragments are not supported in dataset URLs")
     if any(seg in (".", "..") for seg in parts.path.split("/")):

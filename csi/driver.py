@@ -23,7 +23,16 @@ from contextlib import contextmanager
 import grpc
 
 from cachefs import __version__
-from cachefs.errors import CacheFSError
+from cachefs.errors import (
+    AccessDeniedError,
+    CacheFSError,
+    CacheFullError,
+    ConfigError,
+    CredentialsError,
+    InvalidURLError,
+    ObjectNotFoundError,
+    OriginUnavailableError,
+)
 
 from .gen import csi_pb2 as pb
 from .gen import csi_pb2_grpc as rpc
@@ -45,6 +54,20 @@ class _Abort(Exception):
         self.code, self.message = code, message
 
 
+def _grpc_code(exc: OSError) -> grpc.StatusCode:
+    """The status for kubelet of an error that stopped a call: what it names, so that ``kubectl describe pod``
+    says a bucket is missing or credentials are refused rather than "internal"."""
+    for cls, code in ((ConfigError, grpc.StatusCode.INVALID_ARGUMENT), (InvalidURLError, grpc.StatusCode.INVALID_ARGUMENT),
+                      (CredentialsError, grpc.StatusCode.PERMISSION_DENIED),
+                      (AccessDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+                      (ObjectNotFoundError, grpc.StatusCode.NOT_FOUND),
+                      (OriginUnavailableError, grpc.StatusCode.UNAVAILABLE),
+                      (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED)):
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
 def _rpc(method):
     """Run a handler, turning our errors into gRPC status codes once, here."""
     @functools.wraps(method)
@@ -60,7 +83,7 @@ def _rpc(method):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (CacheFSError, OSError) as exc:
             log.error("%s: %s", method.__name__, exc)
-            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            context.abort(_grpc_code(exc), str(exc))
     return wrapper
 
 

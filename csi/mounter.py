@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cachefs import errors as _errors
+from cachefs.config import default_log_dir
 from cachefs.errors import CacheFSError, ConfigError
 from cachefs.fuse.holder import start_holder
 from cachefs.fuse.registry import mount_file
@@ -59,6 +61,11 @@ class MountRequest:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # credentials: kept out of repr and logs
 
 
+#: The errors a mounter's answer may name (its ``kind``), so that the plugin answers kubelet with their code.
+_ERROR_KINDS: dict[str, type[CacheFSError]] = {name: getattr(_errors, name) for name in _errors.__all__
+                                               if isinstance(getattr(_errors, name), type)}
+
+
 class Mounter(Protocol):
     def mount(self, req: MountRequest) -> None:
         """Mount ``req.url`` read-only at ``req.mountpoint`` (held by a long-lived holder); raise
@@ -72,8 +79,10 @@ class LocalMounter:
     """Starts holders (``cachefs mount --foreground``) as children of this process, in its container, and
     reaps them when they exit (at unmount)."""
 
-    def __init__(self, cache_dir: str) -> None:
+    def __init__(self, cache_dir: str, log_dir: str | None = None) -> None:
         self.cache_dir = cache_dir
+        #: The holders' logs: off the cache disk (a full cache disk would silence them).
+        self.log_dir = log_dir or default_log_dir()
         self._holders: list[subprocess.Popen] = []
         self._lock = threading.Lock()
 
@@ -85,7 +94,8 @@ class LocalMounter:
         if req.region:
             argv += ["--region", req.region]
         self.reap()
-        holder = start_holder(argv, req.mountpoint, mount_file(self.cache_dir, req.mountpoint, ".log"),
+        holder = start_holder(argv, req.mountpoint, os.path.join(self.log_dir, os.path.basename(
+                              mount_file(self.cache_dir, req.mountpoint, ".log"))), cache_dir=self.cache_dir,
                               env={**os.environ, **req.env}, timeout=MOUNT_TIMEOUT)
         with self._lock:
             self._holders.append(holder)
@@ -134,8 +144,8 @@ class RemoteMounter:
             raise MounterUnavailable(f"the mounter at {self.socket_path} closed the connection without an answer") from None
         if not isinstance(reply, dict):
             raise CacheFSError(f"the mounter at {self.socket_path} answered {reply!r}")
-        if "error" in reply:
-            raise CacheFSError(str(reply["error"]))
+        if "error" in reply:  # the same kind of error the mounter met (a dataset not found, refused credentials…)
+            raise _ERROR_KINDS.get(reply.get("kind"), CacheFSError)(str(reply["error"]))
         return reply
 
     def mount(self, req: MountRequest) -> None:
@@ -202,7 +212,7 @@ def serve_mounter(socket_path: str, root: str, cache_dir: str, *, ready: threadi
                 reply: dict = {"ok": True}
             except (ValueError, CacheFSError) as exc:
                 log.warning("refused a request: %s", exc)
-                reply = {"error": str(exc)}
+                reply = {"error": str(exc), "kind": type(exc).__name__}
             self.wfile.write(json.dumps(reply).encode() + b"\n")
 
     class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

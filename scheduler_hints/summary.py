@@ -20,15 +20,20 @@ class IndexSummary(SummarySource):
     """Reads the node's cachefs index (the same figures ``cachefs status --json`` prints)."""
 
     def __init__(self, config, cache_group: str | None = None) -> None:
-        from cachefs.engine import Engine
-
-        self._engine = Engine(config)
+        self._config = config
         self._group = cache_group
+        self._node = None
 
     def summary(self) -> NodeCacheSummary:
-        from cachefs.status import status_report
+        from cachefs.errors import ObjectNotFoundError
+        from cachefs.status import NodeSummary
 
-        rep = status_report(self._engine)
+        if self._node is None:
+            try:
+                self._node = NodeSummary(self._config)
+            except ObjectNotFoundError:  # nothing cached on this node yet: nothing to advertise
+                return NodeCacheSummary((), 0, 0, 0, self._group)
+        rep = self._node.report()
         datasets = tuple(DatasetCache(d["url"], d["id"], d["cached_bytes"], d["total_bytes"], d["manifest_version"])
                          for d in rep["datasets"])
         free = max(0, min(rep["capacity_bytes"] - rep["used_bytes"], rep["disk_free_bytes"] - rep["min_free_bytes"]))

@@ -9,7 +9,7 @@ from ..config import Config
 from ..engine import Engine
 from ..errors import CacheFSError, ConfigError
 from ..prefetch import warm
-from ..status import status_report
+from ..status import NodeSummary, status_report
 from ..types import DatasetRef
 from .progress import ProgressPrinter, human_bytes
 
@@ -51,11 +51,7 @@ async def prefetch(args: argparse.Namespace, config: Config) -> int:
 
 
 async def status(args: argparse.Namespace, config: Config) -> int:
-    engine = Engine(config)
-    try:
-        rep = status_report(engine)
-    finally:
-        await engine.aclose()
+    rep = status_report(config)
     if args.json:
         from .main import print_json
 
@@ -65,8 +61,13 @@ async def status(args: argparse.Namespace, config: Config) -> int:
     print(f"used       {human_bytes(rep['used_bytes'])} of {human_bytes(rep['capacity_bytes'])} "
           f"in {rep['objects']} objects; disk free {human_bytes(rep['disk_free_bytes'])}")
     for m in rep["mounts"]:
+        if m.get("state") == "failing":
+            print(f"mount      {m['mountpoint']}  {m['url']}  FAILING: {m.get('reason') or 'see the mount log'}  "
+                  f"holder pid {m.get('holder_pid')}")
+            continue
         opens = ", opens skipped" if m.get("opens_skipped") else ""
-        print(f"mount      {m['mountpoint']}  {m['url']}  mode {m['mode']}{opens}  pid {m['pid']}")
+        serving = f"mode {m['mode']}{opens}  pid {m['pid']}" if m.get("pid") else m.get("state", "starting")
+        print(f"mount      {m['mountpoint']}  {m['url']}  {serving}")
     if not rep["datasets"]:
         print("no datasets cached")
         return 0
@@ -84,6 +85,7 @@ async def status(args: argparse.Namespace, config: Config) -> int:
 async def evict(args: argparse.Namespace, config: Config) -> int:
     if not args.url and not args.all:
         raise ConfigError("give a dataset URL or --all")
+    NodeSummary(config)  # a cache directory that does not exist is an error, not one to create
     engine = Engine(config)
     try:
         if args.all:
@@ -241,33 +243,73 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
 
     from ..fuse import hold_mount, serve_mount
     from ..fuse.holder import start_holder
-    from ..fuse.mount import is_fuse_mount, is_stale_mount
-    from ..fuse.registry import mount_file
 
     mnt = os.path.abspath(args.mountpoint)
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
+    if not args.answer_after >= 0:
+        raise ConfigError("--answer-after must be 0 or more seconds")
     if args.attach:  # the serving daemon, started (and restarted) by the holder below
         await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 passthrough=not args.no_passthrough, prefill=not args.no_prefill,
                                 skip_opens=not args.keep_opens)
         return 0
-    if is_fuse_mount(mnt) and not is_stale_mount(mnt):  # (a stale one is cleaned up by the holder)
-        raise ConfigError(f"{mnt} is already a cachefs mount (cachefs umount it first)")
+    await asyncio.to_thread(_check_mountpoint, config, mnt)
+    # The dataset opens (credentials, bucket, a manifest on this node) before anything is mounted, so a typo
+    # is one line and an exit code, never a mount that hangs.
+    engine = Engine(config)
+    try:
+        await engine.open_dataset(args.url)
+    finally:
+        await engine.aclose()
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
             *_mount_options(args, config)]
     if args.foreground:  # this process holds the mount; the daemon serving it is its child
-        return hold_mount(config, mnt, argv)
-    # Background: the same command in the foreground, in its own session; return once it is mounted.
-    log_path = mount_file(config.cache.dir, mnt, ".log")
-    proc = await asyncio.to_thread(start_holder, argv, mnt, log_path)
+        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after)
+    # Background: the same command in the foreground, in its own session; return once it serves.
+    log_path = mount_log_path(config, mnt)
+    proc = await asyncio.to_thread(start_holder, argv, mnt, log_path, cache_dir=config.cache.dir)
     print(f"mounted {args.url} at {mnt} (pid {proc.pid}, log {log_path})")
     return 0
 
 
+def mount_log_path(config: Config, mountpoint: str) -> str:
+    """Where a background mount logs: in the log directory, off the cache disk (a full cache disk would
+    silence it)."""
+    import os
+
+    from ..fuse.registry import mount_file
+
+    return os.path.join(config.cache.log_dir, os.path.basename(mount_file("", mountpoint, ".log")))
+
+
+def _check_mountpoint(config: Config, mnt: str) -> None:
+    """An existing directory that no live cachefs mount occupies; never waits on a hung mount."""
+    import os
+
+    from ..fuse.mount import is_fuse_mount, probe_mount
+    from ..fuse.registry import holder_state
+
+    if is_fuse_mount(mnt):
+        held = holder_state(config.cache.dir, mnt)
+        if held is not None:
+            raise ConfigError(f"{mnt} is already a cachefs mount ({held['state']}, holder pid {held['holder_pid']}); "
+                              "cachefs umount it first")
+        state = probe_mount(mnt)
+        if state == "serving":
+            raise ConfigError(f"{mnt} is already a cachefs mount (cachefs umount it first)")
+        if state == "hung":
+            raise ConfigError(f"{mnt} is a cachefs mount that does not answer; cachefs umount it first")
+        return  # stale: the holder cleans it up
+    if not os.path.lexists(mnt):
+        raise ConfigError(f"mount point {mnt} does not exist")
+    if not os.path.isdir(mnt):
+        raise ConfigError(f"mount point {mnt} is not a directory")
+
+
 def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
     """The options of this ``cachefs mount`` for the processes it starts (same cache, config and origin)."""
-    out = ["--workers", str(args.workers), "--cache-dir", config.cache.dir]
+    out = ["--workers", str(args.workers), "--cache-dir", config.cache.dir, "--answer-after", str(args.answer_after)]
     for flag, value in (("--config", args.config), ("--capacity", args.capacity),
                         ("--memory-budget", args.memory_budget), ("--endpoint-url", args.endpoint_url),
                         ("--region", args.region), ("--profile", args.profile)):

@@ -41,22 +41,61 @@ EXIT_CODES: list[tuple[type[BaseException], int]] = [
 ]
 
 
+_EPILOG = """\
+exit codes:
+  0  done
+  1  failed (the message says why; e.g. some files could not be cached)
+  2  bad input: URL, option, configuration, mount point, cache directory
+  3  credentials missing or refused by the origin
+  4  origin unreachable
+  5  cache disk full
+  6  not found: dataset, prefix, bucket, cache directory
+  130 interrupted
+
+environment:
+  CACHEFS_CONFIG                 YAML config file (--config)
+  CACHEFS_<SECTION>_<FIELD>      any config value, e.g. CACHEFS_CACHE_DIR, CACHEFS_CACHE_CAPACITY,
+                                 CACHEFS_ENGINE_MEMORY_BUDGET (docs/CONFIGURATION.md lists them all)
+  AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN
+                                 the S3 origin, as for the aws CLI
+  NODE_NAME                      this node (publish-labels, csi)
+"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cachefs")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    g = common.add_argument_group("cache and origin")
+    # Option groups; each subcommand takes only those that mean something to it.
+    base = argparse.ArgumentParser(add_help=False)
+    base.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    cache = argparse.ArgumentParser(add_help=False)
+    g = cache.add_argument_group("cache")
     g.add_argument("--cache-dir", help="cache directory (env CACHEFS_CACHE_DIR; default /var/cache/cachefs as root)")
     g.add_argument("--config", help="YAML config file (env CACHEFS_CONFIG)")
+    capacity = argparse.ArgumentParser(add_help=False)
+    g = capacity.add_argument_group("limits")
     g.add_argument("--capacity", help="cache size limit, e.g. 500GiB or 90%% (env CACHEFS_CACHE_CAPACITY)")
     g.add_argument("--memory-budget", help="in-flight memory ceiling, e.g. 512MiB (env CACHEFS_ENGINE_MEMORY_BUDGET)")
+    origin = argparse.ArgumentParser(add_help=False)
+    g = origin.add_argument_group("origin")
     g.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
     g.add_argument("--region", help="S3 region (default: AWS_REGION / profile)")
     g.add_argument("--profile", help="AWS profile (default: AWS_PROFILE)")
-    g.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    common = [base, cache, capacity, origin]
 
-    p = argparse.ArgumentParser(prog="cachefs", description="Node-local read-through cache for datasets on object storage.")
+    p = argparse.ArgumentParser(prog="cachefs", description="Node-local read-through cache for datasets on object storage.",
+                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"cachefs {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    pf = sub.add_parser("prefetch", parents=[common], help="fetch a dataset (or part of it) into the cache")
+    pf = sub.add_parser("prefetch", parents=common, help="fetch a dataset (or part of it) into the cache")
     pf.add_argument("url", help="dataset URL, e.g. s3://bucket/prefix or file:///data")
     pf.add_argument("--include", action="append", metavar="GLOB", help="only paths matching (repeatable)")
     pf.add_argument("--exclude", action="append", metavar="GLOB", help="skip paths matching (repeatable)")
@@ -66,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pf.add_argument("--json", action="store_true", help="print the summary as JSON (implies --quiet)")
 
-    pk = sub.add_parser("pack", parents=[common],
+    pk = sub.add_parser("pack", parents=common,
                         help="write a packed mirror of a dataset's small files to object storage (cold reads "
                              "then fetch a few large packs instead of one object per file)")
     pk.add_argument("url", help="dataset URL, e.g. s3://bucket/imagenet")
@@ -74,17 +113,17 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--refresh", action="store_true", help="take a new manifest snapshot first")
     pk.add_argument("--json", action="store_true", help="print the summary as JSON")
 
-    st = sub.add_parser("status", parents=[common], help="capacity, usage and per-dataset cached fraction")
+    st = sub.add_parser("status", parents=[base, cache], help="capacity, usage and per-dataset cached fraction")
     st.add_argument("--json", action="store_true", help="machine-readable output")
 
-    ev = sub.add_parser("evict", parents=[common], help="remove cached data (objects in use are kept)")
+    ev = sub.add_parser("evict", parents=[base, cache], help="remove cached data (objects in use are kept)")
     ev.add_argument("url", nargs="?", help="dataset whose data to evict")
     ev.add_argument("--all", action="store_true", help="evict every dataset")
 
-    rf = sub.add_parser("refresh", parents=[common], help="take a new manifest snapshot of a dataset")
+    rf = sub.add_parser("refresh", parents=[base, cache, origin], help="take a new manifest snapshot of a dataset")
     rf.add_argument("url")
 
-    lb = sub.add_parser("labels", parents=[common],
+    lb = sub.add_parser("labels", parents=[base],
                         help="print (JSON) the node labels/annotations a node holding this much would publish")
     lb.add_argument("url")
     lb.add_argument("--cached", required=True, help="bytes cached on the node, e.g. 900GB")
@@ -92,14 +131,14 @@ def _parser() -> argparse.ArgumentParser:
     lb.add_argument("--free", default="0", help="free cache space on the node")
     lb.add_argument("--cache-group", help="the node's cache group (rack, cell)")
 
-    se = sub.add_parser("scheduler-extender", parents=[common], help="run the kube-scheduler extender")
+    se = sub.add_parser("scheduler-extender", parents=[base], help="run the kube-scheduler extender")
     se.add_argument("--listen", default="127.0.0.1:8888", help="HOST:PORT (default 127.0.0.1:8888)")
     se.add_argument("--extender-config", dest="extender_config", help="YAML: weights, bind_timeout, gang_ttl")
     se.add_argument("--kubeconfig", help="kubeconfig for the watches and bindings (default: in-cluster, $KUBECONFIG)")
     se.add_argument("--standalone", action="store_true",
                     help="no API server: node details only from requests, bindings only recorded (testing)")
 
-    pl = sub.add_parser("publish-labels", parents=[common],
+    pl = sub.add_parser("publish-labels", parents=[base, cache],
                         help="keep this node's cache-locality labels current (node agent loop)")
     pl.add_argument("--node", help="Node name (default: env NODE_NAME, set from the downward API)")
     pl.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster service account, then $KUBECONFIG)")
@@ -108,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--min-interval", type=float, default=30.0, help="at most one PATCH per this many seconds")
     pl.add_argument("--once", action="store_true", help="publish once and exit")
 
-    mt = sub.add_parser("mount", parents=[common], help="mount a dataset read-only (FUSE)")
+    mt = sub.add_parser("mount", parents=common, help="mount a dataset read-only (FUSE)")
     mt.add_argument("url", help="dataset URL")
     mt.add_argument("mountpoint", help="an existing directory")
     mt.add_argument("--foreground", action="store_true",
@@ -125,9 +164,12 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--keep-opens", action="store_true",
                     help="have the kernel send OPEN and RELEASE for every file (by default they stop once every "
                          "file of the dataset is a packed small file on this node: then no open needs an answer)")
+    mt.add_argument("--answer-after", type=float, default=10.0, metavar="SECONDS",
+                    help="when the serving daemon dies and cannot be started again, readers wait this long, then "
+                         "get errors (EIO; ENOTCONN for statfs) until it can (default 10)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
 
-    cs = sub.add_parser("csi", parents=[common], help="run the CSI plugin (node and/or controller)")
+    cs = sub.add_parser("csi", parents=[base, cache], help="run the CSI plugin (node and/or controller)")
     cs.add_argument("--endpoint", default="unix:///csi/csi.sock", help="gRPC socket (default unix:///csi/csi.sock)")
     cs.add_argument("--node-id", default=os.environ.get("NODE_NAME", ""), help="this node's name (env NODE_NAME)")
     cs.add_argument("--cache-group", default="", help="topology segment reported to Kubernetes (rack, zone)")
@@ -139,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("--session-idle-timeout", type=float, default=600.0,
                     help="seconds a dataset's FUSE session runs with no pod using it (default 600; the cache stays)")
 
-    cm = sub.add_parser("csi-mounter", parents=[common],
+    cm = sub.add_parser("csi-mounter", parents=[base, cache],
                         help="start FUSE sessions for the CSI node plugin (its own container, so that sessions "
                              "outlive plugin restarts)")
     cm.add_argument("--socket", default="unix:///run/cachefs/mounter.sock",
@@ -147,10 +189,10 @@ def _parser() -> argparse.ArgumentParser:
     cm.add_argument("--state-dir", help="the plugin's state directory; sessions are mounted only under it "
                                         "(default: <cache dir>/csi)")
 
-    um = sub.add_parser("umount", parents=[common], help="unmount a cachefs mount")
+    um = sub.add_parser("umount", parents=[base], help="unmount a cachefs mount")
     um.add_argument("mountpoint")
 
-    dm = sub.add_parser("demo", parents=[common],
+    dm = sub.add_parser("demo", parents=[base, cache, capacity],
                         help="start a local S3 server with a sample dataset, prefetch it and read it back")
     dm.add_argument("--small-files", type=int, default=3000)
     dm.add_argument("--large-files", type=int, default=3)
@@ -160,14 +202,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> Config:
     overrides: dict[str, Any] = {
-        "cache_dir": args.cache_dir,
-        "cache_capacity": args.capacity,
-        "engine_memory_budget": args.memory_budget,
-        "origin_endpoint_url": args.endpoint_url,
-        "origin_region": args.region,
-        "origin_profile": args.profile,
+        "cache_dir": getattr(args, "cache_dir", None),
+        "cache_capacity": getattr(args, "capacity", None),
+        "engine_memory_budget": getattr(args, "memory_budget", None),
+        "origin_endpoint_url": getattr(args, "endpoint_url", None),
+        "origin_region": getattr(args, "region", None),
+        "origin_profile": getattr(args, "profile", None),
     }
-    return load_config(args.config, overrides=overrides)
+    return load_config(getattr(args, "config", None), overrides=overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

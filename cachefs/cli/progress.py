@@ -31,6 +31,7 @@ class ProgressPrinter:
         self.tty = self.stream.isatty()
         self.quiet = quiet
         self._last = 0.0
+        self._printed = ""  # the last line printed
 
     def line(self, p: Progress) -> str:
         pct = 100.0 * p.bytes_done / p.bytes_total if p.bytes_total else 100.0
@@ -48,16 +49,22 @@ class ProgressPrinter:
         if now - self._last < interval:
             return
         self._last = now
+        self._print(self.line(p))
+
+    def _print(self, line: str) -> None:
+        if line == self._printed:
+            return
+        self._printed = line
         if self.tty:
-            self.stream.write("\r\033[K" + self.line(p))
+            self.stream.write("\r\033[K" + line)
         else:
-            self.stream.write(self.line(p) + "\n")
+            self.stream.write(line + "\n")
         self.stream.flush()
 
     def finish(self, p: Progress) -> None:
+        """The final line, once (not again if the last one printed was it already)."""
         if self.quiet:
             return
-        self._last = 0.0
-        self(p)
+        self._print(self.line(p))
         if self.tty:
             self.stream.write("\n")

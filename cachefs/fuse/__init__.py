@@ -18,7 +18,7 @@ from .._collector import quiet_collector
 from ..config import Config
 from ..engine import get_engine
 from .fs import CacheFS
-from .holder import MountHolder, receive_fd, socket_path_for
+from .holder import MountHolder, announce_failure, announce_ready, receive_fd, socket_path_for
 from .journal import MountJournal
 from .mount import is_stale_mount, unmount
 from .registry import forget_mount, mount_file, record_mount
@@ -29,10 +29,12 @@ __all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_moun
 log = logging.getLogger("cachefs.fuse")
 
 
-def hold_mount(config: Config, mountpoint: str, daemon_argv: list[str]) -> int:
+def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str], *, answer_after: float = 10.0) -> int:
     """Mount ``mountpoint`` and keep it mounted until unmounted, serving it by running ``daemon_argv`` (plus
-    ``--attach SOCKET``) and restarting that daemon whenever it dies: readers wait, they never see ENOTCONN."""
-    holder = MountHolder(mountpoint, socket_path_for(mount_file(config.cache.dir, mountpoint, ".sock")))
+    ``--attach SOCKET``) and restarting that daemon whenever it dies: readers wait, they never see ENOTCONN
+    (unless no daemon can start for a while; see :mod:`.holder`)."""
+    holder = MountHolder(mountpoint, socket_path_for(mount_file(config.cache.dir, mountpoint, ".sock")), url=url,
+                         cache_dir=config.cache.dir, answer_after=answer_after)
     holder.mount()
     return holder.run([*daemon_argv, "--attach", holder.socket_path])
 
@@ -53,7 +55,13 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     journal = MountJournal.resume(journal_path) if resume else MountJournal.start(journal_path)
     engine = get_engine(config)
     init = journal.state.init
-    ds = run_sync(engine.open_dataset(url, manifest_version=init["manifest_version"] if init else None))
+    try:
+        ds = run_sync(engine.open_dataset(url, manifest_version=init["manifest_version"] if init else None))
+    except (OSError, ValueError) as exc:
+        announce_failure(attach, str(exc))
+        journal.close()
+        os.close(fd)
+        raise
     # The origin client takes a while to set up (hundreds of ms for S3): do it now, not in the first cold read.
     asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
     asyncio.run_coroutine_threadsafe(engine.start_background(), get_loop())  # hits of local reads reach the index
@@ -72,19 +80,23 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
             last = None
             ticks = 0
             while True:
-                if ticks % 5 == 0:
-                    s.maybe_skip_opens()
-                if ticks % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
-                    s.fs.sweep()
-                now = (dict(s.fs.stats), s.opens_skipped)
-                if now != last:
-                    record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0], opens_skipped=now[1])
-                    last = now
+                try:
+                    if ticks % 5 == 0:
+                        s.maybe_skip_opens()
+                    if ticks % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
+                        s.fs.sweep()
+                    now = (dict(s.fs.stats), s.opens_skipped)
+                    if now != last and record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0],
+                                                    opens_skipped=now[1]):
+                        last = now
+                except Exception:
+                    log.exception("mount statistics")
                 if s.stopped.wait(1.0):
                     break
                 ticks += 1
 
         session.on_init = on_init
+        announce_ready(attach)  # the holder stops answering requests itself before we read the first one
         session.serve(resume=resume)
     finally:
         forget_mount(cache_dir, mountpoint)

@@ -5,26 +5,49 @@ While any process holds the descriptor the kernel keeps the mount connected, so 
 killed leaves readers waiting instead of failing with ENOTCONN; the next daemon gets the same descriptor,
 replays the mount journal (:mod:`.journal`) and asks the kernel to resend what the dead one had read.
 
+A daemon that cannot start (the dataset no longer opens: credentials refused, the origin gone, and no
+manifest on the node) must not leave readers waiting forever. Once no daemon has served the mount for
+``answer_after`` seconds, the holder answers the kernel itself, every request with EIO (STATFS with
+ENOTCONN), while it keeps trying to start one with a growing delay; a daemon that comes up asks the holder to
+stop answering before it reads a request (:func:`announce_ready`). The holder's state (starting, serving,
+failing and why) is in the mount registry for ``cachefs status``.
+
+The socket protocol: a client sends one JSON line, ``{"op": "attach"}`` (answered with the descriptor and
+``{"mountpoint", "generation"}``), ``{"op": "ready"}`` or ``{"op": "failed", "reason": …}`` (answered
+``{"ok": true}``).
+
 :class:`MountHolder` mounts, serves the hand-over socket and restarts the daemon command it is given;
-:func:`receive_fd` is the daemon's side. The CSI node plugin holds its mounts the same way.
+:func:`receive_fd` and :func:`announce_ready` are the daemon's side. The CSI node plugin holds its mounts
+the same way.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import threading
 import time
 
-from ..errors import CacheFSError, ConfigError
+from ..errors import (
+    CacheFSError,
+    CacheFullError,
+    ConfigError,
+    CredentialsError,
+    ObjectNotFoundError,
+    OriginUnavailableError,
+)
+from . import wire
 from .mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
+from .registry import forget_holder, holder_state, record_holder
 
-__all__ = ["MountHolder", "receive_fd", "socket_path_for", "start_holder"]
+__all__ = ["MountHolder", "announce_failure", "announce_ready", "receive_fd", "socket_path_for", "start_holder"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -41,42 +64,136 @@ def socket_path_for(path: str) -> str:
     return path
 
 
-def start_holder(argv: list[str], mountpoint: str, log_path: str, *, env: dict[str, str] | None = None,
-                 timeout: float = 120.0) -> subprocess.Popen:
+#: Exit codes of ``cachefs`` (cli.main.EXIT_CODES) back to the error a holder's exit stands for.
+_EXIT_ERRORS: dict[int, type[CacheFSError]] = {2: ConfigError, 3: CredentialsError, 4: OriginUnavailableError,
+                                               5: CacheFullError, 6: ObjectNotFoundError}
+
+
+def start_holder(argv: list[str], mountpoint: str, log_path: str, *, cache_dir: str | None = None,
+                 env: dict[str, str] | None = None, timeout: float = 120.0) -> subprocess.Popen:
     """Run ``argv`` (a ``cachefs mount … --foreground`` command: a holder) in its own session, its output
-    appended to ``log_path``, and return it once ``mountpoint`` is mounted. The caller owns the child (and
-    reaps it); :class:`CacheFSError` with the log's last line if it exits or does not mount in time."""
+    appended to ``log_path``, and return it once ``mountpoint`` is mounted and served (with ``cache_dir``,
+    the holder's record says so; without, once it is mounted). The caller owns the child (and reaps it). If
+    it exits first, the error its exit code stands for, with the log's last line; CacheFSError on a timeout."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
                                 start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            with open(log_path, errors="replace") as f:
-                tail = f.read().strip().splitlines()[-1:] or ["(no output)"]
-            raise CacheFSError(f"mount {mountpoint} failed: {tail[0]}")
+        rc = proc.poll()
+        if rc is not None:
+            raise _EXIT_ERRORS.get(rc, CacheFSError)(_last_error(log_path, mountpoint))
         if is_fuse_mount(mountpoint):
-            return proc
-        time.sleep(0.1)
+            state = holder_state(cache_dir, mountpoint) if cache_dir else {"state": "serving"}
+            if state and state.get("state") in ("serving", "failing"):
+                return proc
+        time.sleep(0.05)
     proc.kill()
     proc.wait()
-    raise CacheFSError(f"mount {mountpoint}: not mounted after {timeout:.0f} s (log {log_path})")
+    raise CacheFSError(f"mount {mountpoint}: not served after {timeout:.0f} s (log {log_path})")
+
+
+def _last_error(log_path: str, mountpoint: str) -> str:
+    """The reason a holder gave up: its log's last ``cachefs: error:`` line (without the prefix)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = f.read().strip().splitlines()
+    except OSError:
+        lines = []
+    for line in reversed(lines):
+        if line.startswith("cachefs: error: "):
+            return line[len("cachefs: error: "):]
+    return f"mount {mountpoint} failed: {lines[-1] if lines else '(no output)'}"
+
+
+def _ask(socket_path: str, request: dict, timeout: float) -> tuple[bytes, list[int]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(socket_path)
+            s.sendall(json.dumps(request).encode() + b"\n")
+            msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
+        except OSError as exc:
+            raise CacheFSError(f"no mount holder at {socket_path}: {exc}") from None
+    return msg, fds
 
 
 def receive_fd(socket_path: str, timeout: float = 10.0) -> tuple[int, dict]:
     """Connect to a holder and receive its ``/dev/fuse`` descriptor and the facts it sends along
     (``mountpoint``, ``generation``: how many daemons it started before this one)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(socket_path)
-            msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
-        except OSError as exc:
-            raise CacheFSError(f"no mount holder at {socket_path}: {exc}") from None
+    msg, fds = _ask(socket_path, {"op": "attach"}, timeout)
     if not fds:
         raise CacheFSError(f"mount holder at {socket_path} sent no descriptor")
     return fds[0], json.loads(msg)
+
+
+def announce_ready(socket_path: str, timeout: float = 30.0) -> None:
+    """Tell the holder this daemon serves the mount from now on; returns once the holder stopped answering
+    requests itself (call before reading the first request)."""
+    _ask(socket_path, {"op": "ready"}, timeout)
+
+
+def announce_failure(socket_path: str, reason: str) -> None:
+    """Tell the holder why this daemon cannot serve (``cachefs status`` shows it); best effort."""
+    try:
+        _ask(socket_path, {"op": "failed", "reason": reason}, 5.0)
+    except CacheFSError:
+        pass
+
+
+class ErrorResponder:
+    """Answers the kernel's requests on ``fd`` with errors while no daemon can: EIO, ENOTCONN for STATFS (so
+    that ``df`` and health checks see a broken mount), nothing for requests that take no answer."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.answered = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="cachefs-fuse-fallback", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop answering; returns once no request will be read here any more."""
+        t, self._thread = self._thread, None
+        if t is not None:
+            self._stop.set()
+            t.join()
+
+    def _run(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        buf = bytearray(wire.MAX_REQUEST)
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):  # short, so that stop() returns quickly
+                continue
+            try:
+                n = os.readv(self.fd, [buf])
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue
+                return  # ENODEV: unmounted
+            if n < wire.IN_HEADER.size:
+                continue
+            _len, opcode, unique = wire.IN_HEADER.unpack_from(buf)[:3]
+            if opcode in (wire.Op.FORGET, wire.Op.BATCH_FORGET, wire.Op.INTERRUPT):
+                continue
+            err = errno.ENOTCONN if opcode == wire.Op.STATFS else errno.EIO
+            try:
+                os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size, -err, unique))
+                self.answered += 1
+            except OSError:
+                pass
 
 
 class MountHolder:
@@ -84,19 +201,31 @@ class MountHolder:
 
     ``daemon_argv`` is the command of the serving daemon; it is started with ``CACHEFS_FUSE_HOLDER`` set to
     the socket path and restarted whenever it dies while the file system is still mounted. It exits 0 once
-    the file system is unmounted, and then the holder is done too.
+    the file system is unmounted, and then the holder is done too. With ``cache_dir``, the holder's state is
+    recorded for ``cachefs status`` (see :mod:`.registry`).
     """
 
-    def __init__(self, mountpoint: str, socket_path: str, *, restart_delay: float = 0.2,
-                 max_restart_delay: float = 5.0) -> None:
+    def __init__(self, mountpoint: str, socket_path: str, *, url: str = "", cache_dir: str | None = None,
+                 restart_delay: float = 0.2, max_restart_delay: float = 5.0, answer_after: float = 10.0,
+                 max_failing_delay: float = 30.0) -> None:
         self.mountpoint = os.path.abspath(mountpoint)
         self.socket_path = socket_path
+        self.url, self.cache_dir = url, cache_dir
         self.restart_delay, self.max_restart_delay = restart_delay, max_restart_delay
+        #: Seconds without a serving daemon after which the holder answers requests itself (with errors).
+        self.answer_after = answer_after
+        #: The longest wait between attempts to start a daemon that keeps failing to start.
+        self.max_failing_delay = max_failing_delay
         self.fd = -1
         self.generation = 0  # daemons started so far
         self.daemon: subprocess.Popen | None = None
+        self.state, self.reason = "starting", ""
+        self.responder: ErrorResponder | None = None
+        self._served = False  # some daemon served this mount (the kernel's INIT is answered)
+        self._ready = threading.Event()  # the current daemon serves
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
+        self._state_lock = threading.Lock()
 
     # -- mount ----------------------------------------------------------------------------------------------
     def mount(self) -> None:
@@ -104,11 +233,15 @@ class MountHolder:
         if is_stale_mount(self.mountpoint):
             log.warning("%s: cleaning up a stale mount (its daemon is gone)", self.mountpoint)
             unmount(self.mountpoint)
+        if not os.path.exists(self.mountpoint):
+            raise ConfigError(f"mount point {self.mountpoint} does not exist")
         if not os.path.isdir(self.mountpoint):
-            raise ConfigError(f"mount point {self.mountpoint!r} is not a directory")
+            raise ConfigError(f"mount point {self.mountpoint} is not a directory")
         self.fd = open_and_mount(self.mountpoint)
+        self.responder = ErrorResponder(self.fd)
         set_read_ahead(self.mountpoint, READ_AHEAD_KIB)
         self._listen()
+        self._set_state("starting", "")
 
     def _listen(self) -> None:
         os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
@@ -132,15 +265,41 @@ class MountHolder:
             except OSError:
                 return  # closed
             with conn:
-                msg = json.dumps({"mountpoint": self.mountpoint, "generation": self.generation - 1}).encode()
                 try:
-                    socket.send_fds(conn, [msg], [self.fd])
-                except OSError as exc:
-                    log.warning("handing the FUSE descriptor over: %s", exc)
+                    self._answer(conn)
+                except (OSError, ValueError) as exc:
+                    log.warning("mount holder socket: %s", exc)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        line = conn.makefile("rb").readline(65536)
+        request = json.loads(line) if line.strip() else {}
+        op = request.get("op") if isinstance(request, dict) else None
+        if op == "attach":
+            msg = json.dumps({"mountpoint": self.mountpoint, "generation": self.generation - 1}).encode()
+            socket.send_fds(conn, [msg], [self.fd])
+            return
+        if op == "ready":
+            self.responder.stop()  # before the daemon reads its first request
+            self._served = True
+            self._ready.set()
+            self._set_state("serving", "")
+        elif op == "failed":
+            self._set_state(self.state, str(request.get("reason", ""))[:1000])
+        else:
+            raise ValueError(f"unknown request {op!r}")
+        conn.sendall(b'{"ok": true}\n')
+
+    def _set_state(self, state: str, reason: str) -> None:
+        with self._state_lock:
+            self.state, self.reason = state, reason
+            if self.cache_dir:
+                record_holder(self.cache_dir, self.mountpoint, self.url, state, reason)
 
     # -- daemon ---------------------------------------------------------------------------------------------
     def run(self, daemon_argv: list[str], *, env: dict | None = None) -> int:
-        """Start the daemon and restart it until the file system is unmounted; returns the last exit code."""
+        """Start the daemon and restart it until the file system is unmounted; returns the last exit code.
+        If the very first daemon cannot serve, the mount is taken down again and its exit code returned."""
         delay = self.restart_delay
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -148,25 +307,60 @@ class MountHolder:
             except ValueError:  # not the main thread: the caller handles signals
                 break
         rc = 0
+        down_since = time.monotonic()
         try:
             while not self._stopping.is_set():
                 started = time.monotonic()
                 self.generation += 1
+                self._ready.clear()
                 self.daemon = subprocess.Popen(daemon_argv, env={**(env or os.environ),
                                                                  "CACHEFS_FUSE_HOLDER": self.socket_path})
-                rc = self.daemon.wait()
+                rc = self._wait_daemon(down_since)
+                served = self._ready.is_set()
                 if rc == 0 or self._stopping.is_set() or not is_fuse_mount(self.mountpoint):
                     break
-                if time.monotonic() - started > 30:
-                    delay = self.restart_delay  # it ran for a while: a fresh failure, not a crash loop
-                log.warning("%s: FUSE daemon exited (%s); restarting it in %.1f s (readers wait meanwhile)",
-                            self.mountpoint, _describe(rc), delay)
+                if not self._served:  # never served: a mount that cannot work is not left behind
+                    log.error("%s: the FUSE daemon could not start (%s); unmounting", self.mountpoint, _describe(rc))
+                    self.stop()
+                    break
+                now = time.monotonic()
+                if served:
+                    down_since = now
+                    if now - started > 30:
+                        delay = self.restart_delay  # it ran for a while: a fresh failure, not a crash loop
+                    log.warning("%s: FUSE daemon exited (%s); restarting it in %.1f s (readers wait meanwhile)",
+                                self.mountpoint, _describe(rc), delay)
+                    limit = self.max_restart_delay
+                else:
+                    self._fail_open(down_since)
+                    log.warning("%s: FUSE daemon could not start (%s: %s); trying again in %.1f s", self.mountpoint,
+                                _describe(rc), self.reason or "see above", delay)
+                    limit = self.max_failing_delay
                 if self._stopping.wait(delay):
                     break
-                delay = min(delay * 2, self.max_restart_delay)
+                delay = min(delay * 2, limit)
         finally:
             self.close()
         return rc
+
+    def _wait_daemon(self, down_since: float) -> int:
+        """Wait for the daemon to exit; meanwhile start answering requests once the mount has gone unserved
+        for ``answer_after`` seconds."""
+        while True:
+            try:
+                return self.daemon.wait(timeout=0.25)
+            except subprocess.TimeoutExpired:
+                if not self._ready.is_set():
+                    self._fail_open(down_since)
+
+    def _fail_open(self, down_since: float) -> None:
+        """Answer the kernel's requests here (with errors) if the mount was served once and no daemon has
+        served it for ``answer_after`` seconds."""
+        if self._served and not self.responder.running and time.monotonic() - down_since >= self.answer_after:
+            log.error("%s: no FUSE daemon for %.0f s; answering requests with errors until one starts",
+                      self.mountpoint, time.monotonic() - down_since)
+            self.responder.start()
+            self._set_state("failing", self.reason or "the FUSE daemon cannot start (see the mount's log)")
 
     def stop(self) -> None:
         """Unmount and let the daemon finish (it sees the unmount and exits)."""
@@ -181,6 +375,8 @@ class MountHolder:
 
     def close(self) -> None:
         self._stopping.set()
+        if self.responder is not None:
+            self.responder.stop()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -191,6 +387,8 @@ class MountHolder:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.cache_dir:
+            forget_holder(self.cache_dir, self.mountpoint)
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -16,11 +16,12 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 
 from ..errors import CacheFSError
 
 __all__ = ["bind_mount", "is_fuse_mount", "is_mount_point", "is_stale_mount", "mount_fuse", "open_and_mount",
-           "open_fuse_device", "other_mounts_of", "set_read_ahead", "unmount"]
+           "open_fuse_device", "other_mounts_of", "probe_mount", "set_read_ahead", "unmount"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -160,14 +161,29 @@ def unmount(mountpoint: str, *, lazy: bool = True) -> None:
             raise CacheFSError(f"umount {mountpoint}: {os.strerror(e)}", errno_=e)
 
 
+def probe_mount(mountpoint: str, timeout: float = 2.0) -> str:
+    """How a mount answers STATFS (the kernel asks the daemon; a cached ``stat`` can succeed on a dead mount):
+    ``serving``; ``stale`` (ENOTCONN or ECONNABORTED: no daemon, or a holder answering for a daemon that
+    cannot start); ``hung`` (no answer within ``timeout``). Never waits longer than that: the asking thread
+    is left behind (it ends when the request is answered or the process exits)."""
+    result: list[str] = []
+
+    def ask() -> None:
+        try:
+            os.statvfs(mountpoint)
+            result.append("serving")
+        except OSError as exc:
+            result.append("stale" if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED) else "serving")
+
+    t = threading.Thread(target=ask, name="cachefs-statfs-probe", daemon=True)
+    t.start()
+    t.join(timeout)
+    return result[0] if result else "hung"
+
+
 def is_stale_mount(mountpoint: str) -> bool:
-    """A FUSE mount whose daemon is gone: any access fails with ENOTCONN (or ECONNABORTED). STATFS is
-    asked, because the kernel answers it from no cache (a cached ``stat`` can succeed on a dead mount)."""
-    try:
-        os.statvfs(mountpoint)
-    except OSError as exc:
-        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
-    return False
+    """A FUSE mount that no daemon serves: STATFS fails with ENOTCONN (see :func:`probe_mount`)."""
+    return probe_mount(mountpoint) == "stale"
 
 
 def set_read_ahead(mountpoint: str, kib: int) -> bool:

@@ -1,13 +1,29 @@
-"""Which mounts this cache directory serves, and in which mode: one small JSON file per mount under
-``<cache dir>/mounts/``, written once mounted and removed at exit; ``cachefs status`` reads them."""
+"""Which mounts this cache directory serves, and how they are doing: small JSON files under
+``<cache dir>/mounts/``, read by ``cachefs status``.
+
+Per mount there are two: the holder's (``<key>.holder.json``: mount point, dataset, state ``starting`` /
+``serving`` / ``failing`` and why), written by the holder for the mount's whole life, and the serving daemon's
+(``<key>.json``: mode and counters), written while a daemon serves. A record of a process that is gone is
+ignored.
+
+They live on the cache disk, which may be full: a record that cannot be written is skipped (the next write
+tries again) and never stops the process writing it.
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
+import time
 
-__all__ = ["forget_mount", "list_mounts", "mount_file", "record_mount"]
+__all__ = ["forget_holder", "forget_mount", "holder_state", "list_mounts", "mount_file", "record_holder",
+           "record_mount"]
+
+log = logging.getLogger("cachefs.fuse")
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _dir(cache_dir: str) -> str:
@@ -15,8 +31,8 @@ def _dir(cache_dir: str) -> str:
 
 
 def mount_file(cache_dir: str, mountpoint: str, suffix: str) -> str:
-    """``<cache dir>/mounts/<key of the mount point><suffix>``: where a mount's record (``.json``), journal
-    (``.journal``) and hand-over socket (``.sock``) live."""
+    """``<cache dir>/mounts/<key of the mount point><suffix>``: where a mount's records (``.json``,
+    ``.holder.json``), journal (``.journal``) and hand-over socket (``.sock``) live."""
     key = hashlib.blake2b(os.path.abspath(mountpoint).encode(), digest_size=8).hexdigest()
     return os.path.join(_dir(cache_dir), key + suffix)
 
@@ -25,15 +41,33 @@ def mount_record_path(cache_dir: str, mountpoint: str) -> str:
     return mount_file(cache_dir, mountpoint, ".json")
 
 
+def _write_json(path: str, obj: dict) -> bool:
+    """Replace ``path`` with ``obj`` (temp file, rename); False if the disk had no room (nothing changes)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if exc.errno not in _FULL:
+            raise
+        log.debug("mount record %s not written: %s", path, exc.strerror)
+        return False
+
+
 def record_mount(cache_dir: str, mountpoint: str, url: str, mode: str, stats: dict | None = None, *,
-                 opens_skipped: bool = False) -> None:
-    """``mode``: passthrough or userspace; ``opens_skipped``: the kernel opens files without asking."""
-    os.makedirs(_dir(cache_dir), exist_ok=True)
-    tmp = mount_record_path(cache_dir, mountpoint) + f".{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"mountpoint": os.path.abspath(mountpoint), "url": url, "pid": os.getpid(), "mode": mode,
-                   "opens_skipped": opens_skipped, "stats": stats or {}}, f)
-    os.replace(tmp, mount_record_path(cache_dir, mountpoint))
+                 opens_skipped: bool = False) -> bool:
+    """The serving daemon's record. ``mode``: passthrough or userspace; ``opens_skipped``: the kernel opens
+    files without asking. False if the disk had no room for it."""
+    return _write_json(mount_record_path(cache_dir, mountpoint), {
+        "mountpoint": os.path.abspath(mountpoint), "url": url, "pid": os.getpid(), "mode": mode,
+        "opens_skipped": opens_skipped, "stats": stats or {}})
 
 
 def forget_mount(cache_dir: str, mountpoint: str) -> None:
@@ -43,29 +77,70 @@ def forget_mount(cache_dir: str, mountpoint: str) -> None:
         pass
 
 
+def record_holder(cache_dir: str, mountpoint: str, url: str, state: str, reason: str = "") -> bool:
+    """The holder's record: ``state`` is starting, serving or failing (``reason`` says why)."""
+    return _write_json(mount_file(cache_dir, mountpoint, ".holder.json"), {
+        "mountpoint": os.path.abspath(mountpoint), "url": url, "holder_pid": os.getpid(), "state": state,
+        "reason": reason, "since": time.time()})
+
+
+def forget_holder(cache_dir: str, mountpoint: str) -> None:
+    try:
+        os.unlink(mount_file(cache_dir, mountpoint, ".holder.json"))
+    except FileNotFoundError:
+        pass
+
+
+def holder_state(cache_dir: str, mountpoint: str) -> dict | None:
+    """The holder record of a live holder of ``mountpoint``, or None."""
+    rec = _read(mount_file(cache_dir, mountpoint, ".holder.json"))
+    return rec if rec is not None and _alive(rec.get("holder_pid")) else None
+
+
 def list_mounts(cache_dir: str) -> list[dict]:
-    """Live mounts (records of daemons that are gone are dropped)."""
-    out = []
+    """Live mounts: each with ``state`` (and ``reason`` when failing) from its holder, and the serving
+    daemon's ``pid``, ``mode`` and ``stats`` while one serves (``pid`` None, ``state`` restarting between
+    daemons)."""
     try:
         names = sorted(os.listdir(_dir(cache_dir)))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    out: dict[str, dict] = {}
     for name in names:
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(_dir(cache_dir), name)) as f:
-                rec = json.load(f)
-            if not _alive(int(rec["pid"])):
-                continue
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        out.append(rec)
-    return out
+        if name.endswith(".holder.json"):
+            rec = _read(os.path.join(_dir(cache_dir), name))
+            if rec is not None and _alive(rec.get("holder_pid")):
+                out.setdefault(rec["mountpoint"], {}).update(
+                    {k: rec[k] for k in ("mountpoint", "url", "holder_pid", "state", "reason") if k in rec})
+    for name in names:
+        if name.endswith(".json") and not name.endswith(".holder.json"):
+            rec = _read(os.path.join(_dir(cache_dir), name))
+            if rec is not None and _alive(rec.get("pid")):
+                m = out.setdefault(rec["mountpoint"], {"state": "serving"})
+                holder = {k: m[k] for k in ("state", "reason", "holder_pid") if k in m}
+                m.update(rec)
+                m.update(holder)
+    for m in out.values():
+        if "pid" not in m:
+            m.update(pid=None, mode="", stats={}, opens_skipped=False)
+            if m.get("state") == "serving":
+                m["state"] = "restarting"
+    return [out[k] for k in sorted(out)]
 
 
-def _alive(pid: int) -> bool:
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("mountpoint"), str) else None
+
+
+def _alive(pid) -> bool:
     """A running process (a zombie, killed but not yet reaped, does not count)."""
+    if not isinstance(pid, int):
+        return False
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

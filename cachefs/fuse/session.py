@@ -24,7 +24,7 @@ __all__ = ["FuseSession"]
 
 log = logging.getLogger("cachefs.fuse")
 
-MAX_WRITE = 1 << 20
+MAX_WRITE = wire.MAX_WRITE
 MAX_PAGES = 256
 #: A handler's answer that comes later (from a callback), not now.
 DEFERRED = object()
@@ -87,7 +87,7 @@ class FuseSession:
         then lets a waiting one read the device and finishes that request meanwhile. Every thread reading at
         once measured half the rate on small files: each request then woke a second thread to fight over the
         GIL (bench/fuse_bench.py)."""
-        buf = bytearray(MAX_WRITE + 4096 + 8192)
+        buf = bytearray(wire.MAX_REQUEST)
         view = memoryview(buf)
         while not self.stopped.is_set():
             later = None
@@ -362,9 +362,9 @@ class FuseSession:
         return b""
 
     def _statfs(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        total, files, bsize = self.fs.statfs()
-        blocks = (total + bsize - 1) // bsize
-        return wire.KSTATFS.pack(blocks, 0, 0, files, 0, bsize, 255, bsize)
+        used, avail, files, bsize = self.fs.statfs()
+        free = avail // bsize
+        return wire.KSTATFS.pack((used + bsize - 1) // bsize + free, free, free, files, 0, bsize, 255, bsize)
 
     def _empty(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         return b""

@@ -102,6 +102,10 @@ class OpenFlag(enum.IntFlag):
     PASSTHROUGH = 1 << 7
 
 
+#: Largest WRITE payload we accept (INIT's max_write); a request buffer must hold it plus the headers, or the
+#: kernel answers the read with EINVAL.
+MAX_WRITE = 1 << 20
+MAX_REQUEST = MAX_WRITE + 4096 + 8192
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len, opcode, unique, nodeid, uid, gid, pid, total_extlen, padding
 OUT_HEADER = struct.Struct("<IiQ")  # len, error (negative errno), unique
 INIT_IN = struct.Struct("<IIIII44x")  # major, minor, max_readahead, flags, flags2, unused[11]

@@ -66,6 +66,9 @@ async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: Da
     except BaseException:
         store.drop(ds.id, version)
         raise
+    if writer.files == 0 and not writer.skipped:
+        store.drop(ds.id, version)
+        raise ObjectNotFoundError(f"{ds.url}: no objects under this prefix (is the URL right?)")
     for path, why in writer.skipped_examples:
         log.warning("%s: skipped %r (%s)", ds.url, path, why)
     if writer.skipped > len(writer.skipped_examples):

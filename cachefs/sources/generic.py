@@ -77,10 +77,16 @@ class FsspecSource(Source):
             batch.append(Entry(rel, int(info.get("size") or 0), info_version(info), info_mtime(info)))
         if batch:
             yield batch
-        elif not await self._call("exists", root):
-            from ..errors import ObjectNotFoundError
+        else:  # nothing found: say why (find, like exists, takes an unreachable server for an empty tree)
+            await with_retries(lambda: self._call("info", root), what=f"list {root_url}", policy=self._policy)
 
-            raise ObjectNotFoundError(f"{root_url}: not found")
+    async def close(self) -> None:
+        """Close the backend's HTTP session, if it keeps one (http, gcs, …)."""
+        for attr in ("_session", "session"):
+            session = getattr(self._fs, attr, None)
+            close = getattr(session, "close", None)
+            if close is not None and asyncio.iscoroutinefunction(close) and not getattr(session, "closed", True):
+                await close()
 
     async def stat(self, url: str) -> Entry:
         info = await self._call("info", self._strip(url))

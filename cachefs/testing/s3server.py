@@ -251,8 +251,11 @@ class S3Server:
     """Start moto's S3 server in a child process; ``endpoint`` is its URL. Use as a context manager."""
 
     def __init__(self, host: str = "127.0.0.1", delay_ms: float = 0.0, netns: str | None = None,
-                 fast: bool = False) -> None:
+                 fast: bool = False, auth_after: int | None = None) -> None:
+        """``auth_after``: moto checks credentials (against users made through its IAM API) from that many
+        requests on; the first ones set up users and data. Default: any credentials work."""
         self.host, self.delay_ms, self.netns, self.fast = host, delay_ms, netns, fast
+        self.auth_after = auth_after
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -266,6 +269,8 @@ class S3Server:
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.auth_after is not None:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("PORT "):
@@ -301,6 +306,22 @@ class S3Server:
                             aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
                             aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
                             config=Config(max_pool_connections=64))
+
+    def make_user(self, name: str) -> dict[str, str]:
+        """An IAM user allowed everything on S3 (three requests); returns the environment of its credentials."""
+        import json
+
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.endpoint, region_name=CREDENTIALS["AWS_REGION"],
+                           aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                           aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+        iam.create_user(UserName=name)
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        iam.put_user_policy(UserName=name, PolicyName="s3", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": CREDENTIALS["AWS_REGION"],
+                "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
 
     def stop(self) -> None:
         if self.proc is not None:

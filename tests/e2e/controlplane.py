@@ -87,10 +87,9 @@ class ControlPlane:
     # -- lifecycle ----------------------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
-        f = open(log, "ab")
-        popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**os.environ, **(env or {})})
-        f.close()
+        with open(log, "ab") as f:
+            popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         proc = Proc(name, popen, log)
         self.procs[name] = proc
         return proc
@@ -163,8 +162,14 @@ class ControlPlane:
         return proc
 
     def stop(self) -> None:
-        for name in reversed(list(self.procs)):
-            self.procs[name].stop()
+        """Stop every component and remove the work directory: its etcd data, service-account signing key and
+        token file must not outlive the run (after a failure too; the logs a failure needs are in its
+        message)."""
+        try:
+            for name in reversed(list(self.procs)):
+                self.procs[name].stop()
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- API helpers --------------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, *, token: str = ADMIN_TOKEN, raw: bool = False,

@@ -236,6 +236,24 @@ def test_bad_requests_get_clear_codes_and_mount_nothing(plugin, tmp_path):
         (tmp_path / "plugin" / "cache" / "csi" / "sessions").iterdir())
 
 
+def test_a_dataset_that_cannot_open_fails_the_publish_with_its_cause(plugin, tmp_path):
+    mount_cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.AccessMode(
+        mode=pb.VolumeCapability.AccessMode.MULTI_NODE_READER_ONLY))
+    with open("/proc/self/mountinfo") as f:
+        before = f.read().count("\n")
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as exc:  # the cause, at once, instead of a target that hangs
+        plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+            volume_id="v-missing", target_path=str(tmp_path / "target"), volume_capability=mount_cap,
+            volume_context={"url": "file:///nonexistent-dataset"}), timeout=120)
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND, exc.value.details()
+    assert "file:///nonexistent-dataset" in exc.value.details() and "not found" in exc.value.details()
+    assert time.monotonic() - start < 60
+    with open("/proc/self/mountinfo") as f:
+        assert f.read().count("\n") == before  # nothing mounted
+    assert not (tmp_path / "target").exists()
+
+
 def test_kubelet_style_publishes_survive_killing_daemon_and_plugin_mid_read(tmp_path, dataset):
     from cachefs.fuse.registry import list_mounts
 
@@ -318,7 +336,7 @@ def test_killed_fuse_daemon_under_a_published_target_is_replaced_and_pods_keep_r
     os.kill(daemon["pid"], signal.SIGKILL)
     assert tree_hashes(target) == expected  # the holder restarted the daemon; the pod's mount never broke
     deadline = time.monotonic() + 30
-    while not [m for m in list_mounts(cache) if m["pid"] != daemon["pid"]]:
+    while not [m for m in list_mounts(cache) if m["pid"] and m["pid"] != daemon["pid"]]:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     stats = plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="vol-static-1",

@@ -276,7 +276,8 @@ def test_hot_directories_are_counted_and_shown_by_status(tree, config):
             for r in hot:
                 await engine.read(ds, ds.file(r), 0, 10, ReadStream())
         await engine.read(ds, ds.file("train/c2/0002.jpg"), 0, 10, ReadStream())
-        return status_report(engine)
+        engine.flush_stats()
+        return status_report(engine.config)
 
     report = run(engine, scenario())
     dirs = report["hot_directories"]

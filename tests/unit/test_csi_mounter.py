@@ -71,7 +71,11 @@ def test_server_answers_ping_and_refuses_bad_requests_without_dying(server, tmp_
     assert "one line" in _raw(server, b'{"op": "ping"}')["error"]  # no newline: refused, not waited on forever
     with pytest.raises(CacheFSError, match="outside"):
         client._call({"op": "mount", "url": "file:///x", "mountpoint": "/etc"}, timeout=10)
-    with pytest.raises(CacheFSError, match=r"mount .* failed"):  # a mount that fails
+    with pytest.raises(CacheFSError, match=r"mount point .* does not exist"):  # a mount that fails, and why
+        client._call({"op": "mount", "url": "file:///nonexistent-dataset", "mountpoint":
+                      str(tmp_path / "sessions" / "k" / "mnt")}, timeout=60)
+    (tmp_path / "sessions" / "k" / "mnt").mkdir(parents=True)
+    with pytest.raises(CacheFSError, match=r"file:///nonexistent-dataset.*not found"):
         client._call({"op": "mount", "url": "file:///nonexistent-dataset", "mountpoint":
                       str(tmp_path / "sessions" / "k" / "mnt")}, timeout=60)
     assert client.healthy() == (True, "")  # still serving

@@ -1,0 +1,135 @@
+"""What a newcomer trips over in the CLI: each mistake gets its exit code and one clear line, nothing else
+(the table in docs/CLI.md; a real S3 server on loopback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import put_tree
+from tests.integration.test_fsspec_cli import cli
+
+
+def _one_line(r: subprocess.CompletedProcess) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), r.stderr
+    assert "Traceback" not in r.stderr and "Unclosed" not in r.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def small(s3):
+    _, client, bucket = s3
+    put_tree(client, bucket, "data", {"a.bin": os.urandom(1000), "b/c.bin": os.urandom(2000)})
+    return bucket
+
+
+@pytest.mark.parametrize("argv, rc, says", [
+    (["prefetch", "s3://Bad_Bucket!!"], 2, "not a valid S3 bucket name"),
+    (["prefetch", "s3://{bucket}/data", "--endpoint-url", "htp:/bad"], 2, "--endpoint-url"),
+    (["prefetch", "http://127.0.0.1:1/y"], 4, "cannot reach the origin"),
+    (["prefetch", "s3://{bucket}/nope"], 6, "no objects under this prefix"),
+    (["prefetch", "s3:/data"], 2, "not a URL"),
+    (["prefetch", "s3://{bucket}/data", "--capacity", "lots"], 2, "cache.capacity"),
+    (["evict"], 2, "give a dataset URL or --all"),
+])
+def test_mistakes_get_their_exit_code_and_one_line(small, tmp_path, argv, rc, says):
+    argv = [a.replace("{bucket}", small) for a in argv]
+    r = cli(*argv, "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == rc, (r.returncode, r.stderr)
+    assert says in _one_line(r)
+
+
+def test_an_aws_endpoint_that_is_not_a_url_is_one_line(small, tmp_path):
+    r = cli("prefetch", f"s3://{small}/data", "--cache-dir", str(tmp_path / "c"), env={"AWS_ENDPOINT_URL": "htp:/bad"})
+    assert r.returncode == 2 and "AWS_ENDPOINT_URL" in _one_line(r), r.stderr
+
+
+@pytest.mark.root
+def test_a_read_only_cache_directory_is_named(small, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        r = cli("prefetch", f"s3://{small}/data", "--cache-dir", str(ro / "cache"))
+        assert r.returncode == 2
+        line = _one_line(r)
+        assert "--cache-dir" in line and "Read-only file system" in line, line
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def test_status_and_evict_of_a_cache_that_is_not_there_create_nothing(tmp_path):
+    typo = tmp_path / "var" / "cache" / "typo"
+    for argv in (["status"], ["status", "--json"], ["evict", "--all"]):
+        r = cli(*argv, "--cache-dir", str(typo))
+        assert r.returncode == 6 and f"no cache at {typo}" in _one_line(r)
+    assert not (tmp_path / "var").exists()
+
+
+def test_version_and_help(tmp_path):
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("cachefs ") and r.stdout.split()[1][0].isdigit()
+    top = cli("--help").stdout
+    assert "exit codes:" in top and "6  not found" in top and "CACHEFS_CACHE_DIR" in top and "AWS_ENDPOINT_URL" in top
+    umount = cli("umount", "--help").stdout
+    status = cli("status", "--help").stdout
+    prefetch = cli("prefetch", "--help").stdout
+    for flag in ("--capacity", "--endpoint-url", "--memory-budget", "--region"):
+        assert flag not in umount and flag not in status and flag in prefetch, flag
+    assert "--cache-dir" in status and "--cache-dir" not in umount
+
+
+def test_prefetch_progress_counts_bytes_as_they_land_and_ends_with_one_line(s3, tmp_path):
+    """Off a tty the progress is a line every few seconds; the last one is printed once, at 100 %."""
+    _, client, bucket = s3
+    put_tree(client, bucket, "prog", {f"f{i}.bin": os.urandom(3_000_000) for i in range(3)})
+    r = cli("prefetch", f"s3://{bucket}/prog", "--cache-dir", str(tmp_path / "c"),
+            env={"CACHEFS_CACHE_BLOCK_SIZE": "65536"})
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
+    assert lines[-1].count("100.0%") == 1 and sum("100.0%" in ln for ln in lines) == 1, lines
+    assert "ETA 00:00" in lines[-1]
+    assert "3/3 files" in r.stdout
+
+
+def test_hit_ratio_means_what_users_think(s3, tmp_path):
+    """A purely cold read is all misses (read-ahead that arrived in time included); reading again is all hits;
+    a prefetched dataset is read as hits."""
+    import fsspec
+
+    _, client, bucket = s3
+    files = {"big.bin": os.urandom(2_000_000)} | {f"d/{i:03d}.txt": os.urandom(3000) for i in range(60)}
+    put_tree(client, bucket, "hits", files)
+    url, cache = f"s3://{bucket}/hits", str(tmp_path / "c")
+    opts = dict(target_protocol="s3", cache_dir=cache, dataset=url, skip_instance_cache=True,
+                cache_block_size=65536)
+
+    def ratio() -> float:
+        (d,) = json.loads(cli("status", "--cache-dir", cache, "--json").stdout)["datasets"]
+        return d["hit_ratio"]
+
+    fs = fsspec.filesystem("cachefs", **opts)
+    for rel, data in files.items():  # in order, as a reader walks a tree: read-ahead runs ahead of it
+        with fs.open(f"{bucket}/hits/{rel}", "rb") as f:
+            assert b"".join(iter(lambda: f.read(100_000), b"")) == data
+    fs.engine.flush_stats()
+    assert ratio() < 0.05
+    for rel, data in files.items():
+        assert fs.cat_file(f"{bucket}/hits/{rel}") == data
+    fs.engine.flush_stats()
+    assert 0.45 < ratio() < 0.55  # as many hit bytes now as there were misses before
+
+    cache2 = str(tmp_path / "c2")
+    assert cli("prefetch", url, "--cache-dir", cache2, "-q", env={"CACHEFS_CACHE_BLOCK_SIZE": "65536"}).returncode == 0
+    fs2 = fsspec.filesystem("cachefs", **{**opts, "cache_dir": cache2})
+    for rel, data in files.items():
+        assert fs2.cat_file(f"{bucket}/hits/{rel}") == data
+    fs2.engine.flush_stats()
+    (d,) = json.loads(cli("status", "--cache-dir", cache2, "--json").stdout)["datasets"]
+    assert d["hit_ratio"] == 1.0

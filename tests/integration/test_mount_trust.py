@@ -1,0 +1,183 @@
+"""A mount never lies and never hangs: what cannot be opened is refused before anything is mounted, and a
+mount whose daemon cannot come back answers with errors after a bounded wait, shows as failing, and recovers
+once the dataset opens again (real FUSE mounts, a real S3 server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cachefs.fuse.mount import is_fuse_mount
+from cachefs.testing.s3server import S3Server
+from tests.conftest import put_tree
+from tests.integration.test_fsspec_cli import cli
+from tests.integration.test_fuse import Mounted
+
+pytestmark = pytest.mark.root
+
+if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+    pytest.skip("needs root and /dev/fuse (CI runs as root)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def secured():
+    """An S3 server that checks credentials, a user allowed everything, and a small dataset."""
+    with S3Server(auth_after=5) as server:  # 3 IAM requests, a bucket, an object; then credentials count
+        env = server.make_user("reader")
+        client = server.client()
+        client.create_bucket(Bucket="secured")
+        client.put_object(Bucket="secured", Key="ds/a.bin", Body=b"a" * 1000)
+        yield server, env
+
+
+def _one_line_error(r: subprocess.CompletedProcess) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == "", (r.stdout, r.stderr)
+    return lines[0]
+
+
+def _no_mount_left(mnt: str) -> None:
+    assert not is_fuse_mount(mnt)
+    holders = subprocess.run(["pgrep", "-f", f"cachefs.cli.main mount .* {mnt}"], capture_output=True, text=True)
+    assert holders.stdout == "", holders.stdout
+
+
+@pytest.mark.parametrize("case", ["no-bucket", "malformed-url", "unreachable", "unknown-key", "wrong-secret",
+                                  "empty-prefix", "no-mountpoint", "background"])
+def test_a_dataset_that_cannot_open_is_refused_before_mounting(secured, tmp_path, case):
+    _, env = secured
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    url, extra, want_rc, want = "s3://secured/ds", [], 0, ""
+    if case == "no-bucket":
+        url, want_rc, want = "s3://nosuchbucket/ds", 6, "not found"
+    elif case == "malformed-url":
+        url, want_rc, want = "s3:/data", 2, "not a URL"
+    elif case == "unreachable":
+        extra, want_rc, want = ["--endpoint-url", "http://127.0.0.1:1"], 4, "cannot reach"
+    elif case == "unknown-key":
+        env = {**env, "AWS_ACCESS_KEY_ID": "AKIAUNKNOWN000000000"}
+        want_rc, want = 3, "InvalidAccessKeyId"
+    elif case == "wrong-secret":
+        env = {**env, "AWS_SECRET_ACCESS_KEY": "wrong"}
+        want_rc, want = 3, "SignatureDoesNotMatch"
+    elif case == "empty-prefix":
+        url, want_rc, want = "s3://secured/nope", 6, "no objects under this prefix"
+    elif case == "no-mountpoint":
+        mnt, want_rc, want = tmp_path / "no" / "such" / "dir", 2, "does not exist"
+    fg = [] if case == "background" else ["--foreground"]
+    env = {**env, "CACHEFS_CACHE_LOG_DIR": str(tmp_path / "logs")}
+    start = time.monotonic()
+    r = cli("mount", url, str(mnt), "--cache-dir", str(tmp_path / "cache"), *fg, *extra, env=env, timeout=120)
+    try:
+        if case == "background":  # the control: the same command mounts when the dataset opens
+            assert r.returncode == 0 and r.stdout.startswith("mounted s3://secured/ds at "), r.stderr
+            assert os.listdir(mnt) == ["a.bin"]
+            log_path = r.stdout.rsplit("log ", 1)[1].rstrip(")\n")
+            assert log_path.startswith(str(tmp_path / "logs") + "/") and os.path.isfile(log_path)  # off the cache disk
+            return
+        assert r.returncode == want_rc, (r.returncode, r.stderr)
+        assert want in _one_line_error(r)
+        assert time.monotonic() - start < 60
+        _no_mount_left(str(mnt))
+    finally:
+        if is_fuse_mount(str(mnt)):
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_second_mount_on_a_live_mount_is_refused_at_once(s3, tmp_path):
+    _, client, bucket = s3
+    put_tree(client, bucket, "two", {"x.bin": b"x" * 100})
+    url, cache, mnt = f"s3://{bucket}/two", str(tmp_path / "cache"), str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    m = Mounted(cache, url, mnt)
+    try:
+        start = time.monotonic()
+        r = cli("mount", url, mnt, "--cache-dir", cache, timeout=60)
+        assert r.returncode == 2 and "already a cachefs mount" in _one_line_error(r)
+        assert time.monotonic() - start < 20
+    finally:
+        m.close()
+
+
+_PROBES = {"stat": "os.stat(path)", "statvfs": "os.statvfs(path)", "read": "open(path, 'rb').read()"}
+
+
+def _probe(path: str, what: str, timeout: float = 60.0) -> tuple[str, float]:
+    """``stat``/``statvfs``/``read`` of ``path`` in a child process (a hang must not hang the test): the
+    errno name it failed with (or "ok") and how long it took."""
+    code = ("import errno, os, sys\n"
+            "path = sys.argv[1]\n"
+            "try:\n"
+            f"    {_PROBES[what]}\n"
+            "    print('ok')\n"
+            "except OSError as e:\n"
+            "    print(errno.errorcode[e.errno])\n")
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=timeout)
+    return r.stdout.strip(), time.monotonic() - start
+
+
+def test_a_daemon_that_cannot_come_back_gives_errors_not_a_hang_and_recovers(s3, tmp_path):
+    _, client, bucket = s3
+    data = os.urandom(200_000)
+    put_tree(client, bucket, "gone", {"f.bin": data, "g.bin": b"g" * 10})
+    url, cache, mnt = f"s3://{bucket}/gone", str(tmp_path / "cache"), str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    m = Mounted(cache, url, mnt, "--answer-after", "2")
+    try:
+        with open(m.path("f.bin"), "rb") as f:
+            assert f.read() == data
+        # Now the dataset stops opening: no manifest on the node, and the bucket is gone at the origin.
+        daemon = m.wait_for_daemon()
+        os.kill(daemon["pid"], signal.SIGKILL)
+        subprocess.run(["rm", "-rf", os.path.join(cache, "index")], check=True)
+        for key in ("gone/f.bin", "gone/g.bin"):
+            client.delete_object(Bucket=bucket, Key=key)
+        client.delete_bucket(Bucket=bucket)
+
+        got, took = _probe(m.path("never-looked-up.bin"), "stat")
+        assert got == "EIO" and took < 30, (got, took)
+        got, took = _probe(mnt, "statvfs")
+        assert got == "ENOTCONN" and took < 30, (got, took)
+        rep = json.loads(cli("status", "--cache-dir", cache, "--json").stdout)
+        (mount,) = rep["mounts"]
+        assert mount["state"] == "failing" and "not found" in mount["reason"], mount
+        assert "FAILING" in cli("status", "--cache-dir", cache).stdout
+
+        # The origin comes back: the next attempt serves the mount again, and readers carry on.
+        client.create_bucket(Bucket=bucket)
+        put_tree(client, bucket, "gone", {"f.bin": data, "g.bin": b"g" * 10})
+        deadline = time.monotonic() + 90
+        while (m.record() or {}).get("state") != "serving":
+            assert time.monotonic() < deadline, m.record()
+            time.sleep(0.5)
+        with open(m.path("f.bin"), "rb") as f:
+            assert f.read() == data
+        assert _probe(mnt, "statvfs")[0] == "ok"
+    finally:
+        m.close()
+
+
+def test_df_shows_the_dataset_as_used_and_the_cache_room_as_available(s3, tmp_path):
+    _, client, bucket = s3
+    put_tree(client, bucket, "df", {"a.bin": os.urandom(3_000_000), "b.bin": os.urandom(1_000_000)})
+    cache, mnt = str(tmp_path / "cache"), str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    m = Mounted(cache, f"s3://{bucket}/df", mnt)
+    try:
+        st = os.statvfs(mnt)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        assert 4_000_000 <= used < 4_000_000 + 2 * st.f_frsize
+        assert st.f_bavail == st.f_bfree and st.f_bavail * st.f_frsize > 100_000_000  # the cache's room, not 0
+        df = subprocess.run(["df", "--output=pcent", mnt], capture_output=True, text=True, check=True).stdout
+        assert int(df.split()[-1].rstrip("%")) < 100, df
+    finally:
+        m.close()
