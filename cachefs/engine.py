@@ -36,9 +36,9 @@ for speed hold nothing: an object evicted under them reads on from its unlinked 
 A full disk
 -----------
 Every write goes through :class:`~cachefs.space.DiskSpace`: admitted only within the capacity and the
-free-space floor, after one eviction if need be. A block that cannot be stored is served anyway; if read-ahead
-fetched it, it waits in memory (:attr:`Engine.unstored_limit` bytes at most) for the reader, so a reader
-streaming past a full disk still gets the origin's speed.
+free-space floor, after one eviction if need be. A block that cannot be stored is served anyway, and it waits
+in memory (:attr:`Engine.unstored_limit` bytes at most, least recently used out) for its
+readers, so a reader streaming past a full disk still gets the origin's speed.
 """
 
 from __future__ import annotations
@@ -573,11 +573,10 @@ class Engine:
         data, stored_ok = await asyncio.shield(task)
         if strict and not stored_ok:
             raise CacheFullError(f"cache disk full: cannot store {entry.path} (capacity {self.capacity} B)")
-        if ahead:
-            if stored_ok:
-                ob.ahead.add(idx)
-            else:
-                self._keep_unstored(key, data)
+        if not stored_ok:
+            self._keep_unstored(key, data)
+        elif ahead:
+            ob.ahead.add(idx)
         return data
 
     async def origin_read(self, ds: Dataset, entry: Entry, start: int, length: int) -> bytes:
@@ -648,7 +647,8 @@ class Engine:
         concurrent.futures.wait(list(self._disk_jobs))
 
     def _keep_unstored(self, key: tuple[bytes, int], data: bytes) -> None:
-        """Keep a read-ahead block the disk could not take for its reader, within ``unstored_limit`` bytes."""
+        """Keep a block the disk could not take for its readers (the kernel reads a 4 MiB block in 1 MiB
+        pieces; read-ahead fetched the next ones), least recently used out past ``unstored_limit`` bytes."""
         if key in self._unstored or len(data) > self.unstored_limit:
             return
         self._unstored[key] = data
@@ -658,13 +658,14 @@ class Engine:
             self._unstored_bytes -= len(old)
 
     def _take_unstored(self, okey: bytes, blocks: list[int]) -> dict[int, bytes]:
+        """The blocks of ``blocks`` kept in memory (see :meth:`_keep_unstored`)."""
         if not self._unstored:
             return {}
         got = {}
         for i in blocks:
-            data = self._unstored.pop((okey, i), None)
+            data = self._unstored.get((okey, i))
             if data is not None:
-                self._unstored_bytes -= len(data)
+                self._unstored.move_to_end((okey, i))
                 got[i] = data
         return got
 

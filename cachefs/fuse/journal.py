@@ -33,7 +33,7 @@ log = logging.getLogger("cachefs.fuse")
 COMPACT_BYTES = 32 << 20
 #: Appends go into space allocated ahead in steps of this much, so that a cache disk that fills up later does
 #: not stop the journal at once.
-PREALLOCATE = 1 << 20
+PREALLOCATE = 128 << 10
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
