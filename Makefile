@@ -22,6 +22,7 @@ demo: setup
 ## Every test tier: unit, integration against a real S3 server, crash and full-disk tests (root tiers included).
 test: setup-test
 	$(BIN)/ruff check cachefs csi scheduler_hints tests bench
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: setup-test

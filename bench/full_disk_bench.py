@@ -48,7 +48,7 @@ def main() -> None:
 
 def run(args, server, work: str, capped: bool) -> None:
     from cachefs.fuse.mount import unmount
-    from cachefs.fuse.registry import list_mounts
+    from cachefs.mount_records import list_mounts
 
     os.environ.update(server.env())
     client = server.client()
@@ -104,8 +104,12 @@ def run(args, server, work: str, capped: bool) -> None:
             holder.wait(30)
             subprocess.run(["umount", "-l", disk], check=False)
     o, m = statistics.median(rates["origin"]), statistics.median(rates["mount"])
-    print(f"origin (one streaming GET, nothing stored)  {o:7.1f} MB/s   rounds {', '.join(f'{x:.0f}' for x in rates['origin'])}")
-    print(f"mount, cache disk {args.disk_mib} MiB (full)          {m:7.1f} MB/s   rounds {', '.join(f'{x:.0f}' for x in rates['mount'])}")
+
+    def rounds(name: str) -> str:
+        return ", ".join(f"{x:.0f}" for x in rates[name])
+
+    print(f"origin (one streaming GET, nothing stored)  {o:7.1f} MB/s   rounds {rounds('origin')}")
+    print(f"mount, cache disk {args.disk_mib} MiB (full)          {m:7.1f} MB/s   rounds {rounds('mount')}")
     print(f"cache disk free after the reads: {free / 2**20:.1f} MiB")
     ok = "meets" if m / o >= 0.5 else "BELOW"
     print(f"RESULT full disk read through the mount vs the origin: {m / o:.2f}x (target >= 0.5x: {ok})")

@@ -141,7 +141,7 @@ def cachefs_mount(url: str, mnt: str, cache: str, *extra: str) -> Mount:
 
 
 def daemon_pid(cache: str, mnt: str) -> int:
-    from cachefs.fuse.registry import list_mounts
+    from cachefs.mount_records import list_mounts
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -220,7 +220,7 @@ def run(args, server, work: str) -> None:
     from cachefs._aio import run_sync
     from cachefs.config import load_config
     from cachefs.engine import Engine, ReadStream
-    from cachefs.fuse.registry import list_mounts
+    from cachefs.mount_records import list_mounts
 
     creds = server.env()
     os.environ.update(creds)

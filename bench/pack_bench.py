@@ -150,7 +150,7 @@ def tiny_row(args, client, work: str, kib: int) -> None:
         okeys = [bytes(k) for k, _ in txn.cursor(db=idx._packed)]
     ds_id = dataset_id(f"s3://tiny/{prefix}")
     members = [(okey, idx.packed(okey)[2]) for okey in okeys]
-    payloads = {okey: eng.small.local(ds_id, okey, length) for okey, length in members}
+    payloads = {okey: eng.packs.local(ds_id, okey, length) for okey, length in members}
     # Writing the same bytes durably both ways: packs of cache.pack_size (fsync + rename each, then the index
     # commit that names their members) against LMDB values (checksum + data, a commit per 1,024 values).
     scratch = os.path.join(work, f"scratch{kib}")
@@ -188,7 +188,7 @@ def tiny_row(args, client, work: str, kib: int) -> None:
     def read_packs() -> float:
         t = time.perf_counter()
         for okey in order:
-            assert eng.small.local(ds_id, okey, lengths[okey]) is not None
+            assert eng.packs.local(ds_id, okey, lengths[okey]) is not None
         return len(order) / (time.perf_counter() - t)
 
     def read_values() -> float:
@@ -205,8 +205,7 @@ def tiny_row(args, client, work: str, kib: int) -> None:
     for _ in range(args.rounds):
         for name, fn in (("pack", read_packs), ("lmdb", read_values)):
             # as a new reader would: packs reopened, the LMDB file unmapped (mapped pages survive a drop)
-            for pkey in list(eng.small._fds):
-                eng.small.close_pack(pkey)
+            eng.packs.close_all_packs()
             box["env"].close()
             drop_caches()
             box["env"] = lmdb.open(vals, subdir=True, max_dbs=1, readonly=True, lock=False)

@@ -202,7 +202,7 @@ def run(args, server, work: str, capped: bool) -> None:
     import asyncio
 
     from cachefs._aio import run_sync
-    from cachefs.prefetch import warm as warm_up
+    from cachefs.jobs import warm as warm_up
 
     fs = fs_for("cachefs", os.path.join(work, "prefetch"))
     ds = fs._open_dataset(ds_url)

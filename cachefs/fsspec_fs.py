@@ -220,13 +220,11 @@ class CacheFile(io.RawIOBase):
         self.size = entry.size
         self.mode = "rb"
         self._pos = 0
-        self._stream = ReadStream()
-        self._pin = fs.engine.pin(ds, entry)  # eviction skips the object while this file is open
+        self._file = fs.engine.open(ds, entry)  # eviction skips the object while this file is open
 
     def close(self) -> None:
         if not self.closed:
-            pin, self._pin = self._pin, None
-            self.fs.engine.unpin(pin)
+            self._file.close()
         super().close()
 
     def readable(self) -> bool:
@@ -258,7 +256,9 @@ class CacheFile(io.RawIOBase):
         end = self.size if size is None or size < 0 else min(self.size, self._pos + size)
         if self._pos >= end:
             return b""
-        data = read_range(self.fs.engine, self.ds, self.entry, self._pos, end, self._stream)
+        data = self._file.read_local(self._pos, end)
+        if data is None:
+            data = run_sync(self._file.read(self._pos, end))
         self._pos += len(data)
         return data
 

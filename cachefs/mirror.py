@@ -11,7 +11,7 @@ looks for it:
     without it (an interrupted ``cachefs pack``) is ignored.
 ``packs/pNNNNNN.arrow``
     pack files in the node's own format (:mod:`cachefs.store.packs`): files in path order, so a directory's
-    files sit together. A node installs a pack it fetches as it is (:mod:`cachefs.mirror_fetch`).
+    files sit together. A node installs a pack it fetches as it is (:mod:`cachefs.tiers.mirror`).
 ``index.arrow``
     an Arrow IPC file with one row per packed file: ``path``, ``version`` (the source's ETag/version when
     packed), ``size``, ``pack`` (position in ``packs``), ``offset``, ``length``, ``checksum`` (xxh3-64).
@@ -20,29 +20,23 @@ Staleness is per file: a reader looks a file up under the version its manifest n
 the source since the mirror was written simply has no mirror entry and is read from the source; the rest
 still come from the mirror. The pack objects are read pinned to the version recorded for them, so a mirror
 rewritten under a reader fails its reads (and the reader falls back to the source) instead of mixing bytes.
+
+This module is the format: reading a mirror (:func:`load_mirror`). ``cachefs pack`` writes one
+(:mod:`cachefs.jobs.pack`); the mirror tier fetches from one (:mod:`cachefs.tiers.mirror`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import json
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .checksum import block_checksum
-from .errors import CacheFSError, ObjectNotFoundError
-from .store.packs import Member, serialize
-from .types import object_key
+from .errors import ObjectNotFoundError
+from .sources import Source
+from .types import DatasetRef, object_key
 
-if TYPE_CHECKING:
-    from .engine import Dataset, Engine
-    from .sources import Source
-
-__all__ = ["MIRROR_SUFFIX", "MirrorIndex", "MirrorSummary", "load_mirror", "mirror_url_for", "write_mirror"]
+__all__ = ["FORMAT", "MIRROR_SUFFIX", "MirrorIndex", "index_schema", "load_mirror", "mirror_url_for"]
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +46,6 @@ FORMAT = 1
 
 def mirror_url_for(url: str) -> str:
     return url.rstrip("/") + MIRROR_SUFFIX
-
-
-@dataclass
-class MirrorSummary:
-    url: str
-    files: int = 0
-    bytes: int = 0
-    packs: int = 0
-    skipped_large: int = 0
-    seconds: float = 0.0
-    verified: bool = False
 
 
 @dataclass
@@ -101,99 +84,29 @@ class MirrorIndex:
         return got
 
 
-def _index_schema():
+def index_schema():
+    """The columns of ``index.arrow``."""
     import pyarrow as pa
 
     return pa.schema([("path", pa.string()), ("version", pa.string()), ("size", pa.uint64()), ("pack", pa.uint32()),
                       ("offset", pa.uint64()), ("length", pa.uint64()), ("checksum", pa.uint64())])
 
 
-async def write_mirror(engine: Engine, ds: Dataset, to_url: str, *,
-                       on_progress: Callable[[MirrorSummary], None] | None = None) -> MirrorSummary:
-    """Write the packed mirror of ``ds``'s small files (at most ``cache.pack_threshold`` bytes) to ``to_url``
-    and verify it against the manifest. Files are read from the origin, not through (or into) the cache."""
+async def load_mirror(ref: DatasetRef, source: Source, url: str | None = None) -> MirrorIndex | None:
+    """The mirror of dataset ``ref`` at ``url`` (default ``<dataset URL>.cachefs``), read through ``source`` (the
+    dataset's own, with its credentials and endpoint, or the one it was written with), or None if there is none
+    (or it is of another dataset, another format, or incomplete)."""
     import pyarrow as pa
 
-    to_url = to_url.rstrip("/")
-    target = engine.source_for(to_url)
-    summary = MirrorSummary(to_url)
-    t0 = time.perf_counter()
-    files = []
-    for e in ds.walk_files():
-        if e.size and engine.small.packable(e):
-            files.append(e)
-        elif e.size:
-            summary.skipped_large += 1
-    files.sort(key=lambda e: e.path)
-    groups, group, size = [], [], 0
-    for e in files:
-        if group and size + e.size > engine.config.cache.pack_size:
-            groups.append(group)
-            group, size = [], 0
-        group.append(e)
-        size += e.size
-    if group:
-        groups.append(group)
-
-    rows: dict[str, list] = {name: [] for name in _index_schema().names}
-    packs = []
-    for number, group in enumerate(groups):
-        datas = await asyncio.gather(*(engine.small.fetch_whole(ds, e) for e in group))
-        members = [Member(object_key(ds.ref.id, e.path, e.version), e.path, e.version, block_checksum(d), d)
-                   for e, d in zip(group, datas, strict=True)]
-        view, placed = serialize(members)
-        name = f"packs/p{number:06d}.arrow"
-        written = await target.write(f"{to_url}/{name}", bytes(view))
-        packs.append({"name": name, "size": written.size, "version": written.version})
-        for e, (_okey, offset, length, checksum) in zip(group, placed, strict=True):
-            for col, value in (("path", e.path), ("version", e.version), ("size", e.size), ("pack", number),
-                               ("offset", offset), ("length", length), ("checksum", checksum)):
-                rows[col].append(value)
-        summary.files += len(group)
-        summary.bytes += sum(e.size for e in group)
-        summary.packs += 1
-        if on_progress:
-            on_progress(summary)
-    table = pa.table(rows, schema=_index_schema())
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    index = await target.write(f"{to_url}/index.arrow", sink.getvalue().to_pybytes())
-    meta = {"format": FORMAT, "source": ds.ref.url, "manifest_version": ds.version, "created": time.time(),
-            "files": summary.files, "bytes": summary.bytes, "packs": packs,
-            "index": {"name": "index.arrow", "size": index.size, "version": index.version}}
-    await target.write(f"{to_url}/mirror.json", json.dumps(meta, indent=1).encode())
-
-    loaded = await load_mirror(engine, ds, to_url, source=target)  # verify: read it back as a reader would
-    if loaded is None or len(loaded.entries) != summary.files:
-        raise CacheFSError(f"{to_url}: the mirror just written does not read back ({summary.files} files packed)")
-    missing = [e.path for e in files if object_key(ds.ref.id, e.path, e.version) not in loaded.entries]
-    if missing:
-        raise CacheFSError(f"{to_url}: {len(missing)} files of the manifest are not in the mirror (e.g. {missing[0]})")
-    for (pack_url, version), meta_pack in zip(loaded.packs, packs, strict=True):
-        st = await target.stat(pack_url)
-        if st.size != meta_pack["size"] or (version and st.version != version):
-            raise CacheFSError(f"{pack_url}: {st.size} bytes on the store, {meta_pack['size']} written")
-    summary.verified = True
-    summary.seconds = time.perf_counter() - t0
-    return summary
-
-
-async def load_mirror(engine: Engine, ds: Dataset, url: str | None = None, *, source: Source | None = None
-                      ) -> MirrorIndex | None:
-    """The mirror of ``ds`` at ``url`` (default ``<dataset URL>.cachefs``), or None if there is none (or it is
-    of another dataset, another format, or incomplete)."""
-    import pyarrow as pa
-
-    url = (url or mirror_url_for(ds.ref.url)).rstrip("/")
-    src = source or engine.source_for(url)
+    url = (url or mirror_url_for(ref.url)).rstrip("/")
+    src = source
     try:
         st = await src.stat(f"{url}/mirror.json")
     except ObjectNotFoundError:
         return None
     meta = json.loads(await src.read(f"{url}/mirror.json", st.version, 0, st.size))
-    if meta.get("format") != FORMAT or meta.get("source", "").rstrip("/") != ds.ref.url.rstrip("/"):
-        log.warning("%s: not a mirror of %s in format %d; ignored", url, ds.ref.url, FORMAT)
+    if meta.get("format") != FORMAT or meta.get("source", "").rstrip("/") != ref.url.rstrip("/"):
+        log.warning("%s: not a mirror of %s in format %d; ignored", url, ref.url, FORMAT)
         return None
     idx = meta["index"]
     raw = await src.read(f"{url}/{idx['name']}", idx.get("version", ""), 0, int(idx["size"]))
@@ -203,7 +116,7 @@ async def load_mirror(engine: Engine, ds: Dataset, url: str | None = None, *, so
     mirror.layout = [[] for _ in mirror.packs]
     cols = [table.column(n).to_pylist() for n in ("path", "version", "pack", "offset", "length", "checksum")]
     for path, version, pack, offset, length, checksum in zip(*cols, strict=True):
-        okey = object_key(ds.ref.id, path, version)
+        okey = object_key(ref.id, path, version)
         mirror.entries[okey] = (pack, offset, length, checksum)
         mirror.layout[pack].append((offset, length, okey, checksum, path, version))
     for members in mirror.layout:

@@ -39,10 +39,15 @@ class DiskSpace:
     freed.
     """
 
-    def __init__(self, *, capacity: int, min_free: int, used: Callable[[], int],
-                 disk: Callable[[], tuple[int, int]], evict: Callable[[int], int]) -> None:
-        self.capacity, self.min_free = capacity, min_free
-        self._used, self._disk, self._evict = used, disk, evict
+    def __init__(self, *, capacity: int, min_free: int, high_watermark: float, used: Callable[[], int],
+                 disk: Callable[[], tuple[int, int]], evict: Callable[[int], int],
+                 evict_soon: Callable[[], None] = lambda: None) -> None:
+        self.capacity, self.min_free, self.high_watermark = capacity, min_free, high_watermark
+        self._used, self._disk, self._evict, self._evict_soon = used, disk, evict, evict_soon
+        # Limits are checked (an index read and a statvfs) every this many stored bytes rather than per write:
+        # half the room between the high watermark and the capacity, so usage still never passes capacity.
+        self._check_every = max(1, min(64 << 20, int(capacity * (1 - high_watermark) / 2)))
+        self._stored_since_check = 0
         self._full_until = 0.0
         self._evicting = threading.Lock()
         self._warned = False
@@ -56,6 +61,21 @@ class DiskSpace:
 
     def admits(self, nbytes: int) -> bool:
         return nbytes <= self.room()
+
+    def over_limits(self) -> bool:
+        """Past the high watermark, or under the free-space floor: time to evict."""
+        _, free = self._disk()
+        return self._used() > self.capacity * self.high_watermark or free < self.min_free
+
+    def note_stored(self, nbytes: int) -> None:
+        """``nbytes`` more are on the disk: writes may go on (a full disk is over), and every so often the
+        limits are checked and eviction started in the background (``evict_soon``) if they are passed."""
+        self._full_until = 0.0
+        self._stored_since_check += nbytes
+        if self._stored_since_check >= self._check_every:
+            self._stored_since_check = 0
+            if self.over_limits():
+                self._evict_soon()
 
     @property
     def full(self) -> bool:

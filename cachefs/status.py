@@ -11,8 +11,8 @@ import os
 
 from .config import Config, resolve_size
 from .errors import ObjectNotFoundError
-from .fuse.registry import list_mounts
 from .index import Index
+from .mount_records import list_mounts
 
 __all__ = ["NodeSummary", "status_report"]
 

@@ -37,7 +37,7 @@ from cachefs import errors as _errors
 from cachefs.config import default_log_dir
 from cachefs.errors import CacheFSError, ConfigError
 from cachefs.fuse.holder import start_holder
-from cachefs.fuse.registry import mount_file
+from cachefs.mount_records import mount_file
 
 __all__ = ["LocalMounter", "MountRequest", "Mounter", "MounterUnavailable", "RemoteMounter", "serve_mounter"]
 

@@ -7,14 +7,14 @@ import sys
 
 from ..config import Config
 from ..engine import Engine
-from ..errors import CacheFSError, ConfigError
-from ..prefetch import warm
+from ..errors import ConfigError
+from ..jobs import warm
 from ..status import NodeSummary, status_report
 from ..types import DatasetRef
+from .output import print_json
 from .progress import ProgressPrinter, human_bytes
 
-__all__ = ["csi", "demo", "evict", "labels", "mount", "prefetch", "publish_labels", "refresh", "scheduler_extender", "status",
-           "umount"]
+__all__ = ["demo", "evict", "mount", "pack", "prefetch", "refresh", "status", "umount"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -32,8 +32,6 @@ async def prefetch(args: argparse.Namespace, config: Config) -> int:
     finally:
         await engine.aclose()
     if args.json:
-        from .main import print_json
-
         print_json({"url": ds.ref.url, "manifest_version": ds.version, "files_total": prog.files_total,
                     "files_done": prog.files_done, "bytes_total": prog.bytes_total, "bytes_done": prog.bytes_done,
                     "bytes_fetched": prog.bytes_fetched, "bytes_skipped": prog.bytes_skipped,
@@ -53,8 +51,6 @@ async def prefetch(args: argparse.Namespace, config: Config) -> int:
 async def status(args: argparse.Namespace, config: Config) -> int:
     rep = status_report(config)
     if args.json:
-        from .main import print_json
-
         print_json(rep)
         return 0
     print(f"cache dir  {rep['cache_dir']}")
@@ -92,7 +88,7 @@ async def evict(args: argparse.Namespace, config: Config) -> int:
             freed = engine.evict_sync(everything=True)
         else:
             freed = engine.evict_sync(dataset=DatasetRef.from_url(args.url).id)
-        total, _ = engine.index.totals()
+        total = NodeSummary(config).report()["used_bytes"]
     finally:
         await engine.aclose()
     print(f"evicted {human_bytes(freed)}; {human_bytes(total)} still cached (objects in use are kept)")
@@ -117,95 +113,9 @@ async def demo(args: argparse.Namespace, config: Config) -> int:
     return await run_demo(args, config)
 
 
-# The two commands below are the CLI composing scheduler_hints (cachefs/cli is a composition root; nothing
-# else in cachefs imports scheduler_hints).
-async def labels(args: argparse.Namespace, config: Config) -> int:
-    from scheduler_hints.labels import DatasetCache, LabelError, NodeCacheSummary, desired_metadata
-
-    from ..config import parse_size
-    from ..types import dataset_id
-    from .main import print_json
-
-    cached, total = parse_size(args.cached, "--cached"), parse_size(args.total, "--total")
-    ds = DatasetCache(DatasetRef.from_url(args.url).url, dataset_id(args.url), cached, total)
-    summary = NodeCacheSummary((ds,), parse_size(args.free, "--free"), 0, cached, args.cache_group)
-    try:
-        lab, ann = desired_metadata(summary)
-    except LabelError as exc:
-        raise ConfigError(str(exc)) from None
-    print_json({"labels": lab, "annotations": ann})
-    return 0
-
-
-async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
-    from scheduler_hints.config import load_extender_config
-    from scheduler_hints.extender import Extender, serve
-    from scheduler_hints.gang import GangManager
-
-    host, _, port = args.listen.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
-    cfg = load_extender_config(args.extender_config)
-    ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout),
-                   topology_wait=cfg.topology_wait, locality_wait=cfg.locality_wait,
-                   locality_slack=cfg.locality_slack)
-    if args.standalone:
-        await serve(ext, host.strip("[]"), int(port))
-        return 0
-    from scheduler_hints.kube import KubeClient, load_kube_config
-    from scheduler_hints.watch import ClusterWatch, KubeBinder
-
-    client = KubeClient(load_kube_config(args.kubeconfig))
-    ext.binder = KubeBinder(client)
-    watch = ClusterWatch(client, ext)
-    try:
-        await watch.start()
-        await serve(ext, host.strip("[]"), int(port))
-    finally:
-        await watch.aclose()
-        await client.aclose()
-    return 0
-
-
-async def publish_labels(args: argparse.Namespace, config: Config) -> int:
-    import os
-
-    from scheduler_hints.kube import ApiError, KubeClient, load_kube_config
-    from scheduler_hints.labels import validate_label_value
-    from scheduler_hints.publisher import Publisher, rbac_hint
-    from scheduler_hints.summary import IndexSummary
-
-    node = args.node or os.environ.get("NODE_NAME")
-    if not node:
-        raise ConfigError("publish-labels: no node name (--node or env NODE_NAME from the downward API)")
-    if args.cache_group:
-        try:
-            validate_label_value(args.cache_group)
-        except ValueError as exc:
-            raise ConfigError(f"--cache-group: {exc}") from None
-    if args.interval <= 0 or args.min_interval < 0:
-        raise ConfigError("--interval must be positive and --min-interval not negative")
-    client = KubeClient(load_kube_config(args.kubeconfig))
-    pub = Publisher(client, node, IndexSummary(config, args.cache_group), min_interval=args.min_interval)
-    try:
-        if args.once:
-            try:
-                result = await pub.publish_once(force=True)
-            except ApiError as exc:
-                raise CacheFSError(f"node {node}: {exc}{rbac_hint(exc)}") from None
-            from .main import print_json
-
-            print_json({"node": node, "patched": result.patched, "labels_set": list(result.labels_changed),
-                        "labels_removed": list(result.labels_removed)})
-        else:
-            await pub.run(args.interval)
-    finally:
-        await client.aclose()
-    return 0
-
-
 async def pack(args: argparse.Namespace, config: Config) -> int:
-    from ..mirror import mirror_url_for, write_mirror
+    from ..jobs import write_mirror
+    from ..mirror import mirror_url_for
 
     to = args.to or mirror_url_for(args.url)
     if to.rstrip("/") == args.url.rstrip("/") or to.startswith(args.url.rstrip("/") + "/"):
@@ -225,8 +135,6 @@ async def pack(args: argparse.Namespace, config: Config) -> int:
     finally:
         await engine.aclose()
     if args.json:
-        from .main import print_json
-
         print_json({"url": ds.ref.url, "mirror": summary.url, "manifest_version": ds.version, "files": summary.files,
                     "bytes": summary.bytes, "packs": summary.packs, "skipped_large_files": summary.skipped_large,
                     "verified": summary.verified, "seconds": round(summary.seconds, 3)})
@@ -278,7 +186,7 @@ def mount_log_path(config: Config, mountpoint: str) -> str:
     silence it)."""
     import os
 
-    from ..fuse.registry import mount_file
+    from ..mount_records import mount_file
 
     return os.path.join(config.cache.log_dir, os.path.basename(mount_file("", mountpoint, ".log")))
 
@@ -288,7 +196,7 @@ def _check_mountpoint(config: Config, mnt: str) -> None:
     import os
 
     from ..fuse.mount import is_fuse_mount, probe_mount
-    from ..fuse.registry import holder_state
+    from ..mount_records import holder_state
 
     if is_fuse_mount(mnt):
         held = holder_state(config.cache.dir, mnt)
@@ -324,33 +232,6 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
     if args.verbose:
         out.append("-" + "v" * args.verbose)
     return out
-
-
-async def csi(args: argparse.Namespace, config: Config) -> int:
-    import os
-
-    from csi.server import serve
-
-    if args.session_idle_timeout < 0:
-        raise ConfigError("--session-idle-timeout must be 0 or more seconds")
-    state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
-    # In this (the main) thread, so that SIGTERM stops the server gracefully.
-    serve(args.endpoint, node_id=args.node_id, cache_dir=config.cache.dir, state_dir=state_dir,
-          cache_group=args.cache_group, mounter=args.mounter, session_idle_timeout=args.session_idle_timeout,
-          node=args.mode != "controller",
-          controller=args.mode != "node")
-    return 0
-
-
-async def csi_mounter(args: argparse.Namespace, config: Config) -> int:
-    import os
-
-    from csi.mounter import serve_mounter
-    from csi.server import socket_path
-
-    state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
-    serve_mounter(socket_path(args.socket), os.path.join(state_dir, "sessions"), config.cache.dir)
-    return 0
 
 
 async def umount(args: argparse.Namespace, config: Config) -> int:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..config import Config, parse_size
 from ..engine import Engine
-from ..prefetch import warm
+from ..jobs import warm
 from .progress import ProgressPrinter, human_bytes
 
 BUCKET = "cachefs-demo"

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import json
+import importlib
 import logging
-import os
 import signal
 import sys
+from importlib.metadata import entry_points
 from typing import Any
 
 from .._collector import quiet_collector
@@ -123,30 +123,6 @@ def _parser() -> argparse.ArgumentParser:
     rf = sub.add_parser("refresh", parents=[base, cache, origin], help="take a new manifest snapshot of a dataset")
     rf.add_argument("url")
 
-    lb = sub.add_parser("labels", parents=[base],
-                        help="print (JSON) the node labels/annotations a node holding this much would publish")
-    lb.add_argument("url")
-    lb.add_argument("--cached", required=True, help="bytes cached on the node, e.g. 900GB")
-    lb.add_argument("--total", required=True, help="dataset size, e.g. 1TB")
-    lb.add_argument("--free", default="0", help="free cache space on the node")
-    lb.add_argument("--cache-group", help="the node's cache group (rack, cell)")
-
-    se = sub.add_parser("scheduler-extender", parents=[base], help="run the kube-scheduler extender")
-    se.add_argument("--listen", default="127.0.0.1:8888", help="HOST:PORT (default 127.0.0.1:8888)")
-    se.add_argument("--extender-config", dest="extender_config", help="YAML: weights, bind_timeout, gang_ttl")
-    se.add_argument("--kubeconfig", help="kubeconfig for the watches and bindings (default: in-cluster, $KUBECONFIG)")
-    se.add_argument("--standalone", action="store_true",
-                    help="no API server: node details only from requests, bindings only recorded (testing)")
-
-    pl = sub.add_parser("publish-labels", parents=[base, cache],
-                        help="keep this node's cache-locality labels current (node agent loop)")
-    pl.add_argument("--node", help="Node name (default: env NODE_NAME, set from the downward API)")
-    pl.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster service account, then $KUBECONFIG)")
-    pl.add_argument("--cache-group", help="this node's cache group label value (rack, cell)")
-    pl.add_argument("--interval", type=float, default=10.0, help="seconds between checks (default 10)")
-    pl.add_argument("--min-interval", type=float, default=30.0, help="at most one PATCH per this many seconds")
-    pl.add_argument("--once", action="store_true", help="publish once and exit")
-
     mt = sub.add_parser("mount", parents=common, help="mount a dataset read-only (FUSE)")
     mt.add_argument("url", help="dataset URL")
     mt.add_argument("mountpoint", help="an existing directory")
@@ -169,26 +145,6 @@ def _parser() -> argparse.ArgumentParser:
                          "get errors (EIO; ENOTCONN for statfs) until it can (default 10)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
 
-    cs = sub.add_parser("csi", parents=[base, cache], help="run the CSI plugin (node and/or controller)")
-    cs.add_argument("--endpoint", default="unix:///csi/csi.sock", help="gRPC socket (default unix:///csi/csi.sock)")
-    cs.add_argument("--node-id", default=os.environ.get("NODE_NAME", ""), help="this node's name (env NODE_NAME)")
-    cs.add_argument("--cache-group", default="", help="topology segment reported to Kubernetes (rack, zone)")
-    cs.add_argument("--state-dir", help="sessions and publish records (default: <cache dir>/csi)")
-    cs.add_argument("--mode", choices=("node", "controller", "both"), default="both")
-    cs.add_argument("--mounter", default="",
-                    help="socket of `cachefs csi-mounter` (unix:///run/cachefs/mounter.sock) to start FUSE sessions "
-                         "in its container; default: this process starts them")
-    cs.add_argument("--session-idle-timeout", type=float, default=600.0,
-                    help="seconds a dataset's FUSE session runs with no pod using it (default 600; the cache stays)")
-
-    cm = sub.add_parser("csi-mounter", parents=[base, cache],
-                        help="start FUSE sessions for the CSI node plugin (its own container, so that sessions "
-                             "outlive plugin restarts)")
-    cm.add_argument("--socket", default="unix:///run/cachefs/mounter.sock",
-                    help="where to listen (default unix:///run/cachefs/mounter.sock)")
-    cm.add_argument("--state-dir", help="the plugin's state directory; sessions are mounted only under it "
-                                        "(default: <cache dir>/csi)")
-
     um = sub.add_parser("umount", parents=[base], help="unmount a cachefs mount")
     um.add_argument("mountpoint")
 
@@ -197,6 +153,13 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument("--small-files", type=int, default=3000)
     dm.add_argument("--large-files", type=int, default=3)
     dm.add_argument("--large-size", default="64MiB")
+    for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("evict", ev), ("refresh", rf),
+                      ("mount", mt), ("umount", um), ("demo", dm)):
+        cmd.set_defaults(run=f"cachefs.cli.commands:{name}")
+    # Commands of the other packages (csi, scheduler_hints) register themselves: cachefs imports neither.
+    groups = {"base": base, "cache": cache, "capacity": capacity, "origin": origin}
+    for ep in entry_points(group="cachefs.commands"):
+        ep.load()(sub, groups)
     return p
 
 
@@ -220,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose < 2:
         for noisy in ("botocore", "aiobotocore", "s3fs", "urllib3"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-    from . import commands
-
+    module, _, name = args.run.partition(":")
+    handler = getattr(importlib.import_module(module), name)
     quiet_collector()  # after the imports: what they made is never walked again
     try:
-        return asyncio.run(getattr(commands, args.command.replace("-", "_"))(args, _config(args)))
+        return asyncio.run(handler(args, _config(args)))
     except KeyboardInterrupt:
         print("cachefs: interrupted; everything cached so far is kept, run the same command to resume",
               file=sys.stderr)
@@ -233,11 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         code = next((c for cls, c in EXIT_CODES if isinstance(exc, cls)), 1)
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return code
-
-
-def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..prefetch import Progress
+from ..jobs import Progress
 
 __all__ = ["ProgressPrinter", "human_bytes"]
 

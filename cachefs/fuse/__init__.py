@@ -17,11 +17,11 @@ from .._aio import get_loop, run_sync
 from .._collector import quiet_collector
 from ..config import Config
 from ..engine import get_engine
+from ..mount_records import forget_mount, mount_file, record_mount
 from .fs import CacheFS
 from .holder import MountHolder, announce_failure, announce_ready, receive_fd, socket_path_for
 from .journal import MountJournal
 from .mount import is_stale_mount, unmount
-from .registry import forget_mount, mount_file, record_mount
 from .session import FuseSession
 
 __all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_mount", "unmount"]

@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..engine import WOULD_WAIT, Dataset, Engine, ReadStream
+from ..engine import WOULD_WAIT, Dataset, Engine, OpenFile
 from ..types import Entry
 from .journal import MountJournal
 
@@ -72,9 +72,9 @@ class Handle:
     #: The whole file, to put into the kernel's page cache before the open is answered (FUSE_NOTIFY_STORE), so
     #: that reading it costs no READ request: a packed small file at its first open (see CacheFS.open).
     prefill: bytes | None = None
-    stream: ReadStream | None = None  # read-ahead state, made on the first userspace read
-    #: The engine's pin of the cache file while this file is open (eviction skips it), see Engine.pin.
-    pin: object | None = None
+    #: The file as the engine opened it (its read strategy, read-ahead state, and the hold that keeps eviction
+    #: away while it is open); made at the first read for handles that saw no OPEN.
+    file: OpenFile | None = None
 
 
 class CacheFS:
@@ -206,7 +206,7 @@ class CacheFS:
         n = self.node(ino)
         if n.entry.is_dir:
             raise IsADirectoryError(errno.EISDIR, n.path)
-        h = Handle(n, pin=self.engine.pin(self.ds, n.entry))
+        h = Handle(n, file=self.engine.open(self.ds, n.entry))
         with self._lock:
             fh = self._next_fh
             self._next_fh += 1
@@ -214,13 +214,13 @@ class CacheFS:
             n.opens += 1
             first, n.unopened = n.unopened, False
             self._idle.pop(n.ino, None)
-        if self.passthrough and (n.backing_id or (h.pin is not None and self._register_backing(n, h.pin))):
+        if self.passthrough and (n.backing_id or self._register_backing(n, h.file)):
             h.passthrough = True
         if not h.passthrough:
             # Only at the first open: a page another open cached, or a READ the kernel has in flight for it,
             # would make the store wait on a locked page, and the request thread holding the device with it.
-            if first and self.prefill and n.entry.size > 0 and self.engine.small.packable(n.entry):
-                whole = self.engine.read_local(self.ds, n.entry, 0, n.entry.size, None, wait=False)
+            if first and self.prefill and n.entry.size > 0 and h.file.packed:
+                whole = h.file.read_local(0, n.entry.size, wait=False)
                 packed = whole is not None  # WOULD_WAIT: here, but on disk only; its READ will not hold the device
                 h.prefill = None if whole is WOULD_WAIT else whole
             else:
@@ -238,26 +238,24 @@ class CacheFS:
         of a file that is not here is answered direct-I/O in passthrough mode, so that a read waiting on the
         origin can be interrupted; once opens are skipped, a file evicted later is read through the page
         cache, where only a fatal signal or the origin timeout ends such a wait.) May walk the manifest."""
-        info = self.ds.record.manifest(self.ds.version)
-        if info is None or info.largest is None or info.largest > self.engine.small.threshold:
+        if not self.engine.every_file_packed_here(self.ds, here=False):
             return True
         if not check_local:
             return False
-        cached = self.engine.index.dataset_stats(self.ds.ref.id).cached_bytes
-        # (It counts every version of the dataset's objects, so only falling short is conclusive.)
-        if cached < info.bytes or cached == self._walked_at:
+        cached = self.engine.dataset_cached_bytes(self.ds)
+        if cached == self._walked_at:
             return True
         self._walked_at = cached  # walk again only once the cache holds something else
-        return any(self.engine.cached_bytes(self.ds, e) != e.size for e in self.ds.walk_files())
+        return not self.engine.every_file_packed_here(self.ds)
 
     def _packed_here(self, entry) -> bool:
-        return self.engine.small.packable(entry) and self.engine.cached_bytes(self.ds, entry) == entry.size
+        return self.engine.packed(entry) and self.engine.cached_bytes(self.ds, entry) == entry.size
 
-    def _register_backing(self, n: Node, pin: object) -> bool:
+    def _register_backing(self, n: Node, file: OpenFile) -> bool:
         """Hand the complete local file of ``n`` to the kernel (once per inode; concurrent opens share it).
-        Its descriptor comes from the pinned object, never from a path eviction could swap under us."""
+        Its descriptor comes from the open (pinned) file, never from a path eviction could swap under us."""
         try:
-            fd = self.engine.local_fd(pin)
+            fd = file.local_fd()
         except OSError:
             return False
         if fd is None:
@@ -284,7 +282,7 @@ class CacheFS:
         """The bytes if every block is in the local store, else None: use :meth:`fetch`. Without ``wait``,
         WOULD_WAIT if a packed file's bytes are on disk but not in the page cache (see Engine.read_local)."""
         h = self._handle(ino, fh)
-        data = self.engine.read_local(self.ds, h.node.entry, offset, offset + size, h.stream, wait=wait)
+        data = h.file.read_local(offset, offset + size, wait=wait)
         if data is WOULD_WAIT:
             self.stats["disk_waits"] += 1
         elif data is not None:
@@ -294,7 +292,7 @@ class CacheFS:
     async def fetch(self, ino: int, fh: int, offset: int, size: int) -> bytes:
         """The bytes, fetching what is missing from the origin (runs on the cachefs event loop)."""
         h = self._handle(ino, fh)
-        data = await self.engine.read(self.ds, h.node.entry, offset, offset + size, h.stream)
+        data = await h.file.read(offset, offset + size)
         self.stats["userspace_read_bytes"] += len(data)
         return data
 
@@ -310,8 +308,8 @@ class CacheFS:
             h = Handle(self.node(ino))
             with self._lock:
                 h = self._handles.setdefault(fh, h)
-        if h.stream is None:
-            h.stream = ReadStream()
+        if h.file is None:
+            h.file = self.engine.open(self.ds, h.node.entry, pin=False)
         return h
 
     def release(self, ino: int, fh: int) -> None:
@@ -322,7 +320,8 @@ class CacheFS:
             h = self._handles.pop(fh, None)
         if h is None:
             return
-        self.engine.unpin(h.pin)
+        if h.file is not None:
+            h.file.close()
         with self._lock:
             n = h.node
             n.opens = max(0, n.opens - 1)
@@ -372,7 +371,7 @@ class CacheFS:
         disk (0 available) trips every disk-usage alert; this says how much more of it the node can cache."""
         info = self.ds.record.manifest(self.ds.version)
         try:
-            room = self.engine.space.room()
+            room = self.engine.room()
         except OSError:
             room = 0
         return (info.bytes, room, info.files, 4096) if info else (0, room, 0, 4096)

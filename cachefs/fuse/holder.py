@@ -10,7 +10,7 @@ manifest on the node) must not leave readers waiting forever. Once no daemon has
 ``answer_after`` seconds, the holder answers the kernel itself, every request with EIO (STATFS with
 ENOTCONN), while it keeps trying to start one with a growing delay; a daemon that comes up asks the holder to
 stop answering before it reads a request (:func:`announce_ready`). The holder's state (starting, serving,
-failing and why) is in the mount registry for ``cachefs status``.
+failing and why) is in the mount records (:mod:`cachefs.mount_records`) for ``cachefs status``.
 
 The socket protocol: a client sends one JSON line, ``{"op": "attach"}`` (answered with the descriptor and
 ``{"mountpoint", "generation"}``), ``{"op": "ready"}`` or ``{"op": "failed", "reason": …}`` (answered
@@ -43,9 +43,9 @@ from ..errors import (
     ObjectNotFoundError,
     OriginUnavailableError,
 )
+from ..mount_records import forget_holder, holder_state, record_holder
 from . import wire
 from .mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
-from .registry import forget_holder, holder_state, record_holder
 
 __all__ = ["MountHolder", "announce_failure", "announce_ready", "receive_fd", "socket_path_for", "start_holder"]
 
@@ -202,7 +202,7 @@ class MountHolder:
     ``daemon_argv`` is the command of the serving daemon; it is started with ``CACHEFS_FUSE_HOLDER`` set to
     the socket path and restarted whenever it dies while the file system is still mounted. It exits 0 once
     the file system is unmounted, and then the holder is done too. With ``cache_dir``, the holder's state is
-    recorded for ``cachefs status`` (see :mod:`.registry`).
+    recorded for ``cachefs status`` (see :mod:`cachefs.mount_records`).
     """
 
     def __init__(self, mountpoint: str, socket_path: str, *, url: str = "", cache_dir: str | None = None,

@@ -31,13 +31,55 @@ from itertools import accumulate
 from ..checksum import block_checksum
 from ..errors import CacheFSError, CacheFullError
 
-__all__ = ["Member", "PackStore", "WrittenPack", "serialize"]
+__all__ = ["CORRUPT", "WOULD_WAIT", "Member", "PackStore", "WrittenPack", "read_member", "serialize"]
 
 _NAME = re.compile(r"^([0-9a-f]{16})\.arrow$")
 _TMP = re.compile(r"^[0-9a-f]{16}\.arrow\.(\d+)\.tmp$")
 #: A complete pack file the index does not know is an orphan once it is older than this (its writer crashed
 #: between the rename and the index commit, which are milliseconds apart).
 ORPHAN_GRACE = 300.0
+
+
+class _Sentinel:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+#: What a read that must not wait answers when the bytes are on this node but not in the page cache.
+WOULD_WAIT = _Sentinel("WOULD_WAIT")
+#: What :func:`read_member` answers for a member that failed its checksum.
+CORRUPT = _Sentinel("CORRUPT")
+_nowait_reads = hasattr(os, "RWF_NOWAIT")
+
+
+def read_member(fd: int, offset: int, length: int, checksum: int, wait: bool = True) -> bytes | bytearray | _Sentinel:
+    """A member's bytes from a pack (or a pack being written), verified against ``checksum``; CORRUPT if they
+    fail it; without ``wait``, WOULD_WAIT if the page cache does not hold them all (a read would wait on the
+    disk)."""
+    data = os.pread(fd, length, offset) if wait else _pread_cached(fd, length, offset)
+    if data is None:
+        return WOULD_WAIT
+    return data if len(data) == length and block_checksum(data) == checksum else CORRUPT
+
+
+def _pread_cached(fd: int, length: int, offset: int) -> bytes | bytearray | None:
+    global _nowait_reads
+    if not _nowait_reads:
+        return os.pread(fd, length, offset)
+    buf = bytearray(length)
+    try:
+        n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        _nowait_reads = False  # a file system without RWF_NOWAIT: always read (and maybe wait)
+        return os.pread(fd, length, offset)
+    return buf if n == length else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,7 +246,7 @@ def test_eviction_keeps_usage_under_capacity_and_spares_open_objects(config, s3)
     async def scenario():
         ds = await engine.open_dataset(url, source=src)
         pinned = ds.file("f0.bin")
-        ob = engine._acquire(ds, pinned)  # a reader holds f0 open throughout
+        held = engine.open(ds, pinned)  # a reader holds f0 open throughout
         try:
             for path in files:
                 e = ds.file(path)
@@ -257,7 +257,7 @@ def test_eviction_keeps_usage_under_capacity_and_spares_open_objects(config, s3)
             assert total <= engine.capacity
             assert engine.cached_bytes(ds, pinned) == 200_000  # in use: never evicted
         finally:
-            engine._release(ob)
+            held.close()
 
     run(engine, scenario, src)
 
@@ -303,7 +303,7 @@ def test_eviction_prefers_objects_read_once(config, s3):
         engine.close()  # flush access statistics, release handles
         await engine.evict()
         assert engine.cached_bytes(ds, hot) == hot.size
-        assert engine.index.object(engine._acquire(ds, hot).stored.key).hits == 2
+        assert engine.index.object(engine.object_key(ds, hot)).hits == 2
         assert engine.index.totals()[0] <= engine.capacity
 
     run(engine, scenario, src)

@@ -150,15 +150,15 @@ def test_a_pack_evicted_by_another_process_is_closed_here_and_its_files_come_bac
 
     async def scenario():
         assert await read_all(engine, url, small) == small
-        await engine.small.flush()
+        await engine.packs.pending.flush()
         ds = await engine.open_dataset(url)
         for rel, data in small.items():  # from the packs now: their descriptors are kept
             assert engine.read_local(ds, ds.file(rel), 0, len(data)) == data
         other = Engine(config)  # another process's eviction
         assert other.evict_sync(everything=True) > 0
         other.close()
-        assert engine.small.close_unlinked() >= 1
-        assert engine.small.close_unlinked() == 0
+        assert engine.packs.close_unlinked() >= 1
+        assert engine.packs.close_unlinked() == 0
         for rel, data in small.items():
             assert engine.read_local(ds, ds.file(rel), 0, len(data)) == (None if data else b"")  # gone here
         return await read_all(engine, url, small)
@@ -349,7 +349,7 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
             await engine.persist()
         finally:
             await source.close()
-        return got, engine.small.mirror.files, engine.small.mirror.gets
+        return got, engine.mirror.files, engine.mirror.gets
 
     got, mirror_files, mirror_gets = run(engine, scenario())
     assert got == changed  # every byte right, the changed file's new bytes included
@@ -357,7 +357,9 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
     reads = [u for u, _s, _e in counting.read_ranges]
     per_file = [u for u in reads if ".cachefs/" not in u]  # the changed file, and the large one's two blocks
     assert sorted(per_file) == [f"{url}/big.bin"] * 2 + [f"{url}/train/c1/0001.jpg"]
-    assert len(reads) - len(per_file) == mirror_gets <= summary["packs"] + 4  # a few pack GETs, not 299 file GETs
+    mirror_meta = [u for u in reads if u.endswith(("/mirror.json", "/index.arrow"))]  # through the dataset's source
+    assert len(mirror_meta) == 2
+    assert len(reads) - len(per_file) - 2 == mirror_gets <= summary["packs"] + 4  # a few pack GETs, not 299 file GETs
 
     # The mirror's packs were installed here as they are (no re-packing): byte-identical files, plus the one pack
     # this node wrote for the changed file.
@@ -381,7 +383,7 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
             await engine.persist()
         finally:
             await source.close()
-        return got, counting.reads
+        return got, sum(".cachefs/packs/" in u for u, _s, _e in counting.read_ranges)  # GETs of mirror packs
 
     engine = Engine(config4)
     got, gets = run(engine, sparse(engine))
@@ -424,10 +426,10 @@ def test_a_packed_file_read_in_pieces_is_read_from_its_pack_once(tree, config):
         ds = await engine.open_dataset(url)
         entry = ds.file(rel)
         await engine.read(ds, entry, 0, len(data), ReadStream())  # fetched and packed
-        await engine.small.flush()
+        await engine.packs.pending.flush()
         reads = []
-        local = engine.small.local
-        engine.small.local = lambda *a, **kw: reads.append(a) or local(*a, **kw)
+        local = engine.packs.local
+        engine.packs.local = lambda *a, **kw: reads.append(a) or local(*a, **kw)
         stream, out = ReadStream(), b""
         for start in range(0, len(data), 1000):
             got = engine.read_local(ds, entry, start, start + 1000, stream)
@@ -439,3 +441,25 @@ def test_a_packed_file_read_in_pieces_is_read_from_its_pack_once(tree, config):
     out, other, reads = run(engine, pieces())
     assert out == data and other == data
     assert reads == 2
+
+
+def test_the_mirror_is_looked_up_with_the_datasets_own_storage_options(s3, tmp_path, monkeypatch, caplog):
+    """A reader of ``cachefs::`` that reaches its origin only through ``target_options`` (no AWS_ENDPOINT_URL
+    pointing there) finds and uses the packed mirror: it is read through the dataset's own source and options."""
+    from tests.conftest import put_tree
+
+    server, client, bucket = s3
+    files = {f"d/{i:03d}.bin": os.urandom(3000) for i in range(40)}
+    put_tree(client, bucket, "opt", files)
+    url = f"s3://{bucket}/opt"
+    r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "pack", url, "--cache-dir", str(tmp_path / "p"),
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # only the options know where the origin is
+    fs = fsspec.filesystem("cachefs", target_protocol="s3", target_options={"endpoint_url": server.endpoint},
+                           cache_dir=str(tmp_path / "c"), dataset=url, skip_instance_cache=True)
+    with caplog.at_level(logging.WARNING):
+        for rel, data in files.items():
+            assert fs.cat_file(f"{bucket}/opt/{rel}") == data
+    assert "cannot use its packed mirror" not in caplog.text
+    assert fs.engine.mirror.files == len(files) and fs.engine.mirror.gets >= 1

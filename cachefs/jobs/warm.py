@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ..engine import Dataset, Engine
+from ..dataset import Dataset
+from ..engine import Engine
 from ..errors import CacheFSError, CacheFullError, CredentialsError, OriginUnavailableError
 from ..types import Entry
 

@@ -1,0 +1,361 @@
+"""Large objects, read in blocks: the object's bytes in one sparse local file, block ``i`` at ``i × block_size``.
+
+A read is split into blocks. Blocks the index lists as present are read from the local file and verified
+against their xxh3 (once per block per process). Missing blocks are fetched through the tier chain, at most once
+at a time per block in this process (single-flight: a hundred readers of one cold block cause one GET and share
+its bytes), written, and only then recorded in the index. Other processes see the record and read the file;
+they may occasionally fetch the same block too (harmless: same version, same bytes, same offset).
+
+A sequential reader gets read-ahead (:func:`~cachefs.planners.grow_window`), fetched in the background with
+spare memory only, so read-ahead never starves demand reads. Sync callers (fsspec files, FUSE threads) read
+present blocks from their own thread (:meth:`BlockPath.read_local`) and start read-ahead on the event loop
+from there.
+
+A block the disk has no room for (:class:`~cachefs.space.DiskSpace`) is served all the same and kept in memory
+for its readers (least recently used out, within :attr:`BlockPath.unstored_limit`): the kernel reads a 4 MiB
+block in 1 MiB pieces, and read-ahead runs ahead of the reader, so a reader streaming past a full disk gets
+the origin's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+
+from ..checksum import block_checksum
+from ..config import Config
+from ..dataset import Dataset
+from ..disk_jobs import DiskJobs
+from ..errors import CacheFullError, CorruptBlockError
+from ..flight import SingleFlight
+from ..funnel import OriginFunnel
+from ..open_objects import OpenObject, OpenObjects
+from ..planners import blocks_ahead, grow_window
+from ..read_stats import ReadStats
+from ..space import DiskSpace
+from ..tiers import TierChain, Want
+from ..types import Entry
+from .stream import OpenFile, ReadStream
+
+__all__ = ["BlockFile", "BlockPath"]
+
+log = logging.getLogger(__name__)
+
+
+class BlockPath:
+    def __init__(self, config: Config, objects: OpenObjects, chain: TierChain, funnel: OriginFunnel,
+                 space: DiskSpace, disk: DiskJobs, stats: ReadStats) -> None:
+        self.block_size = config.cache.block_size
+        self.max_window = config.engine.readahead_max // self.block_size
+        self.objects, self.chain, self.funnel, self.space, self.disk, self.stats = (
+            objects, chain, funnel, space, disk, stats)
+        self._fetches = SingleFlight()  # (object key, block) → (bytes, stored)
+        self._background: set[asyncio.Future] = set()  # read-ahead tasks
+        #: Blocks a full disk could not take, kept for their readers (see the module docstring).
+        self.unstored_limit = min(config.engine.readahead_max, config.engine.memory_budget // 4)
+        self._unstored: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+        self._unstored_bytes = 0
+        self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # where threads serving local reads start read-ahead
+
+    def open(self, ds: Dataset, entry: Entry, *, pin: bool = True) -> BlockFile:
+        """A reader opens ``entry``: with ``pin``, eviction by any process skips it until it is closed."""
+        return BlockFile(self, ds, entry, self.objects.pin(ds.ref.id, entry) if pin else None, ReadStream())
+
+    # -- local reads (any thread) ---------------------------------------------------------------------------
+    def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None) -> bytes | None:
+        ob = self.objects.acquire(ds.ref.id, entry)
+        try:
+            bs = self.block_size
+            if not all(self.objects.has(ob, i) for i in range(start // bs, (end - 1) // bs + 1)):
+                return None
+            try:
+                data = ob.stored.read(start, end, ob.present)
+            except CorruptBlockError as exc:
+                self._drop_corrupt(ob, exc)
+                return None
+            ahead = self._take_ahead(ob, start, end) if ob.ahead else 0
+            self._count(ob, ds.ref.id, stream, hit=len(data) - ahead, miss=ahead)
+            if stream is not None:
+                self._advance(stream, start, end)
+                if stream.window:
+                    self._keep_ahead(ds, entry, ob, stream)
+            return data
+        finally:
+            self.objects.release(ob)
+
+    def _keep_ahead(self, ds: Dataset, entry: Entry, ob: OpenObject, stream: ReadStream) -> None:
+        """From a thread serving local reads: have the event loop fetch what is missing in the read-ahead
+        window. Only the async path starts read-ahead, so a sequential reader served locally (the cached part
+        of a file, or blocks read ahead earlier) would otherwise run into the next missing block and wait for
+        a whole window to be fetched: through FUSE, half-cached files read at 0.33 GB/s, the engine 0.88."""
+        ahead = blocks_ahead(stream.next_offset, stream.window, self.block_size, ob.nblocks)
+        if ahead.stop <= stream.ahead_to:
+            return
+        lo, stream.ahead_to = max(ahead.start, stream.ahead_to), ahead.stop
+        loop = self.loop
+        if loop is None or loop.is_closed() or all(i in ob.present for i in range(lo, ahead.stop)):
+            return
+        loop.call_soon_threadsafe(self._read_ahead_soon, ds, entry, stream)
+
+    def _read_ahead_soon(self, ds: Dataset, entry: Entry, stream: ReadStream) -> None:
+        ob = self.objects.acquire(ds.ref.id, entry)
+        try:
+            self._read_ahead(ds, entry, ob, stream)
+        finally:
+            self.objects.release(ob)
+
+    # -- reads that may fetch (event loop) ------------------------------------------------------------------
+    async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None) -> bytes:
+        self.loop = asyncio.get_running_loop()
+        ob = self.objects.acquire(ds.ref.id, entry)
+        try:
+            bs = self.block_size
+            first, last = start // bs, (end - 1) // bs
+            for _attempt in range(3):
+                missing = [i for i in range(first, last + 1) if not self.objects.has(ob, i)]
+                fetched: dict[int, bytes] = {}
+                if missing:
+                    fetched = self._kept_unstored(ob.key, missing)
+                    missing = [i for i in missing if i not in fetched]
+                    got = await asyncio.gather(*(self._block(ds, entry, ob, i) for i in missing))
+                    fetched.update((i, b) for i, b in zip(missing, got, strict=True) if b is not None)
+                try:
+                    data = self._assemble(ob, start, end, fetched)
+                    break
+                except CorruptBlockError as exc:
+                    self._drop_corrupt(ob, exc)
+            else:
+                raise CorruptBlockError(f"{entry.path}: blocks keep failing their checksums; is the cache disk healthy?")
+            fetched_bytes = self._take_ahead(ob, start, end) if ob.ahead else 0
+            fetched_bytes += sum(min(end, (i + 1) * bs) - max(start, i * bs) for i in fetched)
+            if last in fetched and end < min((last + 1) * bs, entry.size):
+                ob.ahead.add(last)  # the rest of that block came for this reader too: a miss when it gets there
+            self._count(ob, ds.ref.id, stream, hit=max(0, len(data) - fetched_bytes), miss=min(len(data), fetched_bytes))
+            if stream is not None:
+                self._advance(stream, start, end)
+                self._read_ahead(ds, entry, ob, stream)
+            return data
+        finally:
+            self.objects.release(ob)
+
+    async def ensure(self, ds: Dataset, entry: Entry, on_bytes=None) -> None:
+        """Make every block present (prefetch); CacheFullError when the disk cannot take them. ``on_bytes(n)``
+        as each block lands."""
+        ob = self.objects.acquire(ds.ref.id, entry)
+        try:
+            async def block(i: int) -> None:
+                await self._block(ds, entry, ob, i, strict=True)
+                if on_bytes is not None:
+                    on_bytes(min(self.block_size, entry.size - i * self.block_size))
+
+            await asyncio.gather(*(block(i) for i in range(ob.nblocks) if not self.objects.has(ob, i)))
+        finally:
+            self.objects.release(ob)
+
+    def _assemble(self, ob: OpenObject, start: int, end: int, fetched: dict[int, bytes]) -> bytes:
+        if not fetched:
+            return ob.stored.read(start, end, ob.present)
+        bs = self.block_size
+        parts = []
+        for i in range(start // bs, (end - 1) // bs + 1):
+            lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
+            block = fetched.get(i)
+            if block is not None:
+                parts.append(memoryview(block)[lo - i * bs : hi - i * bs])
+            else:
+                parts.append(ob.stored.read(lo, hi, ob.present))
+        return b"".join(parts)
+
+    def _drop_corrupt(self, ob: OpenObject, exc: CorruptBlockError) -> None:
+        idx = getattr(exc, "block", None)
+        log.warning("%s; dropping the block so it is fetched again", exc)
+        if idx is None:
+            return
+        ob.present.pop(idx, None)
+        ob.stored.forget_verified(idx)
+        if ob.stored.linked():  # (an evicted file's record is gone already, or names another file's block)
+            self.objects.index.drop_block(ob.key, idx)
+
+    def _advance(self, stream: ReadStream, start: int, end: int) -> None:
+        stream.window = grow_window(stream.window, start == stream.next_offset, self.max_window)
+        stream.next_offset = end
+
+    def _read_ahead(self, ds: Dataset, entry: Entry, ob: OpenObject, stream: ReadStream) -> None:
+        if stream.window == 0 or self.closing:
+            return
+        for i in blocks_ahead(stream.next_offset, stream.window, self.block_size, ob.nblocks):
+            key = (ob.key, i)
+            if self.objects.has(ob, i) or key in self._fetches or key in self._unstored:
+                continue
+            held = self.funnel.try_hold(min(self.block_size, entry.size - i * self.block_size))
+            if held is None:
+                break  # read-ahead only uses spare memory
+            self.objects.retain(ob)  # kept open while the fetch runs
+            ob.ahead.add(i)  # before its bytes are visible: a reader then counts a miss, not a hit
+            task = asyncio.ensure_future(self._block(ds, entry, ob, i, held=held))
+            self._background.add(task)
+            task.add_done_callback(lambda t: (self._background.discard(t), self.objects.release(ob),
+                                              t.cancelled() or t.exception()))
+
+    async def _block(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, *, held=None, strict: bool = False
+                     ) -> bytes | None:
+        """Make block ``idx`` present; its bytes if this call fetched them (single-flight). ``held``: memory
+        reserved for it already (read-ahead), handed to the fetch or given back."""
+        key = (ob.key, idx)
+        fut = self._fetches.get(key)
+        if fut is None:
+            if self.objects.has(ob, idx):
+                if held is not None:
+                    await held.release()
+                return None
+            fut = self._fetches.start(key, self._fetch(ds, entry, ob, idx, held))
+        elif held is not None:
+            await held.release()
+        data, stored = await asyncio.shield(fut)
+        if strict and not stored:
+            raise CacheFullError(f"cache disk full: cannot store {entry.path} (capacity {self.space.capacity} B)")
+        if not stored:
+            self._keep_unstored(key, data)
+        return data
+
+    async def _fetch(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, held) -> tuple[bytes, bool]:
+        start = idx * self.block_size
+        length = min(self.block_size, entry.size - start)
+        async with held or await self.funnel.hold(length):
+            data = await self.chain.fetch(Want(ds, entry, ob.key, start, length))
+            stored = await self._store(ob, idx, data, block_checksum(data))
+        return data, stored
+
+    async def _store(self, ob: OpenObject, idx: int, data: bytes, checksum: int) -> bool:
+        """Write block ``idx`` and record it, if the disk has room; whether it did."""
+        if self.closing or ob.stale:
+            return False
+
+        def write() -> bool:
+            if not self.objects.hold(ob):
+                return False  # evicted meanwhile: its next reader opens the new file
+            try:
+                ob.stored.write_block(idx, data)
+                try:
+                    self.objects.index.put_block(ob.key, idx, checksum, len(data), ob.record)
+                except CacheFullError:
+                    ob.stored.drop_block(idx)
+                    raise
+            finally:
+                self.objects.unhold(ob)
+            return True
+
+        decided, stored = (False, None) if len(data) >= 256 * 1024 else self.space.try_store(len(data), write)
+        if not decided:
+            stored = await self.disk.run(self.space.store, len(data), write)
+        if not stored:
+            return False
+        ob.present[idx] = (checksum, len(data))
+        self.space.note_stored(len(data))
+        return True
+
+    # -- blocks kept in memory ------------------------------------------------------------------------------
+    def _keep_unstored(self, key: tuple[bytes, int], data: bytes) -> None:
+        if key in self._unstored or len(data) > self.unstored_limit:
+            return
+        self._unstored[key] = data
+        self._unstored_bytes += len(data)
+        while self._unstored_bytes > self.unstored_limit:
+            _, old = self._unstored.popitem(last=False)
+            self._unstored_bytes -= len(old)
+
+    def _kept_unstored(self, okey: bytes, blocks: list[int]) -> dict[int, bytes]:
+        if not self._unstored:
+            return {}
+        got = {}
+        for i in blocks:
+            data = self._unstored.get((okey, i))
+            if data is not None:
+                self._unstored.move_to_end((okey, i))
+                got[i] = data
+        return got
+
+    # -- what is here ---------------------------------------------------------------------------------------
+    def cached_bytes(self, ds: Dataset, entry: Entry, okey: bytes) -> int:
+        ob = self.objects.get(okey)
+        if ob is not None:
+            return sum(length for _, length in ob.present.values())
+        rec = self.objects.index.object(okey)
+        return rec.cached_bytes if rec else 0
+
+    def local_path(self, ds: Dataset, entry: Entry) -> str | None:
+        """Path of the complete local file of ``entry``, or None if some block is missing (or it is evicted)."""
+        ob = self.objects.acquire(ds.ref.id, entry)
+        try:
+            return ob.stored.path if self.objects.complete(ob) else None
+        finally:
+            self.objects.release(ob)
+
+    # -- counting -------------------------------------------------------------------------------------------
+    def _count(self, ob: OpenObject, ds_id: str, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:
+        access = stream is None or not stream.counted
+        if access:
+            ob.hits += 1
+            ob.last_access = time.time()
+            if stream is not None:
+                stream.counted = True
+        self.stats.count(ds_id, ob.record.path if access else None, hit, miss)
+
+    @staticmethod
+    def _take_ahead(ob: OpenObject, start: int, end: int) -> int:
+        """Bytes of ``[start, end)`` in blocks read-ahead brought for a reader who had not got to them yet:
+        misses (the origin was read for this reader, only earlier). A block stops counting so once a read has
+        reached its end; from then on it is an ordinary cached block."""
+        bs, n = ob.record.block_size or 1, 0
+        size = ob.record.size
+        for i in range(start // bs, (end - 1) // bs + 1):
+            if i in ob.ahead:
+                hi = min((i + 1) * bs, size)
+                if end >= hi:
+                    ob.ahead.discard(i)
+                n += min(end, hi) - max(start, i * bs)
+        return n
+
+    def stop(self) -> list[asyncio.Future]:
+        """Stop starting work; the fetches and read-ahead in flight (for the caller to cancel and await)."""
+        self.closing = True
+        return [*self._background, *self._fetches.runs()]
+
+
+class BlockFile(OpenFile):
+    """A large file, read in blocks. With ``stream`` None (a one-off read) every read is an access of its own
+    and starts no read-ahead."""
+
+    packed = False
+
+    def __init__(self, path: BlockPath, ds: Dataset, entry: Entry, pin: OpenObject | None,
+                 stream: ReadStream | None) -> None:
+        self.path, self.ds, self.entry, self.pin, self.stream = path, ds, entry, pin, stream
+
+    def read_local(self, start: int, end: int, *, wait: bool = True) -> bytes | None:
+        end = min(end, self.entry.size)
+        if start >= end:
+            return b""
+        return self.path.read_local(self.ds, self.entry, start, end, self.stream)
+
+    async def read(self, start: int, end: int) -> bytes:
+        end = min(end, self.entry.size)
+        if start >= end:
+            return b""
+        return await self.path.read(self.ds, self.entry, start, end, self.stream)
+
+    def local_fd(self) -> int | None:
+        """A new descriptor of the pinned, complete cache file (a descriptor, not a path eviction could swap)."""
+        ob = self.pin
+        if ob is None or not self.path.objects.complete(ob):
+            return None
+        return os.open(f"/proc/self/fd/{ob.stored.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        pin, self.pin = self.pin, None
+        if pin is not None:
+            self.path.objects.unpin(pin)

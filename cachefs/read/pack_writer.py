@@ -1,0 +1,173 @@
+"""Pending packs: small files fetched from the origin wait in memory, readable by this process, until their
+dataset's pack is written (at ``cache.pack_size`` bytes, or one second after the last addition), crash-safely
+(:class:`~cachefs.store.packs.PackStore`); only then does the index point the members at it. At most two packs'
+worth of fetched bytes wait for the disk. What the disk has no room for (:class:`~cachefs.space.DiskSpace`) is
+dropped: those files were served, they are just not cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from ..disk_jobs import DiskJobs
+from ..errors import CacheFSError, CacheFullError
+from ..index import Index
+from ..space import DiskSpace
+from ..store.packs import Member, PackStore
+
+__all__ = ["PendingPacks"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds after the last addition before a pending pack is written even if it is not full.
+FLUSH_DELAY = 1.0
+#: What a pack adds to its members' bytes (Arrow's header, schema and footer), and per member (its path,
+#: version, checksum, offsets and padding): an upper bound, for asking the disk for room before writing.
+_PACK_OVERHEAD = 4096
+_MEMBER_OVERHEAD = 40
+
+
+def _member_bytes(m: Member) -> int:
+    return len(m.data) + len(m.path) + len(m.version) + _MEMBER_OVERHEAD
+
+
+def _pack_bytes(members: list[Member]) -> int:
+    return _PACK_OVERHEAD + sum(_member_bytes(m) for m in members)
+
+
+class PendingPacks:
+    def __init__(self, pack_size: int, store: PackStore, index: Index, space: DiskSpace, disk: DiskJobs) -> None:
+        self.pack_size, self.store, self.index, self.space, self.disk = pack_size, store, index, space, disk
+        self._lock = threading.Lock()  # read from FUSE threads too
+        self._pending: dict[str, list[Member]] = {}  # dataset id → members of its next pack
+        self._pending_bytes: dict[str, int] = {}
+        self._pending_data: dict[bytes, bytes] = {}  # object key → bytes, until its pack is in the index
+        self._unwritten = 0  # bytes pending or being written
+        self._written: asyncio.Event | None = None
+        self._writes: set[asyncio.Task] = set()
+        self._flush_timer: asyncio.TimerHandle | None = None
+        #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
+        self.full_error: CacheFullError | None = None
+
+    def get(self, okey: bytes) -> bytes | None:
+        """A pending member's bytes (any thread)."""
+        with self._lock:
+            return self._pending_data.get(okey)
+
+    async def add(self, ds_id: str, member: Member) -> None:
+        """Queue ``member`` for its dataset's next pack (readable at once through :meth:`get`); waits while two
+        packs' worth of bytes are waiting for the disk."""
+        with self._lock:
+            self._pending_data[member.okey] = member.data
+            self._pending.setdefault(ds_id, []).append(member)
+            pending = self._pending_bytes[ds_id] = self._pending_bytes.get(ds_id, 0) + len(member.data)
+            self._unwritten += len(member.data)
+            full = pending >= self.pack_size
+        if full:
+            self._start_write(ds_id)
+        elif self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_DELAY, self._flush_soon)
+        # Back-pressure: at most two packs' worth of fetched bytes wait for the disk.
+        while self._unwritten > 2 * self.pack_size:
+            if self._written is None:
+                self._written = asyncio.Event()
+            self._written.clear()
+            if not self._writes:
+                for ds in list(self._pending):
+                    self._start_write(ds)
+            await self._written.wait()
+
+    def _flush_soon(self) -> None:
+        self._flush_timer = None
+        for ds_id in list(self._pending):
+            self._start_write(ds_id)
+
+    def _take(self, ds_id: str) -> list[Member]:
+        with self._lock:
+            self._pending_bytes.pop(ds_id, None)
+            return self._pending.pop(ds_id, [])
+
+    def _start_write(self, ds_id: str) -> None:
+        members = self._take(ds_id)
+        if not members:
+            return
+        task = asyncio.ensure_future(self.disk.run(self._write, ds_id, members))
+        self._writes.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._writes.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("writing a pack failed: %s", t.exception())  # (its members are fetched again)
+            elif not t.cancelled():
+                self.space.note_stored(t.result())
+            if self._written is not None:
+                self._written.set()
+
+        task.add_done_callback(done)
+
+    def _write(self, ds_id: str, members: list[Member]) -> int:
+        """Write one pack and record its members (a disk thread); bytes written. What the disk has no room for
+        is dropped: those members were served, they are just not cached."""
+        nbytes = sum(len(m.data) for m in members)
+        dropped: list[Member] = []
+        try:
+            written = self._write_fitting(ds_id, members, dropped)
+        finally:
+            with self._lock:  # in the index now (or dropped): no longer served from memory
+                for m in members:
+                    self._pending_data.pop(m.okey, None)
+                self._unwritten -= nbytes
+        if dropped:
+            self.full_error = CacheFullError(f"cache disk full: could not store {len(dropped)} small files "
+                                             f"(capacity {self.space.capacity} B)")
+        else:
+            self.full_error = None
+        return written
+
+    def _write_fitting(self, ds_id: str, members: list[Member], dropped: list[Member]) -> int:
+        """Write as many of ``members`` (in order) as the disk has room for, as one pack; the rest go to
+        ``dropped``. Room is asked for first (evicting once), so a full disk costs no failed writes."""
+        space = self.space
+        if not space.full and not space.admits(_pack_bytes(members)):
+            space.evict(_pack_bytes(members))
+        room = 0 if space.full else space.room()
+        fit, need = 0, _PACK_OVERHEAD
+        for m in members:
+            need += _member_bytes(m)
+            if need > room:
+                break
+            fit += 1
+        dropped.extend(members[fit:])
+        if not fit:
+            space.mark_full()
+            return 0
+        written = space.store(_pack_bytes(members[:fit]), lambda: self._write_pack(ds_id, members[:fit]))
+        if written is None:
+            dropped.extend(members[:fit])
+            return 0
+        return written
+
+    def _write_pack(self, ds_id: str, members: list[Member]) -> int:
+        written = self.store.write(ds_id, members)
+        try:
+            self.index.commit_pack(ds_id, written.pack_id, written.size, written.members)
+        except CacheFSError:
+            self.store.remove(ds_id, written.pack_id)  # never a pack file the index does not know
+            raise
+        return written.size
+
+    async def flush(self) -> None:
+        """Write every pending pack now and wait for all writes."""
+        for ds_id in list(self._pending):
+            self._start_write(ds_id)
+        while self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+    def flush_sync(self) -> None:
+        """:meth:`flush` for callers without the event loop (shutdown)."""
+        for ds_id in list(self._pending):
+            members = self._take(ds_id)
+            if members:
+                self._write(ds_id, members)

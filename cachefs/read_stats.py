@@ -1,0 +1,92 @@
+"""Access statistics of the read paths, batched in memory and folded into the index every
+``engine.stats_flush_interval`` seconds: per dataset the hit and miss bytes (what ``cachefs status`` and the
+metrics report), per object and pack the last access and access count (what eviction ranks by), per
+directory an access count (hot directories).
+
+A hit is a byte that was on this node before a reader asked for it; a miss, one fetched from the origin for a
+reader, by read-ahead included (docs/SEMANTICS.md, "Hits and misses").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .errors import CacheFSError, CacheFullError
+from .index import Index
+
+__all__ = ["ReadStats"]
+
+log = logging.getLogger(__name__)
+
+
+class ReadStats:
+    """Thread-safe counters; :meth:`flush` writes them to the index."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._datasets: dict[str, list[int]] = {}  # dataset id → [hit bytes, miss bytes]
+        self._dirs: dict[tuple[str, str], int] = {}  # (dataset id, directory) → accesses
+        self._packs: dict[bytes, list] = {}  # pack key → [last access, reads]
+        #: Small files read-ahead brought (directory read-ahead, the rest of a mirror window) that no reader was
+        #: served yet: their first read is a miss.
+        self._came_ahead: set[bytes] = set()
+        #: A prefetch runs in this process: what it brings is cached on purpose, not read-ahead.
+        self.warming = False
+
+    def count(self, ds_id: str, accessed_path: str | None, hit: int, miss: int) -> None:
+        """Hit and miss bytes of a dataset, and (``accessed_path``) one access of that file's directory."""
+        with self._lock:
+            s = self._datasets.get(ds_id)
+            if s is None:
+                s = self._datasets[ds_id] = [0, 0]
+            s[0] += hit
+            s[1] += miss
+            if accessed_path is not None:
+                key = (ds_id, accessed_path.rpartition("/")[0])
+                self._dirs[key] = self._dirs.get(key, 0) + 1
+
+    def pack_read(self, pkey: bytes) -> None:
+        with self._lock:
+            acc = self._packs.get(pkey)
+            if acc is None:
+                acc = self._packs[pkey] = [0.0, 0]
+            acc[0], acc[1] = time.time(), acc[1] + 1
+
+    def note_ahead(self, okeys) -> None:
+        """These small files came by read-ahead (unless a prefetch is warming the cache)."""
+        if not self.warming:
+            with self._lock:
+                if len(self._came_ahead) > 1 << 20:  # bounded; forgetting one only counts its first read as a hit
+                    self._came_ahead.clear()
+                self._came_ahead.update(okeys)
+
+    def take_ahead(self, okey: bytes) -> bool:
+        """Whether ``okey`` came by read-ahead and this is its first read (then no longer)."""
+        if not self._came_ahead:
+            return False
+        with self._lock:
+            if okey not in self._came_ahead:
+                return False
+            self._came_ahead.discard(okey)
+            return True
+
+    def totals(self) -> dict[str, tuple[int, int]]:
+        """Hit and miss bytes per dataset not yet flushed (a peek)."""
+        with self._lock:
+            return {k: (v[0], v[1]) for k, v in self._datasets.items()}
+
+    def flush(self, index: Index, objects: dict[bytes, tuple[float, int]], half_life: float) -> None:
+        """Fold the counters and ``objects`` ((last access, accesses) per object) into the index. On a full disk
+        these figures are dropped (logged); the next flush carries on."""
+        with self._lock:
+            ds = {k: (v[0], v[1]) for k, v in self._datasets.items() if v[0] or v[1]}
+            dirs, packs = self._dirs, {k: (v[0], v[1]) for k, v in self._packs.items()}
+            self._datasets, self._dirs, self._packs = {}, {}, {}
+        try:
+            index.record_access(objects, ds, packs, dirs, half_life=half_life)
+        except CacheFullError as exc:
+            log.warning("access statistics not recorded: %s", exc)
+        except CacheFSError as exc:
+            log.error("access statistics not recorded: %s", exc)

@@ -1,0 +1,19 @@
+"""The origin itself (S3, a file tree, any fsspec URL), through the origin funnel's limits."""
+
+from __future__ import annotations
+
+from ..funnel import OriginFunnel
+from .base import Tier, Want
+
+__all__ = ["OriginTier"]
+
+
+class OriginTier(Tier):
+    name = "origin"
+
+    def __init__(self, funnel: OriginFunnel) -> None:
+        self.funnel = funnel
+
+    async def fetch(self, want: Want) -> bytes | bytearray:
+        return await self.funnel.get(want.ds.source, want.ds.object_url(want.entry), want.entry.version, want.start,
+                                     want.length)

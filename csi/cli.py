@@ -1,0 +1,61 @@
+"""The ``cachefs csi`` and ``cachefs csi-mounter`` commands, registered with the ``cachefs`` command through the
+``cachefs.commands`` entry point (so that the cachefs package never imports this one)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from cachefs.config import Config
+from cachefs.errors import ConfigError
+
+__all__ = ["add_commands", "csi", "csi_mounter"]
+
+
+def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
+    """Add this package's subcommands to ``cachefs`` (``groups``: its shared option groups)."""
+    base, cache = groups["base"], groups["cache"]
+    cs = sub.add_parser("csi", parents=[base, cache], help="run the CSI plugin (node and/or controller)")
+    cs.add_argument("--endpoint", default="unix:///csi/csi.sock", help="gRPC socket (default unix:///csi/csi.sock)")
+    cs.add_argument("--node-id", default=os.environ.get("NODE_NAME", ""), help="this node's name (env NODE_NAME)")
+    cs.add_argument("--cache-group", default="", help="topology segment reported to Kubernetes (rack, zone)")
+    cs.add_argument("--state-dir", help="sessions and publish records (default: <cache dir>/csi)")
+    cs.add_argument("--mode", choices=("node", "controller", "both"), default="both")
+    cs.add_argument("--mounter", default="",
+                    help="socket of `cachefs csi-mounter` (unix:///run/cachefs/mounter.sock) to start FUSE sessions "
+                         "in its container; default: this process starts them")
+    cs.add_argument("--session-idle-timeout", type=float, default=600.0,
+                    help="seconds a dataset's FUSE session runs with no pod using it (default 600; the cache stays)")
+    cs.set_defaults(run="csi.cli:csi")
+
+    cm = sub.add_parser("csi-mounter", parents=[base, cache],
+                        help="start FUSE sessions for the CSI node plugin (its own container, so that sessions "
+                             "outlive plugin restarts)")
+    cm.add_argument("--socket", default="unix:///run/cachefs/mounter.sock",
+                    help="where to listen (default unix:///run/cachefs/mounter.sock)")
+    cm.add_argument("--state-dir", help="the plugin's state directory; sessions are mounted only under it "
+                                        "(default: <cache dir>/csi)")
+    cm.set_defaults(run="csi.cli:csi_mounter")
+
+
+async def csi(args: argparse.Namespace, config: Config) -> int:
+    from .server import serve
+
+    if args.session_idle_timeout < 0:
+        raise ConfigError("--session-idle-timeout must be 0 or more seconds")
+    state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
+    # In this (the main) thread, so that SIGTERM stops the server gracefully.
+    serve(args.endpoint, node_id=args.node_id, cache_dir=config.cache.dir, state_dir=state_dir,
+          cache_group=args.cache_group, mounter=args.mounter, session_idle_timeout=args.session_idle_timeout,
+          node=args.mode != "controller",
+          controller=args.mode != "node")
+    return 0
+
+
+async def csi_mounter(args: argparse.Namespace, config: Config) -> int:
+    from .mounter import serve_mounter
+    from .server import socket_path
+
+    state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
+    serve_mounter(socket_path(args.socket), os.path.join(state_dir, "sessions"), config.cache.dir)
+    return 0

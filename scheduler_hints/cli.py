@@ -1,0 +1,126 @@
+"""The ``cachefs labels``, ``cachefs scheduler-extender`` and ``cachefs publish-labels`` commands, registered with
+the ``cachefs`` command through the ``cachefs.commands`` entry point (so that the cachefs package never imports
+this one)."""
+
+from __future__ import annotations
+
+import argparse
+
+from cachefs.cli.output import print_json
+from cachefs.config import Config
+from cachefs.errors import CacheFSError, ConfigError
+
+__all__ = ["add_commands", "labels", "publish_labels", "scheduler_extender"]
+
+
+def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
+    """Add this package's subcommands to ``cachefs`` (``groups``: its shared option groups)."""
+    base, cache = groups["base"], groups["cache"]
+    lb = sub.add_parser("labels", parents=[base],
+                        help="print (JSON) the node labels/annotations a node holding this much would publish")
+    lb.add_argument("url")
+    lb.add_argument("--cached", required=True, help="bytes cached on the node, e.g. 900GB")
+    lb.add_argument("--total", required=True, help="dataset size, e.g. 1TB")
+    lb.add_argument("--free", default="0", help="free cache space on the node")
+    lb.add_argument("--cache-group", help="the node's cache group (rack, cell)")
+    lb.set_defaults(run="scheduler_hints.cli:labels")
+
+    se = sub.add_parser("scheduler-extender", parents=[base], help="run the kube-scheduler extender")
+    se.add_argument("--listen", default="127.0.0.1:8888", help="HOST:PORT (default 127.0.0.1:8888)")
+    se.add_argument("--extender-config", dest="extender_config", help="YAML: weights, bind_timeout, gang_ttl")
+    se.add_argument("--kubeconfig", help="kubeconfig for the watches and bindings (default: in-cluster, $KUBECONFIG)")
+    se.add_argument("--standalone", action="store_true",
+                    help="no API server: node details only from requests, bindings only recorded (testing)")
+    se.set_defaults(run="scheduler_hints.cli:scheduler_extender")
+
+    pl = sub.add_parser("publish-labels", parents=[base, cache],
+                        help="keep this node's cache-locality labels current (node agent loop)")
+    pl.add_argument("--node", help="Node name (default: env NODE_NAME, set from the downward API)")
+    pl.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster service account, then $KUBECONFIG)")
+    pl.add_argument("--cache-group", help="this node's cache group label value (rack, cell)")
+    pl.add_argument("--interval", type=float, default=10.0, help="seconds between checks (default 10)")
+    pl.add_argument("--min-interval", type=float, default=30.0, help="at most one PATCH per this many seconds")
+    pl.add_argument("--once", action="store_true", help="publish once and exit")
+    pl.set_defaults(run="scheduler_hints.cli:publish_labels")
+
+
+async def labels(args: argparse.Namespace, config: Config) -> int:
+    from cachefs.config import parse_size
+    from cachefs.types import DatasetRef, dataset_id
+
+    from .labels import DatasetCache, LabelError, NodeCacheSummary, desired_metadata
+
+    cached, total = parse_size(args.cached, "--cached"), parse_size(args.total, "--total")
+    ds = DatasetCache(DatasetRef.from_url(args.url).url, dataset_id(args.url), cached, total)
+    summary = NodeCacheSummary((ds,), parse_size(args.free, "--free"), 0, cached, args.cache_group)
+    try:
+        lab, ann = desired_metadata(summary)
+    except LabelError as exc:
+        raise ConfigError(str(exc)) from None
+    print_json({"labels": lab, "annotations": ann})
+    return 0
+
+
+async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
+    from .config import load_extender_config
+    from .extender import Extender, serve
+    from .gang import GangManager
+
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
+    cfg = load_extender_config(args.extender_config)
+    ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout),
+                   topology_wait=cfg.topology_wait, locality_wait=cfg.locality_wait,
+                   locality_slack=cfg.locality_slack)
+    if args.standalone:
+        await serve(ext, host.strip("[]"), int(port))
+        return 0
+    from .kube import KubeClient, load_kube_config
+    from .watch import ClusterWatch, KubeBinder
+
+    client = KubeClient(load_kube_config(args.kubeconfig))
+    ext.binder = KubeBinder(client)
+    watch = ClusterWatch(client, ext)
+    try:
+        await watch.start()
+        await serve(ext, host.strip("[]"), int(port))
+    finally:
+        await watch.aclose()
+        await client.aclose()
+    return 0
+
+
+async def publish_labels(args: argparse.Namespace, config: Config) -> int:
+    import os
+
+    from .kube import ApiError, KubeClient, load_kube_config
+    from .labels import validate_label_value
+    from .publisher import Publisher, rbac_hint
+    from .summary import IndexSummary
+
+    node = args.node or os.environ.get("NODE_NAME")
+    if not node:
+        raise ConfigError("publish-labels: no node name (--node or env NODE_NAME from the downward API)")
+    if args.cache_group:
+        try:
+            validate_label_value(args.cache_group)
+        except ValueError as exc:
+            raise ConfigError(f"--cache-group: {exc}") from None
+    if args.interval <= 0 or args.min_interval < 0:
+        raise ConfigError("--interval must be positive and --min-interval not negative")
+    client = KubeClient(load_kube_config(args.kubeconfig))
+    pub = Publisher(client, node, IndexSummary(config, args.cache_group), min_interval=args.min_interval)
+    try:
+        if args.once:
+            try:
+                result = await pub.publish_once(force=True)
+            except ApiError as exc:
+                raise CacheFSError(f"node {node}: {exc}{rbac_hint(exc)}") from None
+                print_json({"node": node, "patched": result.patched, "labels_set": list(result.labels_changed),
+                        "labels_removed": list(result.labels_removed)})
+        else:
+            await pub.run(args.interval)
+    finally:
+        await client.aclose()
+    return 0
