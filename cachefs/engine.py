@@ -72,24 +72,20 @@ class Engine:
         self.stats = ReadStats()
         self.objects = OpenObjects(self.index, self.store, c.block_size)
         pack_store = PackStore(c.dir)
-        self.evictor = Evictor(config, self.capacity, self.min_free, self.index, self.store, pack_store, self.objects,
-                               self.stats)
-        self.space = DiskSpace(capacity=self.capacity, min_free=self.min_free, high_watermark=c.high_watermark,
-                               used=lambda: self.index.totals()[0], disk=self.store.disk_usage,
-                               evict=lambda need: self.evictor.evict(force=True, need=need),
-                               evict_soon=self._evict_soon)
-        self.assemblies = PackAssemblies(pack_store, self.index, self.space, self.disk)
+        self.space = DiskSpace(self.index, self.store, capacity=self.capacity, min_free=self.min_free,
+                               high_watermark=c.high_watermark)
+        self.evictor = Evictor(config, self.space, pack_store, self.objects, self.stats, self.disk)
+        self.assemblies = PackAssemblies(pack_store, self.index, self.evictor, self.disk)
         self.tier_counts = TierCounts()
         origin = OriginTier(self.funnel)
         self.mirror = MirrorTier(self.funnel, self.assemblies, self.index, self.stats)
-        self.blocks = BlockPath(config, self.objects, TierChain([origin], self.tier_counts), self.funnel, self.space,
+        self.blocks = BlockPath(config, self.objects, TierChain([origin], self.tier_counts), self.funnel, self.evictor,
                                 self.disk, self.stats)
         self.packs = PackPath(config, pack_store, self.index, TierChain([self.mirror, origin], self.tier_counts),
-                              self.funnel, self.space, self.disk, self.stats, self.assemblies)
+                              self.funnel, self.evictor, self.disk, self.stats, self.assemblies)
         self._sources: dict[tuple, Source] = {}
         self._first_snapshot: dict[str, asyncio.Lock] = {}
         self._stats_task: asyncio.Task | None = None
-        self._evicting: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         atexit.register(self._at_exit)
 
@@ -268,15 +264,10 @@ class Engine:
             await asyncio.sleep(self.config.engine.stats_flush_interval)
             await asyncio.to_thread(self.flush_stats)
 
-    def _evict_soon(self) -> None:
-        """Past the limits: evict in the background, one eviction at a time (from the event loop)."""
-        if self._evicting is None or self._evicting.done():
-            self._evicting = asyncio.ensure_future(self.evict())
-
     async def evict(self, *, force: bool = False) -> int:
         """Evict until under the low watermark; returns bytes freed."""
         if force:
-            return await self.disk.run(self.space.evict)
+            return await self.disk.run(self.evictor.make_room, 0)
         return await self.disk.run(self.evictor.evict)
 
     def evict_sync(self, *, force: bool = False, dataset: str | None = None, everything: bool = False) -> int:
@@ -293,7 +284,7 @@ class Engine:
         await asyncio.gather(*fetches, return_exceptions=True)
         await self.assemblies.drain()
         await self.packs.pending.flush()
-        for task in (self._stats_task, self._evicting):
+        for task in (self._stats_task, self.evictor.background()):
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -1,4 +1,5 @@
-"""Eviction: which cached objects and packs go when the cache passes its limits, and taking them out.
+"""Eviction: which cached objects and packs go when the cache passes its limits, taking them out, and the one
+"evict, then try once more" rule every writer of cached bytes follows (:meth:`Evictor.store`).
 
 When cached bytes pass ``high_watermark × capacity`` or the disk's free space drops under ``min_free``, whole
 objects and packs are removed until usage is under ``low_watermark × capacity`` (and, when a write asked for
@@ -9,20 +10,25 @@ without waiting for readers, who read on from the unlinked file.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from .config import Config
+from .disk_jobs import DiskJobs
 from .errors import CacheFullError
-from .index import Index
 from .index.records import ObjectRecord, PackRecord
 from .open_objects import OpenObjects
 from .read_stats import ReadStats
-from .store import BlockStore
+from .space import DiskSpace
 from .store.packs import PackStore
 
 __all__ = ["Evictor", "eviction_order"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def eviction_order(rec: ObjectRecord | PackRecord) -> tuple[bool, float]:
@@ -34,18 +40,65 @@ def eviction_order(rec: ObjectRecord | PackRecord) -> tuple[bool, float]:
 
 
 class Evictor:
-    def __init__(self, config: Config, capacity: int, min_free: int, index: Index, store: BlockStore,
-                 packs: PackStore, objects: OpenObjects, stats: ReadStats) -> None:
-        self.config, self.capacity, self.min_free = config, capacity, min_free
-        self.index, self.store, self.packs, self.objects, self.stats = index, store, packs, objects, stats
+    def __init__(self, config: Config, space: DiskSpace, packs: PackStore, objects: OpenObjects, stats: ReadStats,
+                 disk: DiskJobs) -> None:
+        self.config, self.space = config, space
+        self.capacity, self.min_free = space.capacity, space.min_free
+        self.index, self.files = space.index, space.store  # (the object files; `store` is the admission rule)
+        self.packs, self.objects, self.stats, self.disk = packs, objects, stats, disk
         #: Set (epoch seconds) while a prefetch runs in this process: what was used since is not evicted, so that
         #: a selection larger than the cache fails clearly instead of evicting what it just fetched.
         self.keep_newer_than: float | None = None
+        self._one_at_a_time = threading.Lock()
+        # Limits are checked (an index read and a statvfs) every this many stored bytes rather than per write:
+        # half the room between the high watermark and the capacity, so usage still never passes capacity.
+        self._check_every = max(1, min(64 << 20, int(self.capacity * (1 - config.cache.high_watermark) / 2)))
+        self._stored_since_check = 0
+        self._background: asyncio.Future | None = None
 
+    # -- writers ----------------------------------------------------------------------------------------------
+    def store(self, nbytes: int, write: Callable[[], T]) -> T | None:
+        """Run ``write()`` (which puts ``nbytes`` on the disk and may raise :class:`CacheFullError`) if there is
+        room, evicting once if there is not; None when the bytes were not stored. Blocking: a disk thread."""
+        if self.space.full:
+            self.space.refused += 1
+            return None
+        for attempt in (0, 1):
+            if self.space.admits(nbytes):
+                try:
+                    return write()
+                except CacheFullError:
+                    pass
+            if attempt == 0:
+                self.make_room(nbytes)
+        self.space.mark_full()
+        return None
+
+    def make_room(self, need: int) -> int:
+        """Evict so that ``need`` more bytes fit (one eviction at a time in this process); bytes freed."""
+        with self._one_at_a_time:
+            freed = self.evict(force=True, need=need)
+        if freed:
+            self.space.clear()
+        return freed
+
+    def note_stored(self, nbytes: int) -> None:
+        """``nbytes`` more are on the disk (from the event loop): writes may go on, and every so often the limits
+        are checked and eviction started in the background if they are passed."""
+        self.space.clear()
+        self._stored_since_check += nbytes
+        if self._stored_since_check >= self._check_every:
+            self._stored_since_check = 0
+            if self.space.over_limits() and (self._background is None or self._background.done()):
+                self._background = asyncio.ensure_future(self.disk.run(self.evict))
+
+    def background(self) -> asyncio.Future | None:
+        """The eviction running in the background, if any (for shutdown)."""
+        return self._background
+
+    # -- evicting -------------------------------------------------------------------------------------------
     def over_limits(self) -> bool:
-        total, _ = self.index.totals()
-        _, free = self.store.disk_usage()
-        return total > self.capacity * self.config.cache.high_watermark or free < self.min_free
+        return self.space.over_limits()
 
     def flush_stats(self) -> None:
         """Access statistics into the index first, so that the order is current."""
@@ -61,7 +114,7 @@ class Evictor:
         target = min(int(self.capacity * c.low_watermark), self.capacity - need)
         floor = max(self.min_free * 1.1, self.min_free + need)
         total, _ = self.index.totals()
-        _, free = self.store.disk_usage()
+        _, free = self.files.disk_usage()
         if not (force or everything or dataset) and total <= self.capacity * c.high_watermark and free >= self.min_free:
             return 0
         candidates = sorted([*self.index.objects(dataset), *((None, p) for p in self.index.packs(dataset))],
@@ -73,7 +126,7 @@ class Evictor:
                 continue
             if not (everything or dataset):
                 total, _ = self.index.totals()
-                _, free = self.store.disk_usage()
+                _, free = self.files.disk_usage()
                 if total <= target and free >= floor:
                     break
             try:
@@ -98,4 +151,4 @@ class Evictor:
             removed.append(self.index.remove_object(okey))
             return True
 
-        return sum(removed) if self.store.try_remove(okey, rec.dataset, forget) else 0
+        return sum(removed) if self.files.try_remove(okey, rec.dataset, forget) else 0

@@ -5,7 +5,7 @@ re-serialised.
 
 Until then its members are readable from the temp file (:meth:`PackAssemblies.pending`), so each byte is held in
 memory only while its window is on the wire and being written. A pack whose temp file cannot be written (no room,
-see :class:`~cachefs.space.DiskSpace`) is given up: what was served stays served, later misses fetch again.
+see :meth:`~cachefs.eviction.Evictor.store`) is given up: what was served stays served, later misses fetch again.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from .disk_jobs import DiskJobs
 from .errors import CacheFSError, CacheFullError
+from .eviction import Evictor
 from .index import Index
-from .space import DiskSpace
 from .store.packs import PackStore
 
 __all__ = ["Assembly", "PackAssemblies"]
@@ -45,8 +45,8 @@ class Assembly:
 
 
 class PackAssemblies:
-    def __init__(self, store: PackStore, index: Index, space: DiskSpace, disk: DiskJobs) -> None:
-        self.store, self.index, self.space, self.disk = store, index, space, disk
+    def __init__(self, store: PackStore, index: Index, evictor: Evictor, disk: DiskJobs) -> None:
+        self.store, self.index, self.evictor, self.disk = store, index, evictor, disk
         self._assembling: dict[tuple[str, int], Assembly] = {}
         self._members: dict[bytes, tuple[Assembly, int, int, int]] = {}  # okey → (assembly, offset, len, checksum)
         self._installs: set[asyncio.Future] = set()
@@ -85,7 +85,7 @@ class PackAssemblies:
                 return
             assembly = self._assembling[key] = Assembly(ds_id, pack, pack_id, tmp, fd, size, windows)
         try:
-            written = await self.disk.run(self.space.store, len(raw), lambda: self._write_window(assembly, raw, lo))
+            written = await self.disk.run(self.evictor.store, len(raw), lambda: self._write_window(assembly, raw, lo))
         except CacheFSError as exc:
             self._give_up(assembly, exc)
             return
@@ -141,13 +141,13 @@ class PackAssemblies:
             log.warning("installing a pack failed: %s", task.exception())
         elif task.result():
             self.full_error = None
-            self.space.note_stored(task.result())
+            self.evictor.note_stored(task.result())
 
     def _give_up(self, assembly: Assembly, exc: BaseException) -> None:
         log.warning("pack %d: not kept on this node (%s)", assembly.pack, exc)
         if isinstance(exc, CacheFullError):
             self.full_error = CacheFullError(f"cache disk full: could not keep a pack of {assembly.size} B "
-                                             f"(capacity {self.space.capacity} B)")
+                                             f"(capacity {self.evictor.capacity} B)")
         self._assembling.pop((assembly.ds_id, assembly.pack), None)
         fd = self._detach(assembly)
         if fd >= 0:

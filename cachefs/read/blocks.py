@@ -30,12 +30,12 @@ from ..config import Config
 from ..dataset import Dataset
 from ..disk_jobs import DiskJobs
 from ..errors import CacheFullError, CorruptBlockError
+from ..eviction import Evictor
 from ..flight import SingleFlight
 from ..funnel import OriginFunnel
 from ..open_objects import OpenObject, OpenObjects
 from ..planners import blocks_ahead, grow_window
 from ..read_stats import ReadStats
-from ..space import DiskSpace
 from ..tiers import TierChain, Want
 from ..types import Entry
 from .stream import OpenFile, ReadStream
@@ -47,11 +47,12 @@ log = logging.getLogger(__name__)
 
 class BlockPath:
     def __init__(self, config: Config, objects: OpenObjects, chain: TierChain, funnel: OriginFunnel,
-                 space: DiskSpace, disk: DiskJobs, stats: ReadStats) -> None:
+                 evictor: Evictor, disk: DiskJobs, stats: ReadStats) -> None:
         self.block_size = config.cache.block_size
         self.max_window = config.engine.readahead_max // self.block_size
-        self.objects, self.chain, self.funnel, self.space, self.disk, self.stats = (
-            objects, chain, funnel, space, disk, stats)
+        self.objects, self.chain, self.funnel, self.evictor, self.disk, self.stats = (
+            objects, chain, funnel, evictor, disk, stats)
+        self.space = evictor.space
         self._fetches = SingleFlight()  # (object key, block) → (bytes, stored)
         self._background: set[asyncio.Future] = set()  # read-ahead tasks
         #: Blocks a full disk could not take, kept for their readers (see the module docstring).
@@ -251,11 +252,11 @@ class BlockPath:
 
         decided, stored = (False, None) if len(data) >= 256 * 1024 else self.space.try_store(len(data), write)
         if not decided:
-            stored = await self.disk.run(self.space.store, len(data), write)
+            stored = await self.disk.run(self.evictor.store, len(data), write)
         if not stored:
             return False
         ob.present[idx] = (checksum, len(data))
-        self.space.note_stored(len(data))
+        self.evictor.note_stored(len(data))
         return True
 
     # -- blocks kept in memory ------------------------------------------------------------------------------

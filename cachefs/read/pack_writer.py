@@ -13,8 +13,8 @@ import threading
 
 from ..disk_jobs import DiskJobs
 from ..errors import CacheFSError, CacheFullError
+from ..eviction import Evictor
 from ..index import Index
-from ..space import DiskSpace
 from ..store.packs import Member, PackStore
 
 __all__ = ["PendingPacks"]
@@ -38,8 +38,9 @@ def _pack_bytes(members: list[Member]) -> int:
 
 
 class PendingPacks:
-    def __init__(self, pack_size: int, store: PackStore, index: Index, space: DiskSpace, disk: DiskJobs) -> None:
-        self.pack_size, self.store, self.index, self.space, self.disk = pack_size, store, index, space, disk
+    def __init__(self, pack_size: int, store: PackStore, index: Index, evictor: Evictor, disk: DiskJobs) -> None:
+        self.pack_size, self.store, self.index, self.evictor, self.disk = pack_size, store, index, evictor, disk
+        self.space = evictor.space
         self._lock = threading.Lock()  # read from FUSE threads too
         self._pending: dict[str, list[Member]] = {}  # dataset id → members of its next pack
         self._pending_bytes: dict[str, int] = {}
@@ -101,7 +102,7 @@ class PendingPacks:
             if not t.cancelled() and t.exception() is not None:
                 log.error("writing a pack failed: %s", t.exception())  # (its members are fetched again)
             elif not t.cancelled():
-                self.space.note_stored(t.result())
+                self.evictor.note_stored(t.result())
             if self._written is not None:
                 self._written.set()
 
@@ -131,7 +132,7 @@ class PendingPacks:
         ``dropped``. Room is asked for first (evicting once), so a full disk costs no failed writes."""
         space = self.space
         if not space.full and not space.admits(_pack_bytes(members)):
-            space.evict(_pack_bytes(members))
+            self.evictor.make_room(_pack_bytes(members))
         room = 0 if space.full else space.room()
         fit, need = 0, _PACK_OVERHEAD
         for m in members:
@@ -143,7 +144,7 @@ class PendingPacks:
         if not fit:
             space.mark_full()
             return 0
-        written = space.store(_pack_bytes(members[:fit]), lambda: self._write_pack(ds_id, members[:fit]))
+        written = self.evictor.store(_pack_bytes(members[:fit]), lambda: self._write_pack(ds_id, members[:fit]))
         if written is None:
             dropped.extend(members[:fit])
             return 0

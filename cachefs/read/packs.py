@@ -33,6 +33,7 @@ from ..checksum import block_checksum
 from ..config import Config
 from ..dataset import Dataset
 from ..disk_jobs import DiskJobs
+from ..eviction import Evictor
 from ..flight import SingleFlight
 from ..funnel import OriginFunnel
 from ..index import Index
@@ -40,7 +41,6 @@ from ..index.records import pack_key
 from ..pack_assembly import PackAssemblies
 from ..planners import directory_ahead, sweep
 from ..read_stats import ReadStats
-from ..space import DiskSpace
 from ..store.packs import CORRUPT, WOULD_WAIT, Member, PackStore, read_member
 from ..tiers import TierChain, Want
 from ..types import Entry, object_key
@@ -74,15 +74,14 @@ def _read_ahead(fd: int) -> None:
 
 class PackPath:
     def __init__(self, config: Config, store: PackStore, index: Index, chain: TierChain, funnel: OriginFunnel,
-                 space: DiskSpace, disk: DiskJobs, stats: ReadStats, assemblies: PackAssemblies) -> None:
+                 evictor: Evictor, disk: DiskJobs, stats: ReadStats, assemblies: PackAssemblies) -> None:
         c = config.cache
         self.threshold, self.pack_size = c.pack_threshold, c.pack_size
         self.readahead = config.engine.dir_readahead
-        self.store, self.index, self.chain, self.funnel, self.space, self.disk, self.stats = (
-            store, index, chain, funnel, space, disk, stats)
+        self.store, self.index, self.chain, self.funnel, self.disk, self.stats = store, index, chain, funnel, disk, stats
         self.assemblies = assemblies
         self._lock = threading.Lock()  # open packs are used from FUSE threads too
-        self.pending = PendingPacks(c.pack_size, store, index, space, disk)
+        self.pending = PendingPacks(c.pack_size, store, index, evictor, disk)
         self._fds: OrderedDict[bytes, int] = OrderedDict()  # pack key → descriptor
         self._fetches = SingleFlight()  # object key → bytes
         self._listings: OrderedDict[tuple[str, int, str], tuple[list[str], list[Entry]]] = OrderedDict()
@@ -188,7 +187,10 @@ class PackPath:
         data = self.local(ds.ref.id, okey, entry.size)
         if data is not None:
             return data, False
-        fut, started = self._fetches.join(okey, lambda: self._fetch(ds, okey, entry))
+        fut = self._fetches.get(okey)
+        started = fut is None
+        if started:
+            fut = self._fetches.start(okey, self._fetch(ds, okey, entry))
         return await asyncio.shield(fut), started
 
     async def _fetch(self, ds: Dataset, okey: bytes, entry: Entry, held: Reservation | None = None) -> bytes:

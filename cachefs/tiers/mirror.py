@@ -122,7 +122,7 @@ class MirrorTier(Tier):
                 if not self._here(okey):
                     keep.append((okey, off, length, checksum))
             self.files += len(valid)
-            self.stats.note_ahead(k[0] for k in keep)  # the one a reader asked for is counted as fetched anyway
+            self.stats.note_ahead([k[0] for k in keep])  # the one a reader asked for is counted as fetched anyway
             await self.assemblies.write(ds.ref.id, pack, mirror.pack_sizes[pack], len(bounds) - 1, window, lo, raw,
                                         keep)
         return lo, raw, valid
