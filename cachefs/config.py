@@ -18,8 +18,8 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["CacheConfig", "Config", "EngineConfig", "OriginConfig", "default_cache_dir", "default_log_dir", "load_config",
-           "parse_size", "prepare_cache_dir"]
+__all__ = ["CacheConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig", "default_cache_dir",
+           "default_log_dir", "default_metrics_dir", "load_config", "parse_listen", "parse_size", "prepare_cache_dir"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -49,6 +49,14 @@ def default_log_dir() -> str:
         return "/var/log/cachefs"
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "cachefs")
+
+
+def default_metrics_dir() -> str:
+    """``/run/cachefs/metrics`` for root, else ``$XDG_RUNTIME_DIR/cachefs/metrics`` ("" without a runtime dir)."""
+    if os.geteuid() == 0:
+        return "/run/cachefs/metrics"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(runtime, "cachefs", "metrics") if runtime else ""
 
 
 def default_cache_dir() -> str:
@@ -139,10 +147,21 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics (docs/METRICS.md)."""
+
+    #: Where the node's cachefs processes write their metrics for the node's one scrape endpoint (prometheus-
+    #: client's multiprocess files; on a memory file system, never the cache disk). "" keeps each process's
+    #: metrics to itself.
+    dir: str = field(default_factory=default_metrics_dir)
+
+
+@dataclass(frozen=True)
 class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     origin: OriginConfig = field(default_factory=OriginConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self) -> Config:
         c, o, e = self.cache, self.origin, self.engine
@@ -187,6 +206,14 @@ class Config:
         if e.readahead_max < 0:
             raise ConfigError("engine.readahead_max must not be negative")
         return self
+
+
+def parse_listen(value: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) → (host, port); ConfigError naming ``flag`` otherwise."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{flag} {value!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 def prepare_cache_dir(path: str) -> None:
@@ -245,7 +272,7 @@ def resolve_size(value: str, fs_total: int, name: str) -> int:
     return parse_size(s, name)
 
 
-_SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfig}
+_SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfig, "metrics": MetricsConfig}
 _SIZE_FIELDS = {("cache", "block_size"), ("cache", "pack_threshold"), ("cache", "pack_size"),
                 ("engine", "memory_budget"), ("engine", "readahead_max"),
                 ("engine", "fetch_window")}
@@ -359,6 +386,8 @@ def reference_markdown() -> str:
                 default = "`/var/cache/cachefs` as root, else `~/.cache/cachefs`"
             elif section == "cache" and f.name == "log_dir":
                 default = "`/var/log/cachefs` as root, else `~/.local/state/cachefs`"
+            elif section == "metrics" and f.name == "dir":
+                default = "`/run/cachefs/metrics` as root, else `$XDG_RUNTIME_DIR/cachefs/metrics`"
             lines.append(f"| `{section}.{f.name}` | `CACHEFS_{section.upper()}_{f.name.upper()}` | {default} |")
     lines += ["", "Command-line flags: `--cache-dir`, `--config`, `--capacity`, `--memory-budget`, `--endpoint-url`, "
               "`--region`, `--profile`.", ""]

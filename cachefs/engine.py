@@ -24,6 +24,7 @@ import logging
 import threading
 from typing import Any
 
+from . import metrics
 from ._memory import bound_allocator
 from .config import Config, prepare_cache_dir, resolve_size
 from .dataset import Dataset
@@ -83,6 +84,7 @@ class Engine:
                                 self.disk, self.stats)
         self.packs = PackPath(config, pack_store, self.index, TierChain([self.mirror, origin], self.tier_counts),
                               self.funnel, self.evictor, self.disk, self.stats, self.assemblies)
+        self._metric_deltas = metrics.Deltas()
         self._sources: dict[tuple, Source] = {}
         self._first_snapshot: dict[str, asyncio.Lock] = {}
         self._stats_task: asyncio.Task | None = None
@@ -239,16 +241,32 @@ class Engine:
 
     # -- background work ------------------------------------------------------------------------------------
     def flush_stats(self) -> None:
-        """Write batched access statistics to the index, let go of descriptors of evicted files, and put the
-        index's reserve back if it was spent."""
+        """Write batched access statistics to the index and the metrics, let go of descriptors of evicted files,
+        and put the index's reserve back if it was spent."""
         self.packs.close_unlinked()
         self.objects.close_evicted()
         self.evictor.flush_stats()
+        self._push_metrics()
         try:
             total, free = self.store.disk_usage()
             self.index.keep_reserve(total, free - self.min_free)
         except OSError as exc:
             log.debug("index reserve: %s", exc)
+
+    def _push_metrics(self) -> None:
+        push = self._metric_deltas.push
+        served = dict(self.stats.served)
+        for (kind, result), n in served.items():
+            push(metrics.READ_BYTES, (kind, result), n)
+        push(metrics.TIER_BYTES, ("local",), sum(n for (_k, result), n in served.items() if result == "hit"))
+        tiers, fallbacks = self.tier_counts.snapshot()
+        for tier, n in tiers.items():
+            push(metrics.TIER_BYTES, (tier,), n)
+        for (tier, reason), n in fallbacks.items():
+            push(metrics.TIER_FALLBACKS, (tier, reason), n)
+        push(metrics.DISK_REFUSED, (), self.space.refused)
+        metrics.MEMORY_RESERVED.set(self.budget.used)
+        metrics.MEMORY_BUDGET.set(self.budget.limit)
 
     async def start_background(self) -> None:
         """Start the periodic statistics flush now (it otherwise starts with the first read that reaches the

@@ -29,20 +29,27 @@ class ReadStats:
         self._datasets: dict[str, list[int]] = {}  # dataset id → [hit bytes, miss bytes]
         self._dirs: dict[tuple[str, str], int] = {}  # (dataset id, directory) → accesses
         self._packs: dict[bytes, list] = {}  # pack key → [last access, reads]
+        #: Bytes served in this process since start, by (file kind, hit or miss): what the metrics report.
+        self.served: dict[tuple[str, str], int] = {}
         #: Small files read-ahead brought (directory read-ahead, the rest of a mirror window) that no reader was
         #: served yet: their first read is a miss.
         self._came_ahead: set[bytes] = set()
         #: A prefetch runs in this process: what it brings is cached on purpose, not read-ahead.
         self.warming = False
 
-    def count(self, ds_id: str, accessed_path: str | None, hit: int, miss: int) -> None:
-        """Hit and miss bytes of a dataset, and (``accessed_path``) one access of that file's directory."""
+    def count(self, ds_id: str, accessed_path: str | None, hit: int, miss: int, kind: str = "block") -> None:
+        """Hit and miss bytes of a dataset (``kind``: a ``block`` or a ``small`` file's), and (``accessed_path``)
+        one access of that file's directory."""
         with self._lock:
             s = self._datasets.get(ds_id)
             if s is None:
                 s = self._datasets[ds_id] = [0, 0]
             s[0] += hit
             s[1] += miss
+            if hit:
+                self.served[kind, "hit"] = self.served.get((kind, "hit"), 0) + hit
+            if miss:
+                self.served[kind, "miss"] = self.served.get((kind, "miss"), 0) + miss
             if accessed_path is not None:
                 key = (ds_id, accessed_path.rpartition("/")[0])
                 self._dirs[key] = self._dirs.get(key, 0) + 1

@@ -12,6 +12,7 @@ import os
 from .config import Config, resolve_size
 from .errors import ObjectNotFoundError
 from .index import Index
+from .metrics import node_totals
 from .mount_records import list_mounts
 
 __all__ = ["NodeSummary", "status_report"]
@@ -74,6 +75,9 @@ class NodeSummary:
             "hot_directories": [{**d, "url": urls.get(d["dataset"], "")} for d in
                                 self.index.hot_directories(self.config.engine.hot_dir_half_life)],
             "mounts": list_mounts(c.dir),
+            # From the metrics of this node's cachefs processes (docs/METRICS.md), when they share metrics.dir.
+            "tier_bytes": {labels[0]: int(v) for labels, v in node_totals("cachefs_tier_bytes",
+                                                                          self.config.metrics.dir).items()},
         }
 
 

@@ -26,7 +26,9 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
                          "in its container; default: this process starts them")
     cs.add_argument("--session-idle-timeout", type=float, default=600.0,
                     help="seconds a dataset's FUSE session runs with no pod using it (default 600; the cache stays)")
-    cs.set_defaults(run="csi.cli:csi")
+    cs.add_argument("--metrics-listen", metavar="HOST:PORT",
+                    help="serve Prometheus metrics here (the node pod's metrics are served by csi-mounter)")
+    cs.set_defaults(run="csi.cli:csi", node_process=True)
 
     cm = sub.add_parser("csi-mounter", parents=[base, cache],
                         help="start FUSE sessions for the CSI node plugin (its own container, so that sessions "
@@ -35,7 +37,10 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
                     help="where to listen (default unix:///run/cachefs/mounter.sock)")
     cm.add_argument("--state-dir", help="the plugin's state directory; sessions are mounted only under it "
                                         "(default: <cache dir>/csi)")
-    cm.set_defaults(run="csi.cli:csi_mounter")
+    cm.add_argument("--metrics-listen", metavar="HOST:PORT",
+                    help="serve the node's Prometheus metrics here: every cachefs process of the node pod, and what "
+                         "the cache holds (docs/METRICS.md)")
+    cm.set_defaults(run="csi.cli:csi_mounter", node_process=True)
 
 
 async def csi(args: argparse.Namespace, config: Config) -> int:
@@ -44,6 +49,7 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
     if args.session_idle_timeout < 0:
         raise ConfigError("--session-idle-timeout must be 0 or more seconds")
     state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
+    _serve_metrics(args, config)
     # In this (the main) thread, so that SIGTERM stops the server gracefully.
     serve(args.endpoint, node_id=args.node_id, cache_dir=config.cache.dir, state_dir=state_dir,
           cache_group=args.cache_group, mounter=args.mounter, session_idle_timeout=args.session_idle_timeout,
@@ -57,5 +63,14 @@ async def csi_mounter(args: argparse.Namespace, config: Config) -> int:
     from .server import socket_path
 
     state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
+    _serve_metrics(args, config)
     serve_mounter(socket_path(args.socket), os.path.join(state_dir, "sessions"), config.cache.dir)
     return 0
+
+
+def _serve_metrics(args: argparse.Namespace, config: Config) -> None:
+    if args.metrics_listen:
+        from cachefs.config import parse_listen
+        from cachefs.metrics_server import serve_metrics
+
+        serve_metrics(config, *parse_listen(args.metrics_listen, "--metrics-listen"))

@@ -33,6 +33,7 @@ from cachefs.errors import (
     ObjectNotFoundError,
     OriginUnavailableError,
 )
+from cachefs.metrics import CSI_CALLS
 
 from .gen import csi_pb2 as pb
 from .gen import csi_pb2_grpc as rpc
@@ -69,21 +70,29 @@ def _grpc_code(exc: OSError) -> grpc.StatusCode:
 
 
 def _rpc(method):
-    """Run a handler, turning our errors into gRPC status codes once, here."""
+    """Run a handler, turning our errors into gRPC status codes once, here; every call is counted by method and
+    code (cachefs_csi_calls_total)."""
     @functools.wraps(method)
     def wrapper(self, request, context):
+        code = grpc.StatusCode.OK
         try:
             return method(self, request)
         except _Abort as exc:
+            code = exc.code
             context.abort(exc.code, exc.message)
         except VolumeError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(exc))
         except MounterUnavailable as exc:
             log.error("%s: %s", method.__name__, exc)
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            code = grpc.StatusCode.UNAVAILABLE
+            context.abort(code, str(exc))
         except (CacheFSError, OSError) as exc:
             log.error("%s: %s", method.__name__, exc)
-            context.abort(_grpc_code(exc), str(exc))
+            code = _grpc_code(exc)
+            context.abort(code, str(exc))
+        finally:
+            CSI_CALLS.labels(method.__name__, code.name).inc()
     return wrapper
 
 

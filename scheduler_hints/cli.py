@@ -31,6 +31,8 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
     se.add_argument("--kubeconfig", help="kubeconfig for the watches and bindings (default: in-cluster, $KUBECONFIG)")
     se.add_argument("--standalone", action="store_true",
                     help="no API server: node details only from requests, bindings only recorded (testing)")
+    se.add_argument("--metrics-listen", metavar="HOST:PORT",
+                    help="serve the extender's Prometheus metrics here (docs/METRICS.md)")
     se.set_defaults(run="scheduler_hints.cli:scheduler_extender")
 
     pl = sub.add_parser("publish-labels", parents=[base, cache],
@@ -70,6 +72,13 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
     cfg = load_extender_config(args.extender_config)
+    if args.metrics_listen:
+        from prometheus_client import start_http_server
+
+        from cachefs.config import parse_listen
+
+        metrics_host, metrics_port = parse_listen(args.metrics_listen, "--metrics-listen")
+        start_http_server(metrics_port, addr=metrics_host)
     ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout),
                    topology_wait=cfg.topology_wait, locality_wait=cfg.locality_wait,
                    locality_slack=cfg.locality_slack)

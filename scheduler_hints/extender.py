@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import metrics
 from .gang import GangManager
 from .memo import replaced, room
 from .node_cache import NodeCache
@@ -451,7 +452,9 @@ class Extender:
         gpus = pod_gpus(pod)
         key = pod_key(pod)
         if gang is not None and gang.min_member > 1:
-            if not await self.gangs.wait_for_gang(gang, key, node, gpus):
+            complete = await self.gangs.wait_for_gang(gang, key, node, gpus)
+            metrics.GANG_WAITS.labels("complete" if complete else "timeout").inc()
+            if not complete:
                 return {"Error": f"gang {gang.key}: fewer than {gang.min_member} members could be placed within "
                                  f"{self.gangs.bind_timeout:g}s; pod {namespace}/{name} will be retried"}
         try:
@@ -459,8 +462,10 @@ class Extender:
         except Exception as exc:  # noqa: BLE001 - reported to kube-scheduler, which retries the pod
             if gang is not None:
                 self.gangs.failed(gang, key)
+            metrics.BINDINGS.labels("failed").inc()
             log.warning("binding %s/%s to %s failed: %s", namespace, name, node, exc)
             return {"Error": f"binding {namespace}/{name} to {node} failed: {exc}"}
+        metrics.BINDINGS.labels("bound").inc()
         self.bound_pods[key] = (node, gpus)
         self.pending_pods.pop(key, None)
         if gang is not None:
@@ -504,6 +509,13 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
         verb = request.match_info["verb"]
         if verb not in ("filter", "prioritize", "bind"):
             return reply({"Error": f"unknown verb {verb!r} (filter, prioritize, bind)"}, 404)
+        started = time.perf_counter()
+        response = await answer(verb, request)
+        metrics.REQUEST_SECONDS.labels(verb).observe(time.perf_counter() - started)
+        metrics.REQUESTS.labels(verb, str(response.status)).inc()
+        return response
+
+    async def answer(verb: str, request: web.Request) -> web.Response:
         try:
             body = decoder.decode(await _body(request, max_body))
         except web.HTTPRequestEntityTooLarge:

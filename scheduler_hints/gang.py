@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .metrics import GANG_ADMISSIONS
 from .pods import GangRef
 
 __all__ = ["GangManager"]
@@ -77,9 +78,11 @@ class GangManager:
         if gang.key in self._gangs:
             return True
         if not self.fits(gang, pod_gpus, free_gpus):
+            GANG_ADMISSIONS.labels("refused").inc()
             return False
         now = self._clock()
         self._gangs[gang.key] = _Gang(gang, gang.min_member * pod_gpus, now, now)
+        GANG_ADMISSIONS.labels("admitted").inc()
         return True
 
     def placed(self, gang: GangRef) -> list[tuple[str, int]]:

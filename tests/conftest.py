@@ -85,4 +85,8 @@ def resident_bytes(path: str) -> int:
 
 
 def pytest_configure(config):
+    import tempfile
+
     os.environ.setdefault("CACHEFS_TEST", "1")
+    # The metrics files of the cachefs processes tests start (mounts, CSI) go here, not into /run.
+    os.environ.setdefault("CACHEFS_METRICS_DIR", tempfile.mkdtemp(prefix="cachefs-test-metrics-"))

@@ -14,7 +14,7 @@ from ..types import DatasetRef
 from .output import print_json
 from .progress import ProgressPrinter, human_bytes
 
-__all__ = ["demo", "evict", "mount", "pack", "prefetch", "refresh", "status", "umount"]
+__all__ = ["demo", "evict", "metrics", "mount", "pack", "prefetch", "refresh", "status", "umount"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -243,4 +243,18 @@ async def umount(args: argparse.Namespace, config: Config) -> int:
     if not is_fuse_mount(mnt):
         raise ConfigError(f"{args.mountpoint}: not a cachefs mount")
     unmount(mnt)
+    return 0
+
+
+async def metrics(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
+    from ..config import parse_listen
+    from ..metrics_server import serve_metrics
+
+    host, port = parse_listen(args.listen, "--listen")
+    serve_metrics(config, host, port)
+    print(f"serving metrics on http://{args.listen}/metrics (from {config.metrics.dir or 'this process only'})",
+          file=sys.stderr)
+    await asyncio.Event().wait()  # until stopped (SIGTERM, SIGINT)
     return 0

@@ -153,9 +153,12 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument("--small-files", type=int, default=3000)
     dm.add_argument("--large-files", type=int, default=3)
     dm.add_argument("--large-size", default="64MiB")
+    mx = sub.add_parser("metrics", parents=[base, cache],
+                        help="serve this node's Prometheus metrics: every cachefs process's, and what the cache holds")
+    mx.add_argument("--listen", default="127.0.0.1:9808", help="HOST:PORT (default 127.0.0.1:9808)")
     for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("evict", ev), ("refresh", rf),
-                      ("mount", mt), ("umount", um), ("demo", dm)):
-        cmd.set_defaults(run=f"cachefs.cli.commands:{name}")
+                      ("mount", mt), ("umount", um), ("demo", dm), ("metrics", mx)):
+        cmd.set_defaults(run=f"cachefs.cli.commands:{name}", node_process=name in ("mount", "metrics"))
     # Commands of the other packages (csi, scheduler_hints) register themselves: cachefs imports neither.
     groups = {"base": base, "cache": cache, "capacity": capacity, "origin": origin}
     for ep in entry_points(group="cachefs.commands"):
@@ -183,19 +186,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose < 2:
         for noisy in ("botocore", "aiobotocore", "s3fs", "urllib3"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        config = _config(args)
+    except (CacheFSError, OSError) as exc:
+        return _fail(exc)
+    if getattr(args, "node_process", False):
+        _metrics_dir(config)  # before anything imports prometheus-client
     module, _, name = args.run.partition(":")
     handler = getattr(importlib.import_module(module), name)
     quiet_collector()  # after the imports: what they made is never walked again
     try:
-        return asyncio.run(handler(args, _config(args)))
+        return asyncio.run(handler(args, config))
     except KeyboardInterrupt:
         print("cachefs: interrupted; everything cached so far is kept, run the same command to resume",
               file=sys.stderr)
         return 130
     except (CacheFSError, OSError) as exc:
-        code = next((c for cls, c in EXIT_CODES if isinstance(exc, cls)), 1)
-        print(f"cachefs: error: {exc}", file=sys.stderr)
-        return code
+        return _fail(exc)
+
+
+def _fail(exc: BaseException) -> int:
+    print(f"cachefs: error: {exc}", file=sys.stderr)
+    return next((c for cls, c in EXIT_CODES if isinstance(exc, cls)), 1)
+
+
+def _metrics_dir(config: Config) -> None:
+    """Have this long-lived node process (and the processes it starts) write its metrics where the node's endpoint
+    reads them (docs/METRICS.md); without a usable directory each process keeps its metrics to itself. Short
+    commands (status, prefetch) do not: each would leave a file behind."""
+    import os
+
+    d = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or config.metrics.dir
+    if not d:
+        return
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        logging.getLogger("cachefs").info("metrics stay in this process: %s: %s", d, exc.strerror)
+        return
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = d
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
                         s.maybe_skip_opens()
                     if ticks % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
                         s.fs.sweep()
+                    s.metrics.flush(s.fs.stats)
                     now = (dict(s.fs.stats), s.opens_skipped)
                     if now != last and record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0],
                                                     opens_skipped=now[1]):

@@ -10,6 +10,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -18,6 +19,7 @@ from ..engine import WOULD_WAIT
 from . import wire
 from .errno_map import to_errno
 from .fs import CacheFS
+from .request_metrics import RequestMetrics
 from .wire import InitFlag, Op, OpenFlag
 
 __all__ = ["FuseSession"]
@@ -55,6 +57,9 @@ class FuseSession:
         self._lock = threading.Lock()
         self._turn = threading.Lock()  # held by the thread reading /dev/fuse (see _worker)
         self._inflight: dict[int, Future] = {}  # READs waiting on the origin, by unique (INTERRUPT cancels them)
+        self._started: dict[int, float] = {}  # READs not answered yet: when they were read
+        #: Requests answered, by opcode, and their times (kept here, added to the metrics once a second).
+        self.metrics = RequestMetrics()
         self.ops: dict[int, Callable[[int, int, memoryview], bytes | None]] = {
             Op.INIT: self._init, Op.LOOKUP: self._lookup, Op.GETATTR: self._getattr, Op.OPEN: self._open,
             Op.READ: self._read, Op.RELEASE: self._release, Op.OPENDIR: self._opendir,
@@ -117,6 +122,7 @@ class FuseSession:
         return 0
 
     def _handle(self, req: memoryview) -> _Later | None:
+        started = time.perf_counter()
         length, opcode, unique, nodeid, _uid, _gid, _pid, extlen, _ = wire.IN_HEADER.unpack_from(req)
         body = req[wire.IN_HEADER.size:length - 8 * extlen]  # extension headers (8-byte units) sit at the end
         if opcode == Op.FORGET:
@@ -136,18 +142,21 @@ class FuseSession:
         handler = self.ops.get(opcode)
         if handler is None:
             self._reply(unique, errno.EROFS if opcode in wire.WRITE_OPS else errno.ENOSYS)
-            return
+            self.metrics.answered(opcode, started, ok=False)
+            return None
+        if opcode == Op.READ:
+            self._started[unique] = started  # (a READ answered later is timed to its answer)
         try:
             payload = handler(nodeid, unique, body)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
             self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
+            self._answered(unique, opcode, started, ok=False)
             return None
-        if payload is DEFERRED:
-            return None  # answered when its fetch completes
-        if type(payload) is _Later:
-            return payload
+        if payload is DEFERRED or type(payload) is _Later:
+            return payload if payload is not DEFERRED else None  # answered when its fetch or read completes
         if payload is not None:
             self._reply(unique, 0, payload)
+        self._answered(unique, opcode, started)
         if opcode == Op.INIT and self.on_init is not None:
             self.on_init(self)
         return None
@@ -299,18 +308,26 @@ class FuseSession:
         fut.add_done_callback(lambda f: self._fetched(unique, nodeid, f))
         return DEFERRED
 
+    def _answered(self, unique: int, opcode: int, started: float, ok: bool = True) -> None:
+        if opcode == Op.READ:
+            self._started.pop(unique, None)
+        self.metrics.answered(opcode, started, ok=ok)
+
     def _fetched(self, unique: int, nodeid: int, fut) -> None:
+        started = self._started.pop(unique, None)
         with self._lock:
             if self._inflight.pop(unique, None) is None:
                 return  # interrupted: already answered EINTR
         if fut.cancelled():
             self._reply(unique, errno.EINTR)
+            self.metrics.answered(Op.READ, started, ok=False)
             return
         exc = fut.exception()
         if exc is not None:
             self._reply(unique, to_errno(exc, f"READ inode {nodeid}"))
         else:
             self._reply(unique, 0, fut.result())
+        self.metrics.answered(Op.READ, started, ok=exc is None)
 
     def _release(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         self.fs.release(nodeid, wire.RELEASE_IN.unpack_from(body)[0])
@@ -406,13 +423,16 @@ class _Later:
         self.unique, self.nodeid, self.fh, self.offset, self.size = unique, nodeid, fh, offset, size
 
     def finish(self, session: FuseSession) -> None:
+        started = session._started.get(self.unique)
         try:
             payload = session._read_waiting(self.unique, self.nodeid, self.fh, self.offset, self.size)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
             session._reply(self.unique, to_errno(exc, f"READ inode {self.nodeid}"))
+            session._answered(self.unique, Op.READ, started, ok=False)
             return
         if payload is not DEFERRED:
             session._reply(self.unique, 0, payload)
+            session._answered(self.unique, Op.READ, started)
 
 
 def _op_name(opcode: int) -> str:

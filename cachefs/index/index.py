@@ -15,7 +15,18 @@ import lmdb
 
 from ..errors import CacheFSError, CacheFullError
 from .env import open_env
-from .records import BLOCK, DIR_HEAT, DS_STATS, FORMAT_VERSION, PACKED, TOTALS, ObjectRecord, PackRecord, pack_key
+from .records import (
+    BLOCK,
+    DIR_HEAT,
+    DS_STATS,
+    EVICTED,
+    FORMAT_VERSION,
+    PACKED,
+    TOTALS,
+    ObjectRecord,
+    PackRecord,
+    pack_key,
+)
 from .reserve import IndexReserve, reserve_size
 
 __all__ = ["DatasetRecord", "DatasetStats", "Index", "ManifestInfo"]
@@ -211,7 +222,7 @@ class Index:
         return self._write(body)
 
     def remove_object(self, okey: bytes) -> int:
-        """Forget an object and all its blocks; returns the bytes it held."""
+        """Forget an object and all its blocks (evicted); returns the bytes it held."""
         def body(txn):
             raw = txn.pop(okey, db=self._objects)
             if raw is None:
@@ -224,6 +235,7 @@ class Index:
                         break
             self._add_stats(txn, rec.dataset, cached=-rec.cached_bytes)
             self._add_totals(txn, -rec.cached_bytes, -1)
+            self._add_evicted(txn, rec.cached_bytes)
             return rec.cached_bytes
 
         return self._write(body)
@@ -297,8 +309,9 @@ class Index:
                     break
                 yield rec
 
-    def remove_pack(self, dataset: str, pack_id: int) -> int:
-        """Forget a pack and every member still pointing into it; returns its size on disk (0 if unknown)."""
+    def remove_pack(self, dataset: str, pack_id: int, *, evicted: bool = True) -> int:
+        """Forget a pack and every member still pointing into it (``evicted``, or found gone from the disk);
+        returns its size on disk (0 if unknown)."""
         pkey = pack_key(dataset, pack_id)
         def body(txn):
             raw = txn.pop(pkey, db=self._packs)
@@ -318,6 +331,8 @@ class Index:
                         break
             self._add_stats(txn, dataset, cached=-rec.live_bytes)
             self._add_totals(txn, -rec.size, -gone)
+            if evicted:
+                self._add_evicted(txn, rec.size)
             return rec.size
 
         return self._write(body)
@@ -372,6 +387,16 @@ class Index:
                 self._add_stats(txn, ds, hit=hit, miss=miss)
 
         return self._write(body)
+
+    def evicted(self) -> tuple[int, int]:
+        """(objects and packs evicted, bytes they held) since the index was made."""
+        with self.env.begin() as txn:
+            raw = txn.get(b"evicted", db=self._meta)
+        return EVICTED.unpack(raw) if raw else (0, 0)
+
+    def _add_evicted(self, txn, nbytes: int) -> None:
+        count, total = EVICTED.unpack(txn.get(b"evicted", db=self._meta) or EVICTED.pack(0, 0))
+        txn.put(b"evicted", EVICTED.pack(count + 1, total + nbytes), db=self._meta)
 
     def _add_totals(self, txn, nbytes: int, objects: int) -> None:
         """Add to the node's cached bytes and object count (never below zero)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-__all__ = ["BLOCK", "DIR_HEAT", "DS_STATS", "FORMAT_VERSION", "PACKED", "TOTALS", "ObjectRecord", "PackRecord"]
+__all__ = ["BLOCK", "DIR_HEAT", "DS_STATS", "EVICTED", "FORMAT_VERSION", "PACKED", "TOTALS", "ObjectRecord",
+           "PackRecord"]
 
 #: Bump when any record layout or the data-file layout changes; an index of another version is refused.
 FORMAT_VERSION = 2
@@ -16,6 +17,8 @@ BLOCK = struct.Struct("<QI")
 DS_STATS = struct.Struct("<QQQ")
 #: meta b"totals": cached bytes over all datasets, number of cached objects.
 TOTALS = struct.Struct("<QQ")
+#: meta b"evicted": objects and packs evicted since the index was made, and the bytes they held.
+EVICTED = struct.Struct("<QQ")
 _OBJECT = struct.Struct("<QQdQI")
 #: packed: key = object key (16 B); value = pack id, offset of the member's bytes in the pack file, length,
 #: xxh3-64 of the member.

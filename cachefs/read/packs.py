@@ -124,7 +124,7 @@ class PackPath:
         pkey = pack_key(ds_id, pack_id)
         fd = self._open_pack(ds_id, pack_id, pkey)
         if fd is None:  # the file is gone but the index still names it (removed behind our back)
-            self.index.remove_pack(ds_id, pack_id)
+            self.index.remove_pack(ds_id, pack_id, evicted=False)
             return None
         try:
             data = read_member(fd, offset, length, checksum, wait)
@@ -257,7 +257,7 @@ class PackPath:
         access = stream is None or not stream.counted
         if stream is not None:
             stream.counted = True
-        self.stats.count(ds.ref.id, entry.path if access else None, hit, miss)
+        self.stats.count(ds.ref.id, entry.path if access else None, hit, miss, "small")
 
 
 class PackedFile(OpenFile):

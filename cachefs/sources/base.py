@@ -13,10 +13,12 @@ import abc
 import asyncio
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from ..errors import CacheFSError, TruncatedBodyError, translate_origin_error
+from ..metrics import ORIGIN_REQUESTS, ORIGIN_RETRIES, ORIGIN_SECONDS, result_of
 from ..types import Entry
 
 __all__ = ["RetryPolicy", "RetryingSource", "Source", "with_retries"]
@@ -67,22 +69,25 @@ class RetryPolicy:
 
 
 async def with_retries(
-    call: Callable[[], Awaitable[T]], *, what: str, policy: RetryPolicy, timeout: float | None = None
+    call: Callable[[], Awaitable[T]], *, what: str, policy: RetryPolicy, timeout: float | None = None,
+    kind: str = "other",
 ) -> T:
     """Run ``call`` until it succeeds, fails with a non-retryable error, or runs out of attempts.
 
-    Every failure is translated into the cachefs tree once, here.
+    Every failure is translated into the cachefs tree once, here; every attempt is counted (``kind``: get,
+    head, list, put, connect) with its result and time, every retry with its reason.
     """
     attempt = 0
     while True:
+        started = time.perf_counter()
         try:
-            if timeout is None:
-                return await call()
-            return await asyncio.wait_for(call(), timeout)
+            got = await (call() if timeout is None else asyncio.wait_for(call(), timeout))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             err = exc if isinstance(exc, CacheFSError) else translate_origin_error(exc, what)
+            ORIGIN_SECONDS.labels(kind).observe(time.perf_counter() - started)
+            ORIGIN_REQUESTS.labels(kind, result_of(err)).inc()
             attempt += 1
             if not err.retryable or attempt >= policy.max_attempts:
                 if err is exc:
@@ -90,7 +95,12 @@ async def with_retries(
                 raise err from exc
             delay = policy.delay(attempt)
             log.debug("retrying %s after %s (attempt %d, sleeping %.3fs)", what, type(err).__name__, attempt, delay)
+            ORIGIN_RETRIES.labels(result_of(err)).inc()
             await asyncio.sleep(delay)
+            continue
+        ORIGIN_SECONDS.labels(kind).observe(time.perf_counter() - started)
+        ORIGIN_REQUESTS.labels(kind, "ok").inc()
+        return got
 
 
 class RetryingSource(Source):
@@ -107,7 +117,8 @@ class RetryingSource(Source):
         return self.inner.list_tree(root_url)
 
     async def stat(self, url: str) -> Entry:
-        return await with_retries(lambda: self.inner.stat(url), what=url, policy=self.policy, timeout=self.timeout)
+        return await with_retries(lambda: self.inner.stat(url), what=url, policy=self.policy, timeout=self.timeout,
+                                  kind="head")
 
     async def read(self, url: str, version: str, start: int, end: int) -> bytes | bytearray:
         if end <= start:
@@ -119,11 +130,11 @@ class RetryingSource(Source):
                 raise TruncatedBodyError(f"{url} [{start}, {end}): got {len(data)} of {end - start} bytes")
             return data
 
-        return await with_retries(attempt, what=url, policy=self.policy, timeout=self.timeout)
+        return await with_retries(attempt, what=url, policy=self.policy, timeout=self.timeout, kind="get")
 
     async def write(self, url: str, data: bytes) -> Entry:
         return await with_retries(lambda: self.inner.write(url, data), what=url, policy=self.policy,
-                                  timeout=self.timeout + len(data) / (10 * 1024 * 1024))
+                                  timeout=self.timeout + len(data) / (10 * 1024 * 1024), kind="put")
 
     async def connect(self) -> None:
         await self.inner.connect()

@@ -67,7 +67,7 @@ class FsspecSource(Source):
     async def list_tree(self, root_url: str) -> AsyncIterator[list[Entry]]:
         root = self._strip(root_url).rstrip("/")
         found = await with_retries(
-            lambda: self._call("find", root, detail=True), what=f"list {root_url}", policy=self._policy
+            lambda: self._call("find", root, detail=True), what=f"list {root_url}", policy=self._policy, kind="list"
         )
         batch = []
         for name, info in found.items():
@@ -78,7 +78,8 @@ class FsspecSource(Source):
         if batch:
             yield batch
         else:  # nothing found: say why (find, like exists, takes an unreachable server for an empty tree)
-            await with_retries(lambda: self._call("info", root), what=f"list {root_url}", policy=self._policy)
+            await with_retries(lambda: self._call("info", root), what=f"list {root_url}", policy=self._policy,
+                               kind="head")
 
     async def close(self) -> None:
         """Close the backend's HTTP session, if it keeps one (http, gcs, …)."""

@@ -114,7 +114,8 @@ class S3Source(Source):
                     fs.session = AioSession(**fs.kwargs)
                     fs.session.get_component("response_parser_factory").set_parser_defaults(
                         timestamp_parser=parse_timestamp)
-                self._client = await with_retries(fs.set_session, what="connect to S3", policy=self._policy)
+                self._client = await with_retries(fs.set_session, what="connect to S3", policy=self._policy,
+                                                  kind="connect")
                 self._fs = fs
                 if o.direct_get:
                     self._direct = SignedGet(self._client, self._pool, o.connect_timeout, parse_timestamp)
@@ -139,6 +140,7 @@ class S3Source(Source):
                         what=f"list s3://{bucket}/{pfx}",
                         policy=self._policy,
                         timeout=self._origin.request_timeout,
+                        kind="list",
                     )
                     batch = [
                         Entry(
@@ -177,7 +179,7 @@ class S3Source(Source):
         if not found_any:
             # An empty listing is either an empty prefix or a missing bucket; only the latter is an error.
             await with_retries(lambda: client.head_bucket(Bucket=bucket), what=f"s3://{bucket}",
-                               policy=self._policy, timeout=self._origin.request_timeout)
+                               policy=self._policy, timeout=self._origin.request_timeout, kind="head")
 
     async def _list_page(self, client, bucket: str, prefix: str, delimiter: str, token: str | None) -> dict:
         """One ListObjectsV2 page: signed and read by us once the bucket's listing route is known, else (and for

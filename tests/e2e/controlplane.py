@@ -207,6 +207,7 @@ _PATHS = {
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
     "DaemonSet": ("/apis/apps/v1", "daemonsets", True), "Deployment": ("/apis/apps/v1", "deployments", True),
     "Job": ("/apis/batch/v1", "jobs", True),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "CSIDriver": ("/apis/storage.k8s.io/v1", "csidrivers", False),
     "StorageClass": ("/apis/storage.k8s.io/v1", "storageclasses", False),
     "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),

@@ -91,3 +91,30 @@ def test_second_scheduler_manifests_are_accepted(k8s):
         assert dep["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"] == config["metadata"]["name"]
     finally:
         delete_all(k8s, objs)
+
+
+def test_monitoring_scrapes_the_ports_the_pods_expose_and_the_dashboard_uses_known_metrics():
+    """deploy/monitoring: the PodMonitor selects the node and extender pods by their labels and scrapes a port they
+    name `metrics` (prometheus-operator's CRD is not on the test API server, so this is checked here); every metric
+    the dashboard queries is one docs/METRICS.md lists."""
+    import json
+    import re
+
+    (pm,) = docs(REPO / "deploy" / "monitoring" / "podmonitor.yaml")
+    pods = {}
+    for name in ("node-daemonset.yaml", "scheduler-extender.yaml"):
+        for d in docs(BASE / name):
+            if d["kind"] in ("DaemonSet", "Deployment"):
+                pods[d["metadata"]["name"]] = d["spec"]["template"]
+    components = pm["spec"]["selector"]["matchExpressions"][0]["values"]
+    port = pm["spec"]["podMetricsEndpoints"][0]["port"]
+    for template in pods.values():
+        labels = template["metadata"]["labels"]
+        assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert labels["app.kubernetes.io/component"] in components
+        assert any(p.get("name") == port for c in template["spec"]["containers"] for p in c.get("ports", []))
+    dash = json.loads((REPO / "deploy" / "monitoring" / "grafana-dashboard.json").read_text())
+    used = {re.sub(r"_(bucket|count|sum)$", "", n) for p in dash["panels"] for t in p["targets"]
+            for n in re.findall(r"cachefs_[a-z_]+", t["expr"])}
+    listed = set(re.findall(r"`(cachefs_[a-z_]+)`", (REPO / "docs" / "METRICS.md").read_text()))
+    assert used and used <= listed, used - listed

@@ -1,0 +1,172 @@
+"""Prometheus metrics of cachefs's own processes: every name in one place (docs/METRICS.md lists them; a test
+keeps the two in step).
+
+A node runs many cachefs processes (FUSE holders and daemons, the CSI plugin and its mounter); their counters
+reach one scrape endpoint through prometheus-client's multiprocess mode: each process writes its values to
+memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR`` (set from ``metrics.dir`` by the ``cachefs`` command before
+this module is imported), and the endpoint (:mod:`cachefs.metrics_server`) sums them. What the whole node holds
+(bytes cached, per-dataset hits and misses, evictions) is read from the index at scrape time instead
+(:mod:`cachefs.node_metrics`), the same figures ``cachefs status`` prints.
+
+Counters on hot paths are kept as plain integers where they arise and added here in batches (every statistics
+flush, about once a second), so that a warm read pays for no metric update.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import os
+import threading
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from .errors import (
+    AccessDeniedError,
+    CacheFSError,
+    CredentialsError,
+    ObjectNotFoundError,
+    OriginUnavailableError,
+    StaleObjectError,
+    ThrottledError,
+    TransientOriginError,
+    TruncatedBodyError,
+)
+
+__all__ = ["BatchedHistogram", "Deltas", "multiprocess", "node_totals", "result_of"]
+
+#: Latency buckets of origin requests: a local S3 answers in a millisecond, a cross-region one in a second.
+_ORIGIN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Latency buckets of FUSE requests: page-cache answers take microseconds, a cold read the origin's time.
+FUSE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5, 10.0)
+
+# -- the read path ---------------------------------------------------------------------------------------------
+READ_BYTES = Counter("cachefs_read_bytes", "Bytes served to readers (mount, cachefs::), by file kind and whether they "
+                     "were on this node before the read asked (hit) or fetched for it (miss)", ["kind", "result"])
+TIER_BYTES = Counter("cachefs_tier_bytes", "Bytes served to the read paths, by where they came from", ["tier"])
+TIER_FALLBACKS = Counter("cachefs_tier_fallbacks", "Times a tier could not serve and the next one was asked, by "
+                         "tier and reason", ["tier", "reason"])
+ORIGIN_REQUESTS = Counter("cachefs_origin_requests", "Requests to the origin (each attempt), by kind and result",
+                          ["kind", "result"])
+ORIGIN_SECONDS = Histogram("cachefs_origin_request_duration_seconds", "Time of origin requests (each attempt)",
+                           ["kind"], buckets=_ORIGIN_BUCKETS)
+ORIGIN_RETRIES = Counter("cachefs_origin_retries", "Origin requests tried again, by the reason", ["reason"])
+MEMORY_RESERVED = Gauge("cachefs_memory_reserved_bytes", "Memory held for fetches in flight (all live processes)",
+                        multiprocess_mode="livesum")
+MEMORY_BUDGET = Gauge("cachefs_memory_budget_bytes", "The memory budgets of the live processes, summed",
+                      multiprocess_mode="livesum")
+DISK_REFUSED = Counter("cachefs_disk_writes_refused", "Writes of cached bytes refused for want of room (served "
+                       "without caching)")
+
+# -- FUSE ------------------------------------------------------------------------------------------------------
+FUSE_REQUESTS = Counter("cachefs_fuse_requests", "FUSE requests answered, by opcode and whether with an error",
+                        ["op", "result"])
+FUSE_SECONDS = Histogram("cachefs_fuse_request_duration_seconds", "Time from reading a FUSE request to answering it",
+                         ["op"], buckets=FUSE_BUCKETS)
+FUSE_OPENS = Counter("cachefs_fuse_opens", "Files opened through mounts, by how their reads are served "
+                     "(passthrough: by the kernel from the cache file; userspace: through the daemon)", ["mode"])
+FUSE_USERSPACE_BYTES = Counter("cachefs_fuse_userspace_read_bytes", "Bytes read through mounts by the daemon "
+                               "(passthrough reads never reach it)")
+FUSE_RESTARTS = Counter("cachefs_fuse_daemon_restarts", "FUSE daemons a mount's holder started again after one died")
+FUSE_FAILING = Gauge("cachefs_fuse_mounts_failing", "Mounts whose holder answers requests itself because no daemon "
+                     "can start", multiprocess_mode="livesum")
+
+# -- CSI -------------------------------------------------------------------------------------------------------
+CSI_CALLS = Counter("cachefs_csi_calls", "CSI calls answered, by method and gRPC code", ["method", "code"])
+
+
+def multiprocess() -> bool:
+    """Whether this process writes its metrics for a node-wide endpoint (PROMETHEUS_MULTIPROC_DIR is set)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+def node_totals(metric: str, directory: str) -> dict[tuple[str, ...], float]:
+    """The sums over the node's processes of one counter (its ``_total`` samples by label values), read from
+    their multiprocess files in ``directory`` (``metrics.dir``); empty without them. What ``cachefs status``
+    shows of the metrics."""
+    d = directory
+    if not d or not os.path.isdir(d):
+        return {}
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import multiprocess as mp
+
+    registry = CollectorRegistry()
+    mp.MultiProcessCollector(registry, path=d)
+    out: dict[tuple[str, ...], float] = {}
+    for family in registry.collect():
+        if family.name == metric:
+            for sample in family.samples:
+                if sample.name == metric + "_total":
+                    out[tuple(sample.labels.values())] = sample.value
+    return out
+
+
+def _forget_at_exit() -> None:
+    from prometheus_client import multiprocess as mp
+
+    try:
+        mp.mark_process_dead(os.getpid())  # its live gauges go; its counters keep counting in the sums
+    except OSError:
+        pass
+
+
+if multiprocess():
+    atexit.register(_forget_at_exit)
+
+
+def result_of(exc: BaseException | None) -> str:
+    """The ``result`` label of an origin request that ended with ``exc`` (None: it succeeded)."""
+    if exc is None:
+        return "ok"
+    for cls, name in ((ObjectNotFoundError, "not_found"), (CredentialsError, "credentials"),
+                      (AccessDeniedError, "denied"), (StaleObjectError, "changed"), (ThrottledError, "throttled"),
+                      (TruncatedBodyError, "truncated"), (OriginUnavailableError, "unreachable"),
+                      (TransientOriginError, "transient"), (CacheFSError, "error")):
+        if isinstance(exc, cls):
+            return name
+    return "error"
+
+
+class Deltas:
+    """Adds cumulative figures kept elsewhere (plain integers on a hot path) to counters: each :meth:`push`
+    adds what grew since the last one."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple, int | float] = {}
+        self._lock = threading.Lock()
+
+    def push(self, counter, labels: tuple[str, ...], total: int | float) -> None:
+        with self._lock:
+            grew = total - self._last.get((counter, labels), 0)
+            self._last[counter, labels] = total
+        if grew > 0:
+            (counter.labels(*labels) if labels else counter).inc(grew)
+
+
+class BatchedHistogram:
+    """Observations of a labelled histogram kept locally (a few bisects, no lock: one writer thread per label
+    set is not required, a lost increment under a race only undercounts) and added to it in :meth:`flush`."""
+
+    def __init__(self, histogram: Histogram, buckets: tuple[float, ...]) -> None:
+        self.histogram, self.bounds = histogram, buckets
+        self._counts: dict[str, list] = {}  # label → [per-bucket counts (+inf last), sum]
+        self._lock = threading.Lock()
+
+    def observe(self, label: str, seconds: float) -> None:
+        got = self._counts.get(label)
+        if got is None:
+            got = self._counts.setdefault(label, [[0] * (len(self.bounds) + 1), 0.0])
+        got[0][bisect.bisect_left(self.bounds, seconds)] += 1
+        got[1] += seconds
+
+    def flush(self) -> None:
+        with self._lock:
+            taken, self._counts = self._counts, {}
+        for label, (counts, total) in taken.items():
+            child = self.histogram.labels(label)
+            # prometheus-client keeps one (non-cumulative) value per bucket and adds them up when collected; its
+            # observe() is one increment of one of them, so n observations in a bucket are one increment of n.
+            for value, n in zip(child._buckets, counts, strict=True):
+                if n:
+                    value.inc(n)
+            child._sum.inc(total)

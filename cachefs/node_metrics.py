@@ -1,0 +1,68 @@
+"""What the whole node holds, as Prometheus metrics read from the index at scrape time: the same figures
+``cachefs status`` prints (:class:`~cachefs.status.NodeSummary`), so the two never disagree."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .config import Config
+from .errors import ObjectNotFoundError
+from .status import NodeSummary
+
+__all__ = ["NodeCollector"]
+
+
+class NodeCollector:
+    """A prometheus-client collector over one cache directory (nothing is written, an absent cache is empty)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._summary: NodeSummary | None = None
+
+    def _node(self) -> NodeSummary | None:
+        if self._summary is None:
+            try:
+                self._summary = NodeSummary(self.config)
+            except ObjectNotFoundError:
+                return None
+        return self._summary
+
+    def describe(self):
+        return []  # (collected at scrape time; prometheus-client then skips the describe-time collect)
+
+    def collect(self):
+        node = self._node()
+        if node is None:
+            return
+        rep = node.report()
+        for name, doc, key in (("cachefs_cache_capacity_bytes", "The cache's capacity", "capacity_bytes"),
+                               ("cachefs_cache_used_bytes", "Bytes cached on this node", "used_bytes"),
+                               ("cachefs_cache_disk_free_bytes", "Free space of the cache's file system",
+                                "disk_free_bytes"),
+                               ("cachefs_cache_min_free_bytes", "The free-space floor the cache keeps",
+                                "min_free_bytes"),
+                               ("cachefs_cache_objects", "Objects and packed files cached on this node", "objects")):
+            yield GaugeMetricFamily(name, doc, value=rep[key])
+        cached = GaugeMetricFamily("cachefs_dataset_cached_bytes", "Bytes of a dataset cached on this node",
+                                   labels=["dataset"])
+        size = GaugeMetricFamily("cachefs_dataset_size_bytes", "A dataset's size (its current manifest)",
+                                 labels=["dataset"])
+        served = CounterMetricFamily("cachefs_dataset_read_bytes", "Bytes of a dataset served to readers on this "
+                                     "node: hit (on the node before the read asked) or miss (fetched for it)",
+                                     labels=["dataset", "result"])
+        for d in rep["datasets"]:
+            cached.add_metric([d["url"]], d["cached_bytes"])
+            size.add_metric([d["url"]], d["total_bytes"])
+            served.add_metric([d["url"], "hit"], d["hit_bytes"])
+            served.add_metric([d["url"], "miss"], d["miss_bytes"])
+        yield from (cached, size, served)
+        count, nbytes = node.index.evicted()
+        yield CounterMetricFamily("cachefs_evictions", "Objects and packs evicted from this node's cache", value=count)
+        yield CounterMetricFamily("cachefs_evicted_bytes", "Bytes evicted from this node's cache", value=nbytes)
+        mounts = GaugeMetricFamily("cachefs_mounts", "Mounts of this cache, by state", labels=["state"])
+        states: dict[str, int] = {}
+        for m in rep["mounts"]:
+            states[m.get("state", "serving")] = states.get(m.get("state", "serving"), 0) + 1
+        for state, n in sorted(states.items()):
+            mounts.add_metric([state], n)
+        yield mounts
