@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHMARKS = ["bench.read_bench", "bench.manifest_bench", "bench.eviction_bench", "bench.memory_bench",
+BENCHMARKS = ["bench.read_bench", "bench.warm_read_bench", "bench.manifest_bench", "bench.eviction_bench", "bench.memory_bench",
               "bench.fuse_bench", "bench.full_disk_bench", "bench.small_files_bench", "bench.pack_bench",
               "bench.extender_bench", "bench.placement_sim"]
 

@@ -44,6 +44,9 @@ class OpenObject:
     last_access: float = field(default_factory=time.time)
     #: Blocks read-ahead brought that no reader was served yet (their first serving is a miss).
     ahead: set[int] = field(default_factory=set)
+    #: Every block is present and verified through this handle, and none is waiting to count as read-ahead: a
+    #: reader that holds it may read the file directly (BlockFile.read_local).
+    whole: bool = False
 
     @property
     def key(self) -> bytes:
@@ -60,8 +63,10 @@ class OpenObjects:
         self._access: dict[bytes, tuple[float, int]] = {}  # of objects closed since the last take_access
 
     # -- use ------------------------------------------------------------------------------------------------
-    def acquire(self, ds_id: str, entry: Entry) -> OpenObject:
-        okey = object_key(ds_id, entry.path, entry.version)
+    def acquire(self, ds_id: str, entry: Entry, okey: bytes | None = None) -> OpenObject:
+        """``entry``'s open object (opened now if need be), in use until :meth:`release`; ``okey``: its object key,
+        when the caller has it (it is a hash)."""
+        okey = okey or object_key(ds_id, entry.path, entry.version)
         with self._lock:
             ob = self._open.get(okey)
             if ob is None:

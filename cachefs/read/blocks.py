@@ -36,8 +36,9 @@ from ..funnel import OriginFunnel
 from ..open_objects import OpenObject, OpenObjects
 from ..planners import blocks_ahead, grow_window
 from ..read_stats import ReadStats
+from ..store.disk import PIECE
 from ..tiers import TierChain, Want
-from ..types import Entry
+from ..types import Entry, object_key
 from .stream import OpenFile, ReadStream
 
 __all__ = ["BlockFile", "BlockPath"]
@@ -67,14 +68,19 @@ class BlockPath:
         return BlockFile(self, ds, entry, self.objects.pin(ds.ref.id, entry) if pin else None, ReadStream())
 
     # -- local reads (any thread) ---------------------------------------------------------------------------
-    def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None) -> bytes | None:
-        ob = self.objects.acquire(ds.ref.id, entry)
+    def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None,
+                   okey: bytes | None = None) -> bytes | None:
+        ob = self.objects.acquire(ds.ref.id, entry, okey)
         try:
             bs = self.block_size
-            if not all(self.objects.has(ob, i) for i in range(start // bs, (end - 1) // bs + 1)):
+            first, last = start // bs, (end - 1) // bs
+            if not all(self.objects.has(ob, i) for i in range(first, last + 1)):
                 return None
             try:
-                data = ob.stored.read(start, end, ob.present)
+                if stream is not None and first == last:
+                    data = self._within_block(ob, stream, first, start, end)
+                else:
+                    data = ob.stored.read(start, end, ob.present)
             except CorruptBlockError as exc:
                 self._drop_corrupt(ob, exc)
                 return None
@@ -84,9 +90,33 @@ class BlockPath:
                 self._advance(stream, start, end)
                 if stream.window:
                     self._keep_ahead(ds, entry, ob, stream)
+            if not ob.whole and not ob.ahead and len(ob.present) == ob.nblocks and ob.stored.all_verified(ob.nblocks):
+                ob.whole = True
             return data
         finally:
             self.objects.release(ob)
+
+    def read_whole(self, ob: OpenObject, ds: Dataset, start: int, end: int, stream: ReadStream) -> bytes:
+        """``[start, end)`` of an object this reader holds that is whole here (OpenObject.whole): read directly,
+        nothing to fetch, verify or read ahead."""
+        data = ob.stored.read_verified(start, end)
+        self._count(ob, ds.ref.id, stream, hit=len(data))
+        stream.next_offset = end
+        return data
+
+    def _within_block(self, ob: OpenObject, stream: ReadStream, idx: int, start: int, end: int) -> bytes:
+        """``[start, end)`` of block ``idx`` for a reader moving through it: a block not verified yet is read and
+        verified whole once, and its pieces serve this read and the stream's next ones in the block (in a fresh
+        process every block is verified at its first read: without this, it was read twice)."""
+        kept = stream.block
+        if kept is None or kept[0] != ob.key or kept[1] != idx:
+            if ob.stored.verified(idx):
+                return ob.stored.read(start, end, ob.present)
+            kept = stream.block = (ob.key, idx, ob.stored.read_block(idx, ob.present[idx]))
+        lo = idx * self.block_size
+        if end >= min(lo + self.block_size, ob.record.size):
+            stream.block = None  # the reader is through this block
+        return _slice(kept[2], start - lo, end - lo)
 
     def _keep_ahead(self, ds: Dataset, entry: Entry, ob: OpenObject, stream: ReadStream) -> None:
         """From a thread serving local reads: have the event loop fetch what is missing in the read-ahead
@@ -110,9 +140,10 @@ class BlockPath:
             self.objects.release(ob)
 
     # -- reads that may fetch (event loop) ------------------------------------------------------------------
-    async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None) -> bytes:
+    async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None,
+                   okey: bytes | None = None) -> bytes:
         self.loop = asyncio.get_running_loop()
-        ob = self.objects.acquire(ds.ref.id, entry)
+        ob = self.objects.acquire(ds.ref.id, entry, okey)
         try:
             bs = self.block_size
             first, last = start // bs, (end - 1) // bs
@@ -177,6 +208,7 @@ class BlockPath:
         if idx is None:
             return
         ob.present.pop(idx, None)
+        ob.whole = False
         ob.stored.forget_verified(idx)
         if ob.stored.linked():  # (an evicted file's record is gone already, or names another file's block)
             self.objects.index.drop_block(ob.key, idx)
@@ -327,6 +359,17 @@ class BlockPath:
         return [*self._background, *self._fetches.runs()]
 
 
+def _slice(pieces: list[bytes], lo: int, hi: int) -> bytes:
+    """Bytes ``[lo, hi)`` of the concatenation of ``pieces`` (each PIECE bytes but the last): a piece itself
+    when the range is exactly one, so that aligned reads cost no copy."""
+    i, j = lo // PIECE, (hi - 1) // PIECE
+    if i == j:
+        piece = pieces[i]
+        a, b = lo - i * PIECE, hi - i * PIECE
+        return piece if (a, b) == (0, len(piece)) else piece[a:b]
+    return b"".join([pieces[i][lo - i * PIECE:], *pieces[i + 1:j], pieces[j][:hi - j * PIECE]])
+
+
 class BlockFile(OpenFile):
     """A large file, read in blocks. With ``stream`` None (a one-off read) every read is an access of its own
     and starts no read-ahead."""
@@ -336,18 +379,22 @@ class BlockFile(OpenFile):
     def __init__(self, path: BlockPath, ds: Dataset, entry: Entry, pin: OpenObject | None,
                  stream: ReadStream | None) -> None:
         self.path, self.ds, self.entry, self.pin, self.stream = path, ds, entry, pin, stream
+        self.okey = pin.key if pin is not None else object_key(ds.ref.id, entry.path, entry.version)
 
     def read_local(self, start: int, end: int, *, wait: bool = True) -> bytes | None:
         end = min(end, self.entry.size)
         if start >= end:
             return b""
-        return self.path.read_local(self.ds, self.entry, start, end, self.stream)
+        ob = self.pin
+        if ob is not None and ob.whole and self.stream is not None:  # the warm read's path: straight to the file
+            return self.path.read_whole(ob, self.ds, start, end, self.stream)
+        return self.path.read_local(self.ds, self.entry, start, end, self.stream, self.okey)
 
     async def read(self, start: int, end: int) -> bytes:
         end = min(end, self.entry.size)
         if start >= end:
             return b""
-        return await self.path.read(self.ds, self.entry, start, end, self.stream)
+        return await self.path.read(self.ds, self.entry, start, end, self.stream, self.okey)
 
     def local_fd(self) -> int | None:
         """A new descriptor of the pinned, complete cache file (a descriptor, not a path eviction could swap)."""

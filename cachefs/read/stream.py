@@ -23,6 +23,9 @@ class ReadStream:
     #: whole, so each later piece is a slice of it, not another read and checksum of the whole member (the
     #: kernel asks for a page-cached file in read-ahead pieces of 128 KiB: 8 whole reads of a 1 MiB file).
     member: tuple[bytes, bytes] | None = None
+    #: (object key, block, its pieces) of the block this stream is reading through: read and verified whole at
+    #: the stream's first read in it, so that the next reads are its pieces, not reads of the block again.
+    block: tuple[bytes, int, list[bytes]] | None = None
 
 
 class OpenFile(abc.ABC):

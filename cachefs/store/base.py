@@ -34,6 +34,23 @@ class StoredObject(abc.ABC):
         CorruptBlockError naming the block (``err.block``)."""
 
     @abc.abstractmethod
+    def verified(self, idx: int) -> bool:
+        """Whether block ``idx`` was verified through this handle already."""
+
+    @abc.abstractmethod
+    def all_verified(self, nblocks: int) -> bool:
+        """Whether every one of the object's ``nblocks`` blocks was verified through this handle."""
+
+    @abc.abstractmethod
+    def read_verified(self, start: int, end: int) -> bytes:
+        """``[start, end)``, from blocks this handle verified already."""
+
+    @abc.abstractmethod
+    def read_block(self, idx: int, expected: tuple[int, int]) -> list[bytes]:
+        """Block ``idx`` whole and verified (``expected``: its xxh3 and length), in the pieces it was read in;
+        CorruptBlockError if it fails."""
+
+    @abc.abstractmethod
     def forget_verified(self, idx: int) -> None:
         """Verify block ``idx`` again on its next read (it was dropped and will be rewritten)."""
 

@@ -29,9 +29,10 @@ from ..checksum import block_hasher
 from ..errors import CacheFSError, CacheFullError, CorruptBlockError
 from .base import BlockStore, StoredObject
 
-__all__ = ["DiskObject", "DiskStore"]
+__all__ = ["PIECE", "DiskObject", "DiskStore"]
 
-_VERIFY_PIECE = 1024 * 1024
+#: Blocks are read and verified in pieces of this size (see DiskObject.read).
+PIECE = _VERIFY_PIECE = 1024 * 1024
 
 
 def _disk_error(exc: OSError, what: str) -> CacheFSError:
@@ -92,6 +93,26 @@ class DiskObject(StoredObject):
             err.block = idx
             raise err
         self._verified.add(idx)
+
+    def verified(self, idx: int) -> bool:
+        return idx in self._verified
+
+    def all_verified(self, nblocks: int) -> bool:
+        return len(self._verified) >= nblocks
+
+    def read_verified(self, start: int, end: int) -> bytes:
+        """``[start, end)`` of blocks this handle verified already (the caller knows they are)."""
+        return os.pread(self._fd, end - start, start)
+
+    def read_block(self, idx: int, expected: tuple[int, int]) -> list[bytes]:
+        """Block ``idx`` whole, verified, as the pieces it was read in (:data:`PIECE` bytes each, the last
+        shorter): a reader moving through the block slices its next reads from them instead of reading the
+        block again."""
+        lo = idx * self._bs
+        hi = min(self.size, lo + self._bs)
+        parts: list[bytes] = []
+        self._verify(idx, lo, hi, expected, lo, hi, parts)
+        return parts
 
     def forget_verified(self, idx: int) -> None:
         self._verified.discard(idx)

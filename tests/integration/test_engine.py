@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import pytest
 
@@ -305,5 +306,42 @@ def test_eviction_prefers_objects_read_once(config, s3):
         assert engine.cached_bytes(ds, hot) == hot.size
         assert engine.index.object(engine.object_key(ds, hot)).hits == 2
         assert engine.index.totals()[0] <= engine.capacity
+
+    run(engine, scenario, src)
+
+
+def test_a_reader_moving_through_blocks_gets_every_byte_and_a_corrupt_block_is_still_caught(config, s3):
+    """Blocks of several verification pieces (2 MiB blocks, 1 MiB pieces) read by one open file in reads that
+    straddle pieces and blocks: each block is read and verified once and its pieces serve the next reads; a block
+    corrupted on disk is caught at that first read in a fresh process and fetched again."""
+    data = os.urandom(5 * 1024 * 1024 + 12345)
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=2 * 1024 * 1024))
+    engine, src, url = small_cache(config, s3, "pieces", {"f.bin": data}, capacity="100MB")
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        e = ds.file("f.bin")
+        await engine.ensure_cached(ds, e)
+        path = engine.local_path(ds, e)
+        for size in (700_000, 1 << 20, 3_000_001):
+            engine.close()  # a fresh process: nothing verified yet
+            f = engine.open(ds, e)
+            got, pos = [], 0
+            while pos < e.size:
+                piece = f.read_local(pos, pos + size)
+                assert piece is not None and len(piece) == min(size, e.size - pos)
+                got.append(piece)
+                pos += len(piece)
+            f.close()
+            assert b"".join(got) == data, size
+        engine.close()
+        with open(path, "r+b") as fh:  # bit rot in the second block, in its second piece
+            fh.seek(2 * 1024 * 1024 + 1024 * 1024 + 10)
+            fh.write(b"garbage")
+        f = engine.open(ds, e)
+        assert f.read_local(0, 1 << 20) == data[: 1 << 20]
+        assert f.read_local(2 * 1024 * 1024, 2 * 1024 * 1024 + 100) is None  # caught: not served
+        assert await f.read(2 * 1024 * 1024, e.size) == data[2 * 1024 * 1024:]  # fetched again
+        f.close()
 
     run(engine, scenario, src)
