@@ -265,8 +265,7 @@ class Engine:
         for (tier, reason), n in fallbacks.items():
             push(metrics.TIER_FALLBACKS, (tier, reason), n)
         push(metrics.DISK_REFUSED, (), self.space.refused)
-        metrics.MEMORY_RESERVED.set(self.budget.used)
-        metrics.MEMORY_BUDGET.set(self.budget.limit)
+        metrics.safely(lambda: (metrics.MEMORY_RESERVED.set(self.budget.used), metrics.MEMORY_BUDGET.set(self.budget.limit)))
 
     async def start_background(self) -> None:
         """Start the periodic statistics flush now (it otherwise starts with the first read that reaches the

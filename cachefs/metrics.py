@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import logging
 import os
 import threading
+from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -33,7 +35,7 @@ from .errors import (
     TruncatedBodyError,
 )
 
-__all__ = ["BatchedHistogram", "Deltas", "multiprocess", "node_totals", "result_of"]
+__all__ = ["BatchedHistogram", "Deltas", "multiprocess", "node_totals", "result_of", "safely"]
 
 #: Latency buckets of origin requests: a local S3 answers in a millisecond, a cross-region one in a second.
 _ORIGIN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -73,6 +75,22 @@ FUSE_FAILING = Gauge("cachefs_fuse_mounts_failing", "Mounts whose holder answers
 
 # -- CSI -------------------------------------------------------------------------------------------------------
 CSI_CALLS = Counter("cachefs_csi_calls", "CSI calls answered, by method and gRPC code", ["method", "code"])
+
+
+_log = logging.getLogger(__name__)
+_warned = False
+
+
+def safely(update: Callable[[], object]) -> None:
+    """Run a metric update; a failure (the metrics directory's file system full, say) is logged once and never
+    reaches the request being counted."""
+    global _warned
+    try:
+        update()
+    except OSError as exc:
+        if not _warned:
+            _warned = True
+            _log.warning("metrics not recorded: %s", exc)
 
 
 def multiprocess() -> bool:
@@ -140,7 +158,7 @@ class Deltas:
             grew = total - self._last.get((counter, labels), 0)
             self._last[counter, labels] = total
         if grew > 0:
-            (counter.labels(*labels) if labels else counter).inc(grew)
+            safely(lambda: (counter.labels(*labels) if labels else counter).inc(grew))
 
 
 class BatchedHistogram:
@@ -163,10 +181,13 @@ class BatchedHistogram:
         with self._lock:
             taken, self._counts = self._counts, {}
         for label, (counts, total) in taken.items():
-            child = self.histogram.labels(label)
-            # prometheus-client keeps one (non-cumulative) value per bucket and adds them up when collected; its
-            # observe() is one increment of one of them, so n observations in a bucket are one increment of n.
-            for value, n in zip(child._buckets, counts, strict=True):
-                if n:
-                    value.inc(n)
-            child._sum.inc(total)
+            safely(lambda label=label, counts=counts, total=total: self._add(label, counts, total))
+
+    def _add(self, label: str, counts: list[int], total: float) -> None:
+        child = self.histogram.labels(label)
+        # prometheus-client keeps one (non-cumulative) value per bucket and adds them up when collected; its
+        # observe() is one increment of one of them, so n observations in a bucket are one increment of n.
+        for value, n in zip(child._buckets, counts, strict=True):
+            if n:
+                value.inc(n)
+        child._sum.inc(total)

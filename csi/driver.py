@@ -33,7 +33,7 @@ from cachefs.errors import (
     ObjectNotFoundError,
     OriginUnavailableError,
 )
-from cachefs.metrics import CSI_CALLS
+from cachefs.metrics import CSI_CALLS, safely
 
 from .gen import csi_pb2 as pb
 from .gen import csi_pb2_grpc as rpc
@@ -92,7 +92,7 @@ def _rpc(method):
             code = _grpc_code(exc)
             context.abort(code, str(exc))
         finally:
-            CSI_CALLS.labels(method.__name__, code.name).inc()
+            safely(CSI_CALLS.labels(method.__name__, code.name).inc)
     return wrapper
 
 

@@ -126,7 +126,7 @@ async def publish_labels(args: argparse.Namespace, config: Config) -> int:
                 result = await pub.publish_once(force=True)
             except ApiError as exc:
                 raise CacheFSError(f"node {node}: {exc}{rbac_hint(exc)}") from None
-                print_json({"node": node, "patched": result.patched, "labels_set": list(result.labels_changed),
+            print_json({"node": node, "patched": result.patched, "labels_set": list(result.labels_changed),
                         "labels_removed": list(result.labels_removed)})
         else:
             await pub.run(args.interval)

@@ -224,6 +224,10 @@ def _metrics_dir(config: Config) -> None:
     except OSError as exc:
         logging.getLogger("cachefs").info("metrics stay in this process: %s: %s", d, exc.strerror)
         return
+    if not os.access(d, os.W_OK | os.X_OK):  # (another user's: a metric must never stop this process)
+        logging.getLogger("cachefs").info("metrics stay in this process: %s is not writable", d)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        return
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = d
 
 

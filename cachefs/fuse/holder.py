@@ -294,7 +294,7 @@ class MountHolder:
     def _set_state(self, state: str, reason: str) -> None:
         with self._state_lock:
             self.state, self.reason = state, reason
-            metrics.FUSE_FAILING.set(1 if state == "failing" else 0)
+            metrics.safely(lambda: metrics.FUSE_FAILING.set(1 if state == "failing" else 0))
             if self.cache_dir:
                 record_holder(self.cache_dir, self.mountpoint, self.url, state, reason)
 
@@ -315,7 +315,7 @@ class MountHolder:
                 started = time.monotonic()
                 self.generation += 1
                 if self.generation > 1:
-                    metrics.FUSE_RESTARTS.inc()
+                    metrics.safely(metrics.FUSE_RESTARTS.inc)
                 self._ready.clear()
                 self.daemon = subprocess.Popen(daemon_argv, env={**(env or os.environ),
                                                                  "CACHEFS_FUSE_HOLDER": self.socket_path})

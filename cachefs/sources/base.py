@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from ..errors import CacheFSError, TruncatedBodyError, translate_origin_error
-from ..metrics import ORIGIN_REQUESTS, ORIGIN_RETRIES, ORIGIN_SECONDS, result_of
+from ..metrics import ORIGIN_REQUESTS, ORIGIN_RETRIES, ORIGIN_SECONDS, result_of, safely
 from ..types import Entry
 
 __all__ = ["RetryPolicy", "RetryingSource", "Source", "with_retries"]
@@ -86,8 +86,7 @@ async def with_retries(
             raise
         except Exception as exc:
             err = exc if isinstance(exc, CacheFSError) else translate_origin_error(exc, what)
-            ORIGIN_SECONDS.labels(kind).observe(time.perf_counter() - started)
-            ORIGIN_REQUESTS.labels(kind, result_of(err)).inc()
+            _count(kind, result_of(err), started)
             attempt += 1
             if not err.retryable or attempt >= policy.max_attempts:
                 if err is exc:
@@ -95,12 +94,16 @@ async def with_retries(
                 raise err from exc
             delay = policy.delay(attempt)
             log.debug("retrying %s after %s (attempt %d, sleeping %.3fs)", what, type(err).__name__, attempt, delay)
-            ORIGIN_RETRIES.labels(result_of(err)).inc()
+            safely(ORIGIN_RETRIES.labels(result_of(err)).inc)
             await asyncio.sleep(delay)
             continue
-        ORIGIN_SECONDS.labels(kind).observe(time.perf_counter() - started)
-        ORIGIN_REQUESTS.labels(kind, "ok").inc()
+        _count(kind, "ok", started)
         return got
+
+
+def _count(kind: str, result: str, started: float) -> None:
+    seconds = time.perf_counter() - started
+    safely(lambda: (ORIGIN_SECONDS.labels(kind).observe(seconds), ORIGIN_REQUESTS.labels(kind, result).inc()))
 
 
 class RetryingSource(Source):
