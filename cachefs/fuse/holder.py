@@ -150,32 +150,38 @@ class ErrorResponder:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.answered = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._thread: tuple[threading.Thread, threading.Event] | None = None
 
     @property
     def running(self) -> bool:
         return self._thread is not None
 
     def start(self) -> None:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="cachefs-fuse-fallback", daemon=True)
-            self._thread.start()
+        with self._lock:
+            if self._thread is None:
+                # Each thread has a stop event of its own: a start right after a stop must not un-stop the
+                # thread that stop() is waiting for.
+                stop = threading.Event()
+                t = threading.Thread(target=self._run, args=(stop,), name="cachefs-fuse-fallback", daemon=True)
+                self._thread = (t, stop)
+                t.start()
 
     def stop(self) -> None:
         """Stop answering; returns once no request will be read here any more."""
-        t, self._thread = self._thread, None
-        if t is not None:
-            self._stop.set()
+        with self._lock:
+            running, self._thread = self._thread, None
+        if running is not None:
+            t, stop = running
+            stop.set()
             t.join()
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         buf = bytearray(wire.MAX_REQUEST)
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
-        while not self._stop.is_set():
+        while not stop.is_set():
             if not poller.poll(100):  # short, so that stop() returns quickly
                 continue
             try:
@@ -227,6 +233,8 @@ class MountHolder:
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._state_lock = threading.Lock()
+        #: Held while the error responder starts, and while a daemon that announced itself ready takes over.
+        self._responder_lock = threading.Lock()
 
     # -- mount ----------------------------------------------------------------------------------------------
     def mount(self) -> None:
@@ -281,9 +289,10 @@ class MountHolder:
             socket.send_fds(conn, [msg], [self.fd])
             return
         if op == "ready":
-            self.responder.stop()  # before the daemon reads its first request
+            with self._responder_lock:  # (so that _fail_open cannot start answering again meanwhile)
+                self._ready.set()
+                self.responder.stop()  # before the daemon reads its first request
             self._served = True
-            self._ready.set()
             self._set_state("serving", "")
         elif op == "failed":
             self._set_state(self.state, str(request.get("reason", ""))[:1000])
@@ -360,11 +369,14 @@ class MountHolder:
     def _fail_open(self, down_since: float) -> None:
         """Answer the kernel's requests here (with errors) if the mount was served once and no daemon has
         served it for ``answer_after`` seconds."""
-        if self._served and not self.responder.running and time.monotonic() - down_since >= self.answer_after:
+        with self._responder_lock:
+            if self._ready.is_set() or not self._served or self.responder.running \
+                    or time.monotonic() - down_since < self.answer_after:
+                return
             log.error("%s: no FUSE daemon for %.0f s; answering requests with errors until one starts",
                       self.mountpoint, time.monotonic() - down_since)
             self.responder.start()
-            self._set_state("failing", self.reason or "the FUSE daemon cannot start (see the mount's log)")
+        self._set_state("failing", self.reason or "the FUSE daemon cannot start (see the mount's log)")
 
     def stop(self) -> None:
         """Unmount and let the daemon finish (it sees the unmount and exits)."""
