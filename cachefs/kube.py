@@ -1,7 +1,7 @@
-"""A small Kubernetes API client (aiohttp): just what the publisher and the extender need — GET, PATCH, POST,
-list and watch — authenticated the two ways a node agent or scheduler component runs: in-cluster (the pod's
-service-account token, re-read as kubelet rotates it, and the cluster CA) or from a kubeconfig (token or
-client certificate, CA file or inline data).
+"""A small Kubernetes API client (aiohttp): what the node agent, the label publisher and the extender need —
+GET, PATCH, POST, list and watch — authenticated the two ways a node agent or scheduler component runs:
+in-cluster (the pod's service-account token, re-read as kubelet rotates it, and the cluster CA) or from a
+kubeconfig (token or client certificate, CA file or inline data). Why not kubernetes-asyncio: docs/CLUSTER.md.
 """
 
 from __future__ import annotations
@@ -180,10 +180,12 @@ class KubeClient:
     async def merge_patch(self, path: str, patch: Any) -> Any:
         return await self.request("PATCH", path, patch, content_type="application/merge-patch+json")
 
-    async def watch(self, path: str, resource_version: str, *, timeout_s: int = 300) -> AsyncIterator[dict[str, Any]]:
+    async def watch(self, path: str, resource_version: str, *, timeout_s: int = 300,
+                    params: Mapping[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
         """Watch events (``{"type": ..., "object": ...}``) from ``resource_version``; ends when the server closes
-        the stream (every ``timeout_s``). An ``ERROR`` event is raised as :class:`ApiError` (410 means relist)."""
-        params = {"watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
+        the stream (every ``timeout_s``). An ``ERROR`` event is raised as :class:`ApiError` (410 means relist).
+        ``params``: more query parameters (a label selector)."""
+        params = {**(params or {}), "watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                   "timeoutSeconds": str(timeout_s)}
         try:
             async with self._session_get().get(

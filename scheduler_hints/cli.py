@@ -85,7 +85,8 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
     if args.standalone:
         await serve(ext, host.strip("[]"), int(port))
         return 0
-    from .kube import KubeClient, load_kube_config
+    from cachefs.kube import KubeClient, load_kube_config
+
     from .watch import ClusterWatch, KubeBinder
 
     client = KubeClient(load_kube_config(args.kubeconfig))
@@ -103,7 +104,8 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
 async def publish_labels(args: argparse.Namespace, config: Config) -> int:
     import os
 
-    from .kube import ApiError, KubeClient, load_kube_config
+    from cachefs.kube import ApiError, KubeClient, load_kube_config
+
     from .labels import validate_label_value
     from .publisher import Publisher, rbac_hint
     from .summary import IndexSummary

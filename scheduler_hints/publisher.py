@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .kube import ApiError, KubeClient
+from cachefs.kube import ApiError, KubeClient
+
 from .labels import DATASET_PREFIX, NODE_ANNOTATION, desired_metadata, is_ours
 from .summary import SummarySource
 

@@ -13,8 +13,9 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cachefs.kube import ApiError, KubeClient
+
 from .extender import Binder, Extender
-from .kube import ApiError, KubeClient
 from .pods import CSI_DRIVER, URL_ATTRIBUTES, VolumeIndex, pod_gpus, pod_key
 
 __all__ = ["ClusterWatch", "KubeBinder", "Reflector", "WatchedVolumes"]

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from cachefs.errors import ConfigError
-from scheduler_hints.kube import load_kube_config
+from cachefs.kube import load_kube_config
 from scheduler_hints.labels import DatasetCache, NodeCacheSummary, dataset_key, desired_metadata
 from scheduler_hints.publisher import metadata_patch
 
