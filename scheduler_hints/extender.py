@@ -298,9 +298,11 @@ class Extender:
         if gang.key not in self._gang_first_seen:
             room(self._gang_first_seen, 10_000)
         if not self.gangs.fits(gang, gpus, slots * gpus):
-            # It fits nowhere yet: the wait for one domain starts when it could run somewhere, not before (a gang
-            # that queued behind another must not skip that wait and spread out while the other one leaves).
-            self._gang_first_seen[gang.key] = now
+            # It fits nowhere yet: the wait for one domain starts when it first fits, not before. The clock is
+            # cleared, not set to now: kube-scheduler may not ask again for minutes, and a clock set at the last
+            # refusal would have run out by the time GPUs free up one pod at a time (the gang was then admitted
+            # at the first moment the freed GPUs added up, across domains).
+            self._gang_first_seen.pop(gang.key, None)
             return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
         reason = self._locality_refusal(gang.key, pod, need, gpus, lambda: cluster)
         if reason:

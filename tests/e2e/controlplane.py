@@ -33,6 +33,10 @@ EXTENDER_TOKEN = "cachefs-e2e-extender"
 EXTENDER_USER = "system:serviceaccount:cachefs-system:cachefs-scheduler-extender"
 
 
+#: The extender's topology_wait in these tests (seconds).
+EXTENDER_TOPOLOGY_WAIT = 15
+
+
 class ControlPlaneError(RuntimeError):
     pass
 
@@ -155,8 +159,12 @@ class ControlPlane:
     def start_extender(self) -> Proc:
         """Run ``cachefs scheduler-extender`` as its service account; returns once it answers /healthz."""
         cachefs = shutil.which("cachefs", path=os.path.dirname(sys.executable)) or "cachefs"
+        config = self.workdir / "extender.yaml"
+        # A shorter topology wait than the default 60 s, so that the gang test can outlast it (see there).
+        config.write_text(f"topology_wait: {EXTENDER_TOPOLOGY_WAIT}\n")
         proc = self._spawn("extender", [cachefs, "scheduler-extender", f"--listen=127.0.0.1:{self.extender_port}",
-                                        f"--kubeconfig={self.extender_kubeconfig}", "-v"])
+                                        f"--kubeconfig={self.extender_kubeconfig}", f"--extender-config={config}",
+                                        "-v"])
         self._wait("extender", lambda: urllib.request.urlopen(
             f"http://127.0.0.1:{self.extender_port}/healthz", timeout=2).status == 200)
         return proc

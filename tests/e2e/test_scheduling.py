@@ -12,11 +12,13 @@ import time
 
 import pytest
 
+from cachefs.kube import ApiError, KubeClient, KubeConfig
 from cachefs.types import dataset_id
-from scheduler_hints.kube import ApiError, KubeClient, KubeConfig
 from scheduler_hints.labels import DatasetCache, NodeCacheSummary, dataset_key, desired_metadata
 from scheduler_hints.publisher import Publisher
 from scheduler_hints.summary import StaticSummary
+
+from .controlplane import EXTENDER_TOPOLOGY_WAIT
 
 pytestmark = pytest.mark.slow
 
@@ -201,11 +203,13 @@ def gang_pod(name: str, gang: str, size: int = 4, gpus: int = 8) -> dict:
     return pod
 
 
-def delete_gang(k8s, gang: str, ns: str = "default") -> None:
-    """Delete a gang's pods in one request, as a job controller tearing a job down does. (One by one, a
-    waiting gang is admitted as soon as the freed GPUs add up, possibly across cliques while the rest of a
-    clique is still held: topology is a preference, admission does not wait for a better one.)"""
-    k8s.request("DELETE", f"/api/v1/namespaces/{ns}/pods?labelSelector=e2e-gang%3D{gang}&gracePeriodSeconds=0")
+def delete_gang_one_by_one(k8s, names: list[str], pause: float) -> None:
+    """Delete a gang's pods one at a time with ``pause`` seconds between them, as a real cluster does (kubelets
+    stop them one by one; the extender sees one watch event at a time)."""
+    for i, name in enumerate(names):
+        if i:
+            time.sleep(pause)
+        delete_pod(k8s, name)
 
 
 def test_gangs_land_in_one_clique_and_never_deadlock(k8s):
@@ -237,7 +241,11 @@ def test_gangs_land_in_one_clique_and_never_deadlock(k8s):
     winner, loser = (b, c) if len(bound(b)) == 4 else (c, b)
     assert len(bound(winner)) == 4 and bound(loser) == []
     assert len({GANG_NODES[node_of(k8s, n)][0] for n in winner}) == 1  # one clique
-    delete_gang(k8s, "gb" if winner is b else "gc")
+    # kube-scheduler's last look at the waiting gang is now longer ago than the extender's topology wait; the
+    # winner's pods then go one by one, the whole clique freed within that wait. The gang must wait for the clique,
+    # not go across cliques as soon as the freed GPUs add up (it did, while its wait was timed from its last refusal).
+    time.sleep(EXTENDER_TOPOLOGY_WAIT + 5)
+    delete_gang_one_by_one(k8s, list(reversed(winner)), pause=2.0)
     wait_for(lambda: len(bound(loser)) == 4, 120, "the waiting gang bound after GPUs freed")
     assert len({GANG_NODES[node_of(k8s, n)][0] for n in loser}) == 1
     for p in loser:
