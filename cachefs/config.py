@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["CacheConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig", "default_cache_dir",
+__all__ = ["CacheConfig", "ClusterConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig", "default_cache_dir",
            "default_log_dir", "default_metrics_dir", "load_config", "parse_listen", "parse_size", "prepare_cache_dir"]
 
 _UNITS = {
@@ -157,11 +157,51 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The cache group this node belongs to (docs/CLUSTER.md). Empty ``group``: the node caches alone."""
+
+    #: The group's name (the node pod's ``cachefs.io/cache-group`` label; one group per rack or leaf, say).
+    group: str = ""
+    #: This member's name: the node's ("" = ``$NODE_NAME``, else the host name).
+    node_name: str = ""
+    #: Where the agent's peer server listens, HOST:PORT.
+    listen: str = "0.0.0.0:7480"
+    #: How the other members reach this one, HOST:PORT ("" = ``$POD_IP`` and the listen port).
+    advertise: str = ""
+    #: Datasets this node fetches from the origin for the group when it owns a key, as URL prefixes separated
+    #: by commas, with the node's own origin settings. "" = only datasets a reader on this node opened itself.
+    #: A peer can never make a node fetch anything else.
+    serve: str = ""
+    #: A static member list, ``name=host:port[@weight],…`` (one host, tests); "" = the Kubernetes API.
+    peers: str = ""
+    #: The headless Service over the group's node pods whose EndpointSlices are the members, NAMESPACE/NAME.
+    service: str = "cachefs-system/cachefs-peers"
+    #: This member's projected ServiceAccount token (audience ``cachefs.io/peer``) sent with every request.
+    token_file: str = "/var/run/secrets/cachefs/token"
+    #: Instead of tokens and TokenReview: a file with a secret shared by the group (one host, tests).
+    secret_file: str = ""
+    #: A member gone from the API stays placed, asked last, this many seconds (a restarting pod keeps its keys).
+    drain_grace: float = 600.0
+    #: A peer that has not answered within this many seconds gets company: the next candidate is asked too.
+    hedge_after: float = 0.25
+    #: Keep bytes read from peers on this node as guest data (evicted before what the node owns).
+    keep_guest: bool = True
+    #: A key whose owner serves more than this many bytes/s is hot and spread over more members (0 = from
+    #: ``nic_speed``: a quarter of it).
+    hot_bytes_per_s: int = 0
+    #: The node's NIC speed in bits/s, from which the hot threshold is derived.
+    nic_speed: int = 25_000_000_000
+    #: Extra members that hold a hot key.
+    hot_replicas: int = 2
+
+
+@dataclass(frozen=True)
 class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     origin: OriginConfig = field(default_factory=OriginConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> Config:
         c, o, e = self.cache, self.origin, self.engine
@@ -205,7 +245,24 @@ class Config:
             raise ConfigError("engine.fetch_window must hold at least one block")
         if e.readahead_max < 0:
             raise ConfigError("engine.readahead_max must not be negative")
+        self._validate_cluster()
         return self
+
+    def _validate_cluster(self) -> None:
+        k = self.cluster
+        if k.group and not _LABEL_VALUE.fullmatch(k.group):
+            raise ConfigError(f"cluster.group {k.group!r}: not a Kubernetes label value (63 characters of "
+                              "[A-Za-z0-9._-], starting and ending alphanumeric)")
+        parse_listen(k.listen, "cluster.listen")
+        if k.advertise:
+            parse_listen(k.advertise, "cluster.advertise")
+        ns, sep, name = k.service.partition("/")
+        if not sep or not ns or not name:
+            raise ConfigError(f"cluster.service {k.service!r}: expected NAMESPACE/NAME")
+        if k.drain_grace < 0 or k.hedge_after <= 0:
+            raise ConfigError("need cluster.drain_grace >= 0 and cluster.hedge_after > 0")
+        if k.hot_bytes_per_s < 0 or k.nic_speed <= 0 or not 0 <= k.hot_replicas <= 16:
+            raise ConfigError("need cluster.hot_bytes_per_s >= 0, cluster.nic_speed > 0, 0 <= cluster.hot_replicas <= 16")
 
 
 def parse_listen(value: str, flag: str) -> tuple[str, int]:
@@ -272,7 +329,9 @@ def resolve_size(value: str, fs_total: int, name: str) -> int:
     return parse_size(s, name)
 
 
-_SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfig, "metrics": MetricsConfig}
+_SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfig, "metrics": MetricsConfig,
+             "cluster": ClusterConfig}
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 _SIZE_FIELDS = {("cache", "block_size"), ("cache", "pack_threshold"), ("cache", "pack_size"),
                 ("engine", "memory_budget"), ("engine", "readahead_max"),
                 ("engine", "fetch_window")}

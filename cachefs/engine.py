@@ -32,8 +32,10 @@ from .disk_jobs import DiskJobs
 from .errors import ConfigError
 from .eviction import Evictor
 from .funnel import OriginFunnel
+from .group import GroupLink
 from .index import DatasetRecord, Index
 from .manifest import ManifestStore, take_snapshot
+from .manifest.shipping import ReceivedListing
 from .open_objects import OpenObjects
 from .pack_assembly import PackAssemblies
 from .read import BlockFile, BlockPath, OpenFile, PackedFile, PackPath, ReadStream
@@ -80,9 +82,12 @@ class Engine:
         self.tier_counts = TierCounts()
         origin = OriginTier(self.funnel)
         self.mirror = MirrorTier(self.funnel, self.assemblies, self.index, self.stats)
-        self.blocks = BlockPath(config, self.objects, TierChain([origin], self.tier_counts), self.funnel, self.evictor,
-                                self.disk, self.stats)
-        self.packs = PackPath(config, pack_store, self.index, TierChain([self.mirror, origin], self.tier_counts),
+        # Missing bytes: the cache group's members first (while the node is in one), then the mirror, the origin.
+        self.group = GroupLink(c.dir, block_size=c.block_size, hedge_after=config.cluster.hedge_after)
+        self.blocks = BlockPath(config, self.objects, TierChain([self.group.block_tier, origin], self.tier_counts),
+                                self.funnel, self.evictor, self.disk, self.stats)
+        self.packs = PackPath(config, pack_store, self.index,
+                              TierChain([self.group.small_tier, self.mirror, origin], self.tier_counts),
                               self.funnel, self.evictor, self.disk, self.stats, self.assemblies)
         self._metric_deltas = metrics.Deltas()
         self._sources: dict[tuple, Source] = {}
@@ -122,7 +127,9 @@ class Engine:
         rec = self.index.dataset(ref.id)
         if rec is None or not rec.manifests:
             async with self._first_snapshot.setdefault(ref.id, asyncio.Lock()):  # one listing per process
-                rec = await take_snapshot(self.index, src, ref, only_if_missing=True)
+                shipped = await self.group.manifest(ref)  # listed once per group, not once per node
+                listing = ReceivedListing(shipped) if shipped else src
+                rec = await take_snapshot(self.index, listing, ref, only_if_missing=True)
         version = rec.current if manifest_version is None else int(manifest_version)
         if rec.manifest(version) is None:
             have = ", ".join(str(m.version) for m in rec.manifests) or "none"
@@ -142,6 +149,15 @@ class Engine:
             if (url == rec.url or url.startswith(rec.url + "/")) and (best is None or len(rec.url) > len(best.url)):
                 best = rec
         return best
+
+    # -- the cache group ------------------------------------------------------------------------------------
+    def fetch_for_group(self) -> None:
+        """Stop asking the cache group for missing bytes: this process (the agent) is the one that fetches
+        them for the group, from the mirror and the origin; asking the group would ask itself."""
+        self.group.serving = True
+        for chain, tier in ((self.blocks.chain, self.group.block_tier), (self.packs.chain, self.group.small_tier)):
+            if tier in chain.tiers:
+                chain.tiers.remove(tier)
 
     # -- files ----------------------------------------------------------------------------------------------
     def packed(self, entry: Entry) -> bool:
@@ -280,6 +296,7 @@ class Engine:
         while True:
             await asyncio.sleep(self.config.engine.stats_flush_interval)
             await asyncio.to_thread(self.flush_stats)
+            self.group.refresh()
 
     async def evict(self, *, force: bool = False) -> int:
         """Evict until under the low watermark; returns bytes freed."""
@@ -309,6 +326,7 @@ class Engine:
         sources, self._sources = list(self._sources.values()), {}
         for src in sources:
             await src.close()
+        await self.group.close()
         self.close()
 
     def close(self) -> None:

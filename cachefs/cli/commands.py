@@ -258,3 +258,10 @@ async def metrics(args: argparse.Namespace, config: Config) -> int:
           file=sys.stderr)
     await asyncio.Event().wait()  # until stopped (SIGTERM, SIGINT)
     return 0
+
+
+async def agent(args: argparse.Namespace, config: Config) -> int:
+    from ..agent import run_agent
+
+    return await run_agent(config, kubeconfig=args.kubeconfig, metrics_listen=args.metrics_listen,
+                           ready_file=args.ready_file)

@@ -156,9 +156,27 @@ def _parser() -> argparse.ArgumentParser:
     mx = sub.add_parser("metrics", parents=[base, cache],
                         help="serve this node's Prometheus metrics: every cachefs process's, and what the cache holds")
     mx.add_argument("--listen", default="127.0.0.1:9808", help="HOST:PORT (default 127.0.0.1:9808)")
+    ag = sub.add_parser("agent", parents=common,
+                        help="run this node's agent: serve its cache group (peer server, membership), /healthz, "
+                             "/readyz and, with --metrics-listen, the node's metrics (docs/CLUSTER.md)")
+    g = ag.add_argument_group("cache group (docs/CLUSTER.md; each also a cluster.* setting)")
+    g.add_argument("--group", dest="cluster_group", help="the cache group's name (cluster.group)")
+    g.add_argument("--node", dest="cluster_node_name", help="this member's name (default: $NODE_NAME, host name)")
+    g.add_argument("--listen", dest="cluster_listen", help="peer server HOST:PORT (default 0.0.0.0:7480)")
+    g.add_argument("--advertise", dest="cluster_advertise", help="HOST:PORT the members reach this one at")
+    g.add_argument("--peers", dest="cluster_peers",
+                   help="static members NAME=HOST:PORT[@WEIGHT],... instead of the Kubernetes API")
+    g.add_argument("--serve", dest="cluster_serve",
+                   help="dataset URL prefixes this node fetches for the group, comma-separated")
+    g.add_argument("--secret-file", dest="cluster_secret_file",
+                   help="a secret shared by the group instead of ServiceAccount tokens (one host, tests)")
+    g.add_argument("--token-file", dest="cluster_token_file", help="this node's projected ServiceAccount token")
+    ag.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then $KUBECONFIG)")
+    ag.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve the node's metrics here")
+    ag.add_argument("--ready-file", help=argparse.SUPPRESS)  # internal (tests): written once membership is known
     for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("evict", ev), ("refresh", rf),
-                      ("mount", mt), ("umount", um), ("demo", dm), ("metrics", mx)):
-        cmd.set_defaults(run=f"cachefs.cli.commands:{name}", node_process=name in ("mount", "metrics"))
+                      ("mount", mt), ("umount", um), ("demo", dm), ("metrics", mx), ("agent", ag)):
+        cmd.set_defaults(run=f"cachefs.cli.commands:{name}", node_process=name in ("mount", "metrics", "agent"))
     # Commands of the other packages (csi, scheduler_hints) register themselves: cachefs imports neither.
     groups = {"base": base, "cache": cache, "capacity": capacity, "origin": origin}
     for ep in entry_points(group="cachefs.commands"):
@@ -175,6 +193,9 @@ def _config(args: argparse.Namespace) -> Config:
         "origin_region": getattr(args, "region", None),
         "origin_profile": getattr(args, "profile", None),
     }
+    for key, value in vars(args).items():
+        if key.startswith("cluster_"):
+            overrides[key] = value
     return load_config(getattr(args, "config", None), overrides=overrides)
 
 

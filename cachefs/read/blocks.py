@@ -291,6 +291,32 @@ class BlockPath:
         self.evictor.note_stored(len(data))
         return True
 
+    # -- serving peers ----------------------------------------------------------------------------------------
+    async def serve(self, ds: Dataset, entry: Entry, idx: int, *, fetch: bool) -> tuple[bytes, int] | None:
+        """Block ``idx`` for a peer, with the checksum recorded for it: from this node's disk (verified), or with
+        ``fetch`` (this node owns it) fetched through this process's chain first, once whoever asks; None if it
+        is not here and not this node's to fetch. Only bytes the index records are ever sent."""
+        bs = self.block_size
+        length = min(bs, entry.size - idx * bs)
+        ob = self.objects.acquire(ds.ref.id, entry)
+        try:
+            for _ in range(2):
+                if self.objects.has(ob, idx):
+                    try:
+                        data = ob.stored.read(idx * bs, idx * bs + length, ob.present)
+                    except CorruptBlockError as exc:
+                        self._drop_corrupt(ob, exc)
+                        continue
+                    return data, ob.present[idx][0]
+                if not fetch:
+                    return None
+                data = await self._block(ds, entry, ob, idx)
+                if data is not None:
+                    return data, block_checksum(data)
+            return None
+        finally:
+            self.objects.release(ob)
+
     # -- blocks kept in memory ------------------------------------------------------------------------------
     def _keep_unstored(self, key: tuple[bytes, int], data: bytes) -> None:
         if key in self._unstored or len(data) > self.unstored_limit:

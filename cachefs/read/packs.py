@@ -203,6 +203,19 @@ class PackPath:
             await self.pending.add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data))
         return data
 
+    # -- serving peers ----------------------------------------------------------------------------------------
+    async def serve(self, ds: Dataset, entry: Entry, *, fetch: bool) -> tuple[bytes, int] | None:
+        """The whole small file for a peer, verified, with its checksum: from this node, or with ``fetch`` (this
+        node owns its directory) fetched first; None otherwise."""
+        okey = object_key(ds.ref.id, entry.path, entry.version)
+        data = await asyncio.to_thread(self.local, ds.ref.id, okey, entry.size)
+        if data is None and fetch:
+            data, _ = await self.fetch(ds, okey, entry)
+        if data is None:
+            return None
+        data = bytes(data)
+        return data, block_checksum(data)
+
     # -- directory read-ahead -------------------------------------------------------------------------------
     def read_ahead(self, ds: Dataset, entry: Entry) -> None:
         """After a miss on ``entry``: fetch the next small files of its directory in the background."""

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     app = _seeding(DomainDispatcherApplication(create_backend_app))
     if args.fast:
         app = _fast_list(_fast_get(app))
+    app = _counting(app)
     delay = args.delay_ms / 1000.0
     if delay > 0:
         inner = app
@@ -107,6 +108,45 @@ def _seeding(inner):
             backend.put_object(q["bucket"], f"{prefix}/d{i % dirs}/f{i:07d}".lstrip("/"), b"")
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [f"{count}\n".encode()]
+
+    return app
+
+
+def _counting(inner):
+    """WSGI middleware: every object GET (path and Range) and every listing is counted; ``GET
+    /_cachefs/requests`` answers the counts as JSON (``?reset=1`` also zeroes them), so that a test can tell
+    how many requests a group of clients made."""
+    import json
+    import threading
+    from urllib.parse import parse_qs, unquote
+
+    lock = threading.Lock()
+    counts: dict = {"gets": {}, "lists": 0, "heads": 0, "list_queries": []}
+
+    def app(environ, start_response):
+        path, method = environ.get("PATH_INFO", ""), environ["REQUEST_METHOD"]
+        query = environ.get("QUERY_STRING", "")
+        if path == "/_cachefs/requests":
+            with lock:
+                body = json.dumps(counts).encode()
+                if parse_qs(query).get("reset"):
+                    counts.update(gets={}, lists=0, heads=0, list_queries=[])
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        if not path.startswith("/_cachefs/") and not path.startswith("/moto-api/"):
+            q = parse_qs(query)
+            with lock:
+                if method == "GET" and ("list-type" in q or "prefix" in q or "delimiter" in q
+                                        or path.strip("/").count("/") == 0):
+                    counts["lists"] += 1
+                    if len(counts["list_queries"]) < 1000:
+                        counts["list_queries"].append(f"{path}?{query}")
+                elif method == "GET":
+                    key = f"{unquote(path)} {environ.get('HTTP_RANGE', '')}".rstrip()
+                    counts["gets"][key] = counts["gets"].get(key, 0) + 1
+                elif method == "HEAD":
+                    counts["heads"] += 1
+        return inner(environ, start_response)
 
     return app
 
@@ -287,6 +327,15 @@ class S3Server:
         req = urllib.request.Request(f"{self.endpoint}/_cachefs/seed?{query}", method="POST")
         with urllib.request.urlopen(req, timeout=600):
             pass
+
+    def requests(self, *, reset: bool = False) -> dict:
+        """What the server was asked since start (or the last reset): ``{"gets": {"/bucket/key bytes=a-b": n},
+        "lists": n, "heads": n}``."""
+        import json
+
+        with urllib.request.urlopen(f"{self.endpoint}/_cachefs/requests{'?reset=1' if reset else ''}",
+                                    timeout=30) as resp:
+            return json.loads(resp.read())
 
     def reset(self) -> None:
         """Drop every bucket and object (moto's reset API)."""

@@ -3,5 +3,6 @@
 from .base import Tier, TierChain, TierCounts, Want
 from .mirror import MirrorTier
 from .origin import OriginTier
+from .peer import PeerTier
 
-__all__ = ["MirrorTier", "OriginTier", "Tier", "TierChain", "TierCounts", "Want"]
+__all__ = ["MirrorTier", "OriginTier", "PeerTier", "Tier", "TierChain", "TierCounts", "Want"]

@@ -1,0 +1,157 @@
+"""``cachefs agent``: the one long-running cachefs process of a node pod.
+
+It runs the peer server (what this node serves its cache group), follows the group's membership (static, or
+the EndpointSlices of the group's headless Service), writes it where the node's other cachefs processes read it
+(:mod:`cachefs.cluster.members_file`), serves ``/healthz`` and ``/readyz`` beside the peer protocol and, with
+``--metrics-listen``, the node's metrics. Tasks of other packages (the label publisher of scheduler_hints) join
+through the ``cachefs.agent_tasks`` entry point. FUSE sessions stay with the mounter; they read through the group
+on their own, from the members file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from aiohttp import web
+
+from ..cluster.auth import SharedSecret, TokenReviewer
+from ..cluster.members_file import REWRITE_EVERY, GroupView, members_path, write_members
+from ..cluster.membership import EndpointSliceWatch, MemberTable, parse_peers
+from ..config import Config, parse_listen
+from ..engine import Engine, get_engine
+from ..errors import ConfigError
+from .peer_server import make_peer_app
+from .serving import GroupServing
+
+__all__ = ["AgentContext", "run_agent"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentContext:
+    """What an agent task gets: the config, this node's name and group, the engine, the member table, and a
+    Kubernetes client (None without the API)."""
+
+    config: Config
+    node: str
+    group: str
+    engine: Engine
+    table: MemberTable
+    kube: object | None
+
+
+def node_name(config: Config) -> str:
+    return config.cluster.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+def advertised(config: Config) -> str:
+    k = config.cluster
+    if k.advertise:
+        return k.advertise
+    host, port = parse_listen(k.listen, "cluster.listen")
+    ip = os.environ.get("POD_IP") or (host if host not in ("0.0.0.0", "::") else "127.0.0.1")
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_listen: str | None = None,
+                    ready_file: str | None = None) -> int:
+    """Run until SIGTERM/SIGINT."""
+    k = config.cluster
+    if not k.group:
+        raise ConfigError("cachefs agent: no cache group (cluster.group, --group, CACHEFS_CLUSTER_GROUP)")
+    node = node_name(config)
+    engine = get_engine(config)
+    engine.fetch_for_group()
+    await engine.start_background()
+    table = MemberTable(node, grace=k.drain_grace)
+    kube = None
+    if not k.peers or not k.secret_file:
+        from ..kube import KubeClient, load_kube_config
+
+        kube = KubeClient(load_kube_config(kubeconfig))
+    tasks: list[asyncio.Task] = []
+    if k.peers:
+        try:
+            table.update(parse_peers(k.peers))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if node not in table.members:
+            raise ConfigError(f"cluster.peers names no member {node!r} (this node: cluster.node_name, NODE_NAME)")
+        synced = asyncio.Event()
+        synced.set()
+    else:
+        ns, _, svc = k.service.partition("/")
+        watch = EndpointSliceWatch(kube, ns, svc, table)
+        synced = watch.synced
+        tasks.append(asyncio.ensure_future(watch.run()))
+    verifier = SharedSecret(k.secret_file) if k.secret_file else TokenReviewer(kube)
+    serving = GroupServing(engine, k.serve.split(","))
+    app = make_peer_app(serving, table, verifier, weight=float(engine.capacity), ready=synced.is_set)
+    host, port = parse_listen(k.listen, "cluster.listen")
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(f"cluster.listen {k.listen}: {exc.strerror}") from None
+    if metrics_listen:
+        from ..metrics_server import serve_metrics
+
+        serve_metrics(config, *parse_listen(metrics_listen, "--metrics-listen"))
+    ctx = AgentContext(config, node, k.group, engine, table, kube)
+    for ep in entry_points(group="cachefs.agent_tasks"):
+        task_fn: Callable[[AgentContext], Awaitable[None]] = ep.load()
+        tasks.append(asyncio.ensure_future(task_fn(ctx)))
+    view = lambda: GroupView(k.group, node, table.members, frozenset(table.draining()),
+                             k.token_file if not k.secret_file else "", k.secret_file)
+    tasks.append(asyncio.ensure_future(_keep_members_file(config.cache.dir, table, synced, view)))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("cachefs agent %s of group %s: peer server on %s", node, k.group, k.listen)
+    if ready_file:
+        await synced.wait()
+        with open(ready_file, "w") as f:
+            f.write(advertised(config))
+    try:
+        await stop.wait()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(OSError):  # readers stop asking a group this node no longer serves
+            os.unlink(members_path(config.cache.dir))
+        await runner.cleanup()
+        if kube is not None:
+            await kube.aclose()
+        await engine.aclose()
+    return 0
+
+
+async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio.Event,
+                             view: Callable[[], GroupView]) -> None:
+    """Write the members file at every membership change and every REWRITE_EVERY seconds (its age tells readers
+    that the agent is alive)."""
+    await synced.wait()
+    written, since = -1, 0.0
+    loop = asyncio.get_running_loop()
+    while True:
+        table.expire()
+        if table.generation != written or loop.time() - since >= REWRITE_EVERY:
+            try:
+                await asyncio.to_thread(write_members, cache_dir, view())
+                written, since = table.generation, loop.time()
+            except OSError as exc:
+                log.warning("cache group: cannot write %s: %s", members_path(cache_dir), exc)
+        await asyncio.sleep(0.5)

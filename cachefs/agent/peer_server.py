@@ -1,0 +1,161 @@
+"""The peer server: what this node serves the other members of its cache group.
+
+``GET /v1/block/{dataset id}?path=…&version=…&block=N``
+    one block of a large file, ``GET /v1/small/{dataset id}?path=…&version=…`` a whole small file: from this
+    node's cache, or, when this node owns the key (:mod:`cachefs.cluster.placement`), fetched from the origin
+    once for the whole group first. With ``X-Cachefs-Xxh3``, the checksum recorded when the bytes were fetched.
+``GET /v1/manifest/{dataset id}``
+    the dataset's current manifest (:mod:`cachefs.manifest.shipping`), so a member lists the bucket only once.
+``GET /v1/info``, ``/healthz``, ``/readyz``
+    this member's name and weight; liveness; readiness (membership known).
+
+What a request may reach is what the node's manifests name: a file is looked up by its dataset-relative path and
+version in a manifest of a dataset the node knows, never opened by a path from the request, so traversal and
+other names lead nowhere (400 for names no manifest could hold, 404 for the rest). Only bytes the index records
+as present are sent: a hole in a cache file is never served as zeros. Every request must carry a member's token
+(:mod:`cachefs.cluster.auth`): 401 without a valid one, 403 for a node outside the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from aiohttp import web
+
+from ..cluster.auth import Forbidden, Unauthorized
+from ..cluster.membership import MemberTable
+from ..cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
+from ..manifest import valid_relpath
+from ..tiers.peer import block_key, small_key
+from ..types import object_key
+from .serving import GroupServing
+
+__all__ = ["OWNERS_THAT_FETCH", "make_peer_app"]
+
+log = logging.getLogger(__name__)
+
+_DATASET = re.compile(r"[0-9a-f]{16}")
+#: A key's first candidates fetch it from the origin when asked (the owner, and the one hedging asks next).
+OWNERS_THAT_FETCH = 2
+_MAX_VERSION = 1024
+
+
+def _bad(why: str) -> web.Response:
+    return web.json_response({"error": why}, status=400)
+
+
+def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight: float = 1.0,
+                  ready=lambda: True) -> web.Application:
+    """The peer server's application. ``verifier.identify(token, claimed member) -> Identity`` checks tokens;
+    ``ready()`` says whether membership is known (``/readyz``)."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler):
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        try:
+            who = await verifier.identify(token, request.headers.get(MEMBER_HEADER, ""))
+            if table.member(who.node) is None:
+                raise Forbidden(f"{who.node} is not a member of this cache group")
+        except Unauthorized as exc:
+            return web.json_response({"error": str(exc)}, status=401)
+        except Forbidden as exc:
+            return web.json_response({"error": str(exc)}, status=403)
+        request["member"] = who.node
+        return await handler(request)
+
+    def _args(request: web.Request, *, block: bool) -> tuple[str, str, str, str, int | None] | web.Response:
+        ds_id = request.match_info["dataset"]
+        q = request.query
+        path, version, url = q.get("path", ""), q.get("version", ""), q.get("url", "")
+        if not _DATASET.fullmatch(ds_id):
+            return _bad("not a dataset id")
+        why = valid_relpath(path)
+        if why:
+            return _bad(f"path: {why}")
+        if not version or len(version) > _MAX_VERSION or not version.isprintable():
+            return _bad("version: missing or malformed")
+        if len(url) > 4096 or not url.isprintable():
+            return _bad("url: malformed")
+        if not block:
+            return ds_id, url, path, version, None
+        raw = q.get("block", "")
+        if not raw.isdigit() or len(raw) > 10:
+            return _bad("block: not a block number")
+        return ds_id, url, path, version, int(raw)
+
+    def _fetches(request: web.Request, key: bytes) -> bool:
+        """Whether to fetch what is not here: asked to (not a hedge), and this node is among the key's owners."""
+        return request.query.get("fetch", "1") != "0" and table.self_name in table.placement.owners(
+            key, OWNERS_THAT_FETCH)
+
+    def _answer(answer: tuple[bytes, int] | None) -> web.Response:
+        if answer is None:
+            return web.json_response({"error": "not here"}, status=404)
+        data, checksum = answer
+        return web.Response(body=data, headers={CHECKSUM_HEADER: f"{checksum:016x}"},
+                            content_type="application/octet-stream")
+
+    async def _file(request: web.Request, *, block: bool):
+        got = _args(request, block=block)
+        if isinstance(got, web.Response):
+            return got
+        ds_id, url, path, version, idx = got
+        ds = await serving.dataset(ds_id, url)
+        entry = serving.entry(ds, path, version) if ds is not None else None
+        if entry is None:
+            return web.json_response({"error": "no such file at that version here"}, status=404)
+        return ds, entry, idx
+
+    async def block(request: web.Request) -> web.Response:
+        got = await _file(request, block=True)
+        if isinstance(got, web.Response):
+            return got
+        ds, entry, idx = got
+        if serving.engine.packed(entry) or idx * serving.engine.block_size >= entry.size:
+            return _bad("block: out of range (or a small file: ask /v1/small)")
+        fetch = _fetches(request, block_key(object_key(ds.ref.id, entry.path, entry.version), idx))
+        return _answer(await serving.bytes_for(ds, entry, idx, fetch=fetch))
+
+    async def small(request: web.Request) -> web.Response:
+        got = await _file(request, block=False)
+        if isinstance(got, web.Response):
+            return got
+        ds, entry, _ = got
+        if not serving.engine.packed(entry):
+            return _bad("not a small file: ask /v1/block")
+        return _answer(await serving.bytes_for(ds, entry, None, fetch=_fetches(request, small_key(ds.ref.id, entry.path))))
+
+    async def manifest(request: web.Request) -> web.Response:
+        ds_id, url = request.match_info["dataset"], request.query.get("url", "")
+        if not _DATASET.fullmatch(ds_id):
+            return _bad("not a dataset id")
+        if len(url) > 4096 or not url.isprintable():
+            return _bad("url: malformed")
+        got = await serving.manifest(ds_id, url)
+        if got is None:
+            return web.json_response({"error": "no manifest of that dataset here"}, status=404)
+        raw, checksum = got
+        return web.Response(body=raw, headers={CHECKSUM_HEADER: f"{checksum:016x}"},
+                            content_type="application/msgpack")
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"name": table.self_name, "weight": weight})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(request: web.Request) -> web.Response:
+        return web.Response(text="ok") if ready() else web.Response(text="membership not known yet", status=503)
+
+    app = web.Application(middlewares=[authenticate], client_max_size=4096)  # requests carry no bodies
+    app.router.add_get("/v1/block/{dataset}", block)
+    app.router.add_get("/v1/small/{dataset}", small)
+    app.router.add_get("/v1/manifest/{dataset}", manifest)
+    app.router.add_get("/v1/info", info)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app

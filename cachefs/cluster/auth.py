@@ -1,0 +1,121 @@
+"""Who may ask a node's peer server for bytes: members of its own cache group, proven by a token.
+
+In Kubernetes every node pod mounts a projected ServiceAccount token with an audience of our own
+(:data:`AUDIENCE`), rotated by kubelet. A peer server checks a presented token with a TokenReview (the API server
+says whether it is valid, for our audience, and which pod and node it was issued to), remembers the answer for a
+short while, and then checks that the node is a member of its group:
+
+* no token, or one the API server rejects or that is not for our audience: 401;
+* a valid token of a node outside this group: 403.
+
+Without Kubernetes (``--peers``, one host, tests) the group shares a secret in a file (``--peer-token-file``): a
+token equal to it authenticates, and the member's name comes from the ``X-Cachefs-Member`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import time
+from dataclasses import dataclass
+
+from ..kube import ApiError, KubeClient
+
+__all__ = ["AUDIENCE", "Forbidden", "Identity", "SharedSecret", "TokenReviewer", "Unauthorized", "read_token"]
+
+#: The audience of the tokens node pods present to each other.
+AUDIENCE = "cachefs.io/peer"
+
+
+class Unauthorized(Exception):
+    """No valid token (HTTP 401)."""
+
+
+class Forbidden(Exception):
+    """A valid token of someone not allowed here (HTTP 403)."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who presented a token: the node its pod runs on (a member's name), and the pod."""
+
+    node: str
+    pod: str = ""
+
+
+def read_token(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+class SharedSecret:
+    """A group secret read from a file (re-read every minute, so it can be rotated)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._read_at, self._secret = 0.0, ""
+
+    def _current(self) -> str:
+        if time.monotonic() - self._read_at > 60.0:
+            self._secret, self._read_at = read_token(self.path), time.monotonic()
+        return self._secret
+
+    async def identify(self, token: str, claimed: str) -> Identity:
+        secret = self._current()
+        if not token or not secret or not hmac.compare_digest(token.encode(), secret.encode()):
+            raise Unauthorized("no valid token")
+        if not claimed:
+            raise Unauthorized("no member name (X-Cachefs-Member)")
+        return Identity(claimed)
+
+
+class TokenReviewer:
+    """Tokens checked by the API server (TokenReview), answers kept for ``ttl`` seconds per token."""
+
+    def __init__(self, client: KubeClient, audience: str = AUDIENCE, *, ttl: float = 120.0,
+                 max_entries: int = 10_000) -> None:
+        self.client, self.audience, self.ttl, self.max_entries = client, audience, ttl, max_entries
+        self._cache: dict[bytes, tuple[float, Identity | None]] = {}
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        self.reviews = 0
+
+    async def identify(self, token: str, claimed: str = "") -> Identity:
+        if not token:
+            raise Unauthorized("no token")
+        key = hashlib.blake2b(token.encode(), digest_size=16).digest()
+        now = time.monotonic()
+        hit = self._cache.get(key)
+        if hit is not None and now - hit[0] < self.ttl:
+            if hit[1] is None:
+                raise Unauthorized("token rejected")
+            return hit[1]
+        fut = self._inflight.get(key)
+        if fut is None:  # one review per token however many requests carry it at once
+            fut = self._inflight[key] = asyncio.ensure_future(self._review(token))
+            fut.add_done_callback(lambda f: self._inflight.pop(key, None))
+        who = await asyncio.shield(fut)
+        if len(self._cache) >= self.max_entries:
+            self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.ttl}
+        self._cache[key] = (now, who)
+        if who is None:
+            raise Unauthorized("token rejected")
+        return who
+
+    async def _review(self, token: str) -> Identity | None:
+        self.reviews += 1
+        try:
+            doc = await self.client.post("/apis/authentication.k8s.io/v1/tokenreviews", {
+                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token, "audiences": [self.audience]}})
+        except ApiError as exc:
+            raise Unauthorized(f"token review failed: {exc}") from None
+        status = doc.get("status") or {}
+        if not status.get("authenticated") or self.audience not in (status.get("audiences") or []):
+            return None
+        extra = (status.get("user") or {}).get("extra") or {}
+        node = (extra.get("authentication.kubernetes.io/node-name") or [""])[0]
+        pod = (extra.get("authentication.kubernetes.io/pod-name") or [""])[0]
+        if not node:
+            return None  # not a token bound to a pod on a node: not a node pod's
+        return Identity(node, pod)

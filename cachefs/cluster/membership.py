@@ -1,0 +1,203 @@
+"""A cache group's members, as this node sees them.
+
+Members come from a static list (``--peers``, for one host and tests) or from the Kubernetes API: the
+EndpointSlices of the group's headless Service, listed once and then watched (resumed from the last resource
+version, listed again when the server says 410 Gone), the way kube-proxy follows Services. Only ready endpoints
+count. No consensus, no gossip, no per-agent Lease: the API server already knows which node pods are up, and a
+watch costs it one stream per agent.
+
+A member that disappears stays placed as *draining* for a grace period (``cluster.drain_grace``, 10 minutes): a
+node pod that restarts comes back to the keys it owned, instead of every key moving twice. Readers ask draining
+members last (their requests fail fast, and the next candidate answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from ..kube import ApiError, KubeClient
+from .members import Member, parse_peers
+from .placement import Placement, Weighted
+
+__all__ = ["EndpointSliceWatch", "Member", "MemberTable", "parse_peers"]
+
+log = logging.getLogger(__name__)
+
+
+class MemberTable:
+    """The group's members and their placement; :meth:`update` with who is present now."""
+
+    def __init__(self, self_name: str, *, grace: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.self_name, self.grace, self.clock = self_name, grace, clock
+        self._members: dict[str, Member] = {}
+        self._draining: dict[str, float] = {}  # name → since when
+        self.placement = Placement([])
+        #: Bumped at every change (what the peer tier keys its per-member state by).
+        self.generation = 0
+
+    @property
+    def members(self) -> dict[str, Member]:
+        return dict(self._members)
+
+    def active(self, name: str) -> bool:
+        return name in self._members and name not in self._draining
+
+    def member(self, name: str) -> Member | None:
+        return self._members.get(name)
+
+    def draining(self) -> list[str]:
+        return sorted(self._draining)
+
+    def update(self, present: Mapping[str, Member]) -> bool:
+        """Who is present now: new members join, ones that changed address or weight are replaced, absent ones
+        start draining, ones drained past the grace period leave. Returns whether placement changed."""
+        now, placement, changed = self.clock(), self.placement, False
+        for name, m in present.items():
+            old = self._members.get(name)
+            self._draining.pop(name, None)
+            if old == m:
+                continue
+            if old is not None and old.weight == m.weight:  # a new address only: placement is unchanged
+                self._members[name] = m
+                changed = True
+                continue
+            placement = placement.joined(Weighted(name, m.weight))
+            self._members[name] = m
+            changed = True
+        for name in list(self._members):
+            if name not in present and name not in self._draining:
+                self._draining[name] = now
+                log.info("cache group: %s left; draining for %.0f s", name, self.grace)
+                changed = True
+        for name, since in list(self._draining.items()):
+            if now - since >= self.grace:
+                placement = placement.left(name)
+                del self._members[name], self._draining[name]
+                log.info("cache group: %s drained; its keys move to the next members", name)
+                changed = True
+        if changed:
+            self.placement = placement
+            self.generation += 1
+        return changed
+
+    def replace(self, members: Mapping[str, Member], draining: frozenset[str] | set[str]) -> bool:
+        """Take the members and draining set another process decided (the agent's members file): placement
+        follows, incrementally. Returns whether anything changed."""
+        now, placement, changed = self.clock(), self.placement, False
+        for name in [n for n in self._members if n not in members]:
+            placement = placement.left(name)
+            del self._members[name]
+            changed = True
+        for name, m in members.items():
+            old = self._members.get(name)
+            if old != m:
+                if old is None or old.weight != m.weight:
+                    placement = placement.joined(Weighted(name, m.weight))
+                self._members[name] = m
+                changed = True
+        want = {n: self._draining.get(n, now) for n in draining if n in members}
+        if want.keys() != self._draining.keys():
+            changed = True
+        self._draining = want
+        if changed:
+            self.placement = placement
+            self.generation += 1
+        return changed
+
+    def expire(self) -> bool:
+        """Drop members drained past the grace period (call now and then)."""
+        return self.update({n: m for n, m in self._members.items() if n not in self._draining}) \
+            if any(self.clock() - s >= self.grace for s in self._draining.values()) else False
+
+
+class EndpointSliceWatch:
+    """Keeps a :class:`MemberTable` in step with the ready endpoints of one headless Service (list + watch)."""
+
+    #: Name of the Service port members serve the peer protocol on.
+    PORT_NAME = "peer"
+
+    def __init__(self, client: KubeClient, namespace: str, service: str, table: MemberTable,
+                 weight: Callable[[str], float] = lambda name: 1.0) -> None:
+        self.client, self.namespace, self.service, self.table = client, namespace, service, table
+        self.weight = weight
+        self._slices: dict[str, dict[str, Member]] = {}
+        self.synced = asyncio.Event()
+        self.relists = 0
+
+    @property
+    def path(self) -> str:
+        return f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
+
+    def _selector(self) -> dict[str, str]:
+        return {"labelSelector": f"kubernetes.io/service-name={self.service}"}
+
+    def _members_of(self, eps: Mapping) -> dict[str, Member]:
+        port = next((p.get("port") for p in eps.get("ports") or [] if p.get("name") == self.PORT_NAME), None)
+        out: dict[str, Member] = {}
+        if port is None:
+            return out
+        for ep in eps.get("endpoints") or []:
+            cond = ep.get("conditions") or {}
+            if cond.get("ready") is False or cond.get("terminating") is True:
+                continue
+            name = ep.get("nodeName") or (ep.get("targetRef") or {}).get("name")
+            addresses = ep.get("addresses") or []
+            if not name or not addresses:
+                continue
+            host = addresses[0]
+            host = f"[{host}]" if ":" in host else host
+            out[name] = Member(name, f"{host}:{port}", self.weight(name))
+        return out
+
+    def _apply(self) -> None:
+        present: dict[str, Member] = {}
+        for members in self._slices.values():
+            present.update(members)
+        self.table.update(present)
+
+    async def _list(self) -> str:
+        doc = await self.client.get(self.path, **self._selector())
+        self._slices = {(s.get("metadata") or {}).get("name", ""): self._members_of(s) for s in doc.get("items") or []}
+        self._apply()
+        self.synced.set()
+        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
+
+    async def run(self) -> None:
+        """List, then watch for ever (resuming; listing again on 410 Gone; backing off on errors)."""
+        rv, delay = None, 0.5
+        while True:
+            try:
+                if rv is None:
+                    rv = await self._list()
+                    if self.relists:
+                        log.info("cache group: listed %s again (resource version %s)", self.service, rv)
+                async for event in self.client.watch(self.path, rv, params=self._selector()):
+                    obj = event.get("object") or {}
+                    meta = obj.get("metadata") or {}
+                    rv = str(meta.get("resourceVersion") or rv)
+                    kind = event.get("type")
+                    if kind == "BOOKMARK":
+                        continue
+                    name = meta.get("name", "")
+                    if kind == "DELETED":
+                        self._slices.pop(name, None)
+                    else:
+                        self._slices[name] = self._members_of(obj)
+                    self._apply()
+                delay = 0.5
+            except ApiError as exc:
+                if exc.status == 410:  # too old to resume: list again
+                    rv = None
+                    self.relists += 1
+                    continue
+                log.warning("cache group: watching %s: %s", self.service, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+            except (TimeoutError, ConnectionError, OSError) as exc:
+                log.warning("cache group: watching %s: %s", self.service, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+            self.table.expire()

@@ -1,0 +1,119 @@
+"""The peer protocol's client: plain HTTP/1.1 keep-alive GETs to other members' peer servers.
+
+Every answer carries the xxh3 the owner's index recorded for those bytes when they were first fetched
+(``X-Cachefs-Xxh3``), not one computed over what it sends: a block that rotted on the owner's disk, or bytes
+damaged on the way, fail the check here, are dropped and fetched elsewhere. Requests name an object by its
+dataset id, path and version (the owner checks them against its manifests: a request can never name a file
+outside its cache), and a block by its index.
+"""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+
+from ..checksum import block_checksum
+from ..errors import CacheFSError
+from .auth import read_token
+
+__all__ = ["CHECKSUM_HEADER", "MEMBER_HEADER", "PeerClient", "PeerError"]
+
+CHECKSUM_HEADER = "X-Cachefs-Xxh3"
+MEMBER_HEADER = "X-Cachefs-Member"
+
+
+class PeerError(CacheFSError):
+    """A peer did not answer, refused, or answered wrongly (it is skipped; the next tier serves)."""
+
+
+class PeerClient:
+    """One connection pool to the group's peer servers, presenting this node's token."""
+
+    def __init__(self, self_name: str, token_file: str | None, *, timeout: float = 10.0,
+                 connections_per_peer: int = 8) -> None:
+        self.self_name, self.token_file, self.timeout = self_name, token_file, timeout
+        self._per_peer = connections_per_peer
+        self._session: aiohttp.ClientSession | None = None
+        self._token: tuple[float, str] = (0.0, "")
+
+    def identify_as(self, self_name: str, token_file: str | None) -> None:
+        """Present another name or token from now on (the agent's members file changed)."""
+        if (self_name, token_file) != (self.self_name, self.token_file):
+            self.self_name, self.token_file, self._token = self_name, token_file, (0.0, "")
+
+    def _headers(self) -> dict[str, str]:
+        h = {MEMBER_HEADER: self.self_name}
+        if self.token_file:
+            if time.monotonic() - self._token[0] > 60.0:  # kubelet rotates projected tokens
+                self._token = (time.monotonic(), read_token(self.token_file))
+            h["Authorization"] = f"Bearer {self._token[1]}"
+        return h
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit_per_host=self._per_peer),
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self._session
+
+    async def _get(self, address: str, path: str, params: dict[str, str], limit: int) -> tuple[int, bytes, dict]:
+        url = f"http://{address}{path}"
+        try:
+            async with self._client().get(url, params=params, headers=self._headers()) as resp:
+                if resp.content_length is not None and resp.content_length > limit:
+                    raise PeerError(f"{address}: an answer of {resp.content_length} bytes, at most {limit} asked")
+                body = await resp.content.read(limit + 1)
+                return resp.status, body, dict(resp.headers)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise PeerError(f"peer {address}: {type(exc).__name__}: {exc}") from None
+
+    async def _bytes(self, address: str, path: str, params: dict[str, str], length: int) -> bytes | None:
+        status, body, headers = await self._get(address, path, params, length)
+        if status == 404:
+            return None
+        if status != 200 and status != 206:
+            raise PeerError(f"peer {address}: HTTP {status} {body[:200].decode(errors='replace')}")
+        if len(body) != length:
+            raise PeerError(f"peer {address}: {len(body)} bytes, {length} expected")
+        try:
+            expected = int(headers.get(CHECKSUM_HEADER, ""), 16)
+        except ValueError:
+            raise PeerError(f"peer {address}: no checksum with the bytes") from None
+        if block_checksum(body) != expected:
+            raise PeerError(f"peer {address}: the bytes failed their checksum")
+        return body
+
+    async def block(self, address: str, ds_id: str, url: str, path: str, version: str, idx: int,
+                    length: int, *, fetch: bool = True) -> bytes | None:
+        """Block ``idx`` (``length`` bytes) of ``path`` at ``version`` of dataset ``ds_id`` (at ``url``), verified;
+        None if the peer does not hold it and does not fetch it (``fetch`` False, or it is not an owner)."""
+        return await self._bytes(address, f"/v1/block/{ds_id}", {"url": url, "path": path, "version": version,
+                                                                  "block": str(idx), "fetch": "1" if fetch else "0"},
+                                 length)
+
+    async def small(self, address: str, ds_id: str, url: str, path: str, version: str,
+                    length: int, *, fetch: bool = True) -> bytes | None:
+        """The whole small file ``path`` at ``version``, verified; None if the peer does not hold it and does not
+        fetch it."""
+        return await self._bytes(address, f"/v1/small/{ds_id}", {"url": url, "path": path, "version": version,
+                                                                  "fetch": "1" if fetch else "0"}, length)
+
+    async def manifest(self, address: str, ds_id: str, *, url: str = "", limit: int = 1 << 30) -> bytes | None:
+        """The current manifest of dataset ``ds_id`` (at ``url``) as the peer holds it, or takes it if it serves
+        that dataset to the group (see peer_server), verified."""
+        status, body, headers = await self._get(address, f"/v1/manifest/{ds_id}", {"url": url} if url else {}, limit)
+        if status == 404:
+            return None
+        if status != 200:
+            raise PeerError(f"peer {address}: HTTP {status}")
+        try:
+            expected = int(headers.get(CHECKSUM_HEADER, ""), 16)
+        except ValueError:
+            raise PeerError(f"peer {address}: no checksum with the manifest") from None
+        if block_checksum(body) != expected:
+            raise PeerError(f"peer {address}: the manifest failed its checksum")
+        return body
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,160 @@
+"""The cache group as a tier: missing bytes come from the member that owns them.
+
+A block's owners are its rendezvous-hash candidates in the group (:mod:`cachefs.cluster.placement`): the owner
+first, then the next ones. The owner's peer server answers from its disk or, for a key it owns, fetches it from
+the origin once for the whole group (its single-flight), so N nodes reading one cold block cause one GET. This
+node asks its own peer server too when it is the owner: every origin fetch of a group key happens in one place.
+
+A slow, dead or wrong peer is not the reader's problem:
+
+* **hedging**: a candidate that has not answered within ``hedge_after`` seconds gets company, the next
+  candidate is asked as well, and the first right answer wins;
+* **circuit breaker**: a peer that failed ``BREAKER_FAILURES`` times in a row is skipped for a while (5 s,
+  doubling to 60 s while it keeps failing);
+* then the tier gives up and the chain moves on (mirror, origin), counted as a fallback with its reason.
+
+Draining members (gone from the API, within their grace period) are asked last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ..errors import CacheFSError
+from .base import Tier, Want
+
+__all__ = ["BREAKER_FAILURES", "Breaker", "PeerTier", "block_key", "small_key"]
+
+log = logging.getLogger(__name__)
+
+BREAKER_FAILURES = 3
+
+
+def block_key(okey: bytes, idx: int) -> bytes:
+    """The placement key of block ``idx`` of an object version (``okey`` names dataset, object and version)."""
+    return b"b" + okey + idx.to_bytes(4, "big")
+
+
+def small_key(ds_id: str, path: str) -> bytes:
+    """The placement key of a small file: its directory (a directory's files are read together and packed
+    together, so they share an owner)."""
+    return b"d" + ds_id.encode() + b"/" + path.rpartition("/")[0].encode("utf-8", "surrogateescape")
+
+
+class Breaker:
+    """Per peer: consecutive failures, and until when it is skipped."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self._failures: dict[str, int] = {}
+        self._open_until: dict[str, float] = {}
+
+    def closed(self, name: str) -> bool:
+        return self._open_until.get(name, 0.0) <= self.clock()
+
+    def success(self, name: str) -> None:
+        self._failures.pop(name, None)
+        self._open_until.pop(name, None)
+
+    def failure(self, name: str) -> None:
+        n = self._failures[name] = self._failures.get(name, 0) + 1
+        if n >= BREAKER_FAILURES:
+            self._open_until[name] = self.clock() + min(60.0, 5.0 * 2 ** (n - BREAKER_FAILURES))
+
+
+class PeerTier(Tier):
+    """``group`` has ``table`` (a cluster.MemberTable) and ``client`` (a cluster.PeerClient), both None while
+    this node is in no group: then the tier has nothing (and the numpy and aiohttp behind them are not loaded)."""
+
+    name = "peer"
+
+    def __init__(self, group, *, kind: str, block_size: int = 0, hedge_after: float = 0.25,
+                 candidates: int = 2) -> None:
+        if kind not in ("block", "small") or (kind == "block" and block_size <= 0):
+            raise ValueError(f"a peer tier of {kind!r} (block size {block_size})")
+        self.group, self.kind, self.block_size = group, kind, block_size
+        self.hedge_after, self.candidates = hedge_after, candidates
+        self.breaker = Breaker()
+        #: Requests that hedging sent to a second candidate.
+        self.hedged = 0
+
+    def _order(self, key: bytes) -> list[str]:
+        table = self.group.table
+        names = [n for n in table.placement.owners(key) if self.breaker.closed(n)]
+        return [n for n in names if table.active(n)] + [n for n in names if not table.active(n)]
+
+    async def fetch(self, want: Want) -> bytes | None:
+        if self.group.table is None:
+            return None
+        if self.kind == "block":
+            if want.start % self.block_size:
+                return None  # (the block path asks for whole blocks)
+            key = block_key(want.okey, want.start // self.block_size)
+        else:
+            if not want.whole:
+                return None
+            key = small_key(want.ds.ref.id, want.entry.path)
+        order = self._order(key)[: self.candidates]
+        if not order:
+            return None
+        return await self._hedged(order, want)
+
+    async def _ask(self, name: str, want: Want, fetch: bool) -> bytes | None:
+        member = self.group.table.member(name)
+        client = self.group.client
+        if member is None or client is None:
+            return None
+        ds, e = want.ds, want.entry
+        try:
+            if self.kind == "block":
+                got = await client.block(member.address, ds.ref.id, ds.ref.url, e.path, e.version,
+                                              want.start // self.block_size, want.length, fetch=fetch)
+            else:
+                got = await client.small(member.address, ds.ref.id, ds.ref.url, e.path, e.version, want.length,
+                                              fetch=fetch)
+        except CacheFSError:  # (the client's PeerError)
+            self.breaker.failure(name)
+            raise
+        self.breaker.success(name)
+        return got
+
+    async def _hedged(self, order: list[str], want: Want) -> bytes | None:
+        """Ask ``order[0]``; if it is slow, ask the next one too, but only for bytes it already holds (a hedge
+        must not cost a second origin fetch); if one fails, the next one is asked and may fetch."""
+        tasks: dict[asyncio.Task, str] = {}
+        errors: list[str] = []
+        pending_names = list(order)
+
+        def start_next(fetch: bool) -> None:
+            name = pending_names.pop(0)
+            tasks[asyncio.ensure_future(self._ask(name, want, fetch))] = name
+
+        start_next(True)
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, timeout=self.hedge_after if pending_names else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:  # the candidates asked are slow: ask the next one too
+                    self.hedged += 1
+                    start_next(False)
+                    continue
+                failed = False
+                for t in done:
+                    tasks.pop(t)
+                    try:
+                        got = t.result()
+                    except CacheFSError as exc:
+                        errors.append(str(exc))
+                        failed, got = True, None
+                    if got is not None:
+                        return got
+                if pending_names and (failed or not tasks):
+                    start_next(failed)
+        finally:
+            for t in tasks:
+                t.cancel()
+        if errors:
+            raise CacheFSError("; ".join(errors))
+        return None

@@ -1,0 +1,281 @@
+"""The cache group on one host: agents (``cachefs agent``) with a static member list and a shared secret on
+loopback ports, readers in their own processes, one moto origin that counts what it is asked.
+
+The multi-node tests with network namespaces and membership from a real API server are in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from cachefs.cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
+from cachefs.types import dataset_id
+from tests.conftest import put_tree
+
+BLOCK = 64 * 1024
+ENV = {"CACHEFS_CACHE_BLOCK_SIZE": str(BLOCK), "CACHEFS_CACHE_PACK_THRESHOLD": str(16 * 1024),
+       "CACHEFS_CACHE_PACK_SIZE": str(256 * 1024), "CACHEFS_CACHE_MIN_FREE": "0",
+       "CACHEFS_ENGINE_MEMORY_BUDGET": str(8 << 20), "CACHEFS_ORIGIN_BACKOFF_BASE": "0.001",
+       "CACHEFS_ORIGIN_BACKOFF_MAX": "0.01", "CACHEFS_METRICS_DIR": ""}
+
+READER = r"""
+import hashlib, json, sys
+import fsspec
+url, cache_dir = sys.argv[1], sys.argv[2]
+fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url)
+out = {}
+for path in sorted(fs.find(url)):
+    with fs.open(path, "rb") as f:
+        out[path[len(url.split("://", 1)[1]) + 1:]] = hashlib.sha256(f.read()).hexdigest()
+print(json.dumps(out))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_files() -> dict[str, bytes]:
+    files = {f"big/{i}.bin": os.urandom(5 * BLOCK + 1234 * i) for i in range(3)}
+    files.update({f"small/d{i % 3}/{i:03d}.txt": os.urandom(500 + 37 * i) for i in range(30)})
+    return files
+
+
+class Group:
+    """N agents of one group on loopback, each with its own cache directory."""
+
+    def __init__(self, tmp_path, s3_env: dict, names: list[str], url: str) -> None:
+        self.tmp, self.url, self.names = tmp_path, url, names
+        self.secret = tmp_path / "secret"
+        self.secret.write_text("group-secret-1\n")
+        self.ports = {n: _free_port() for n in names}
+        self.env = {**os.environ, **s3_env, **ENV}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def cache(self, name: str) -> str:
+        return str(self.tmp / f"cache-{name}")
+
+    def peers(self, names: list[str] | None = None) -> str:
+        return ",".join(f"{n}=127.0.0.1:{self.ports[n]}" for n in names or self.names)
+
+    def start(self, name: str, members: list[str] | None = None) -> None:
+        ready = self.tmp / f"ready-{name}"
+        ready.unlink(missing_ok=True)
+        bucket_prefix = self.url.rsplit("/", 1)[0]
+        with open(self.tmp / f"agent-{name}.log", "a") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "cachefs.cli.main", "agent", "--cache-dir", self.cache(name), "--group",
+                 "g1", "--node", name, "--listen", f"127.0.0.1:{self.ports[name]}", "--peers", self.peers(members),
+                 "--serve", bucket_prefix, "--secret-file", str(self.secret), "--ready-file", str(ready), "-v"],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert self.procs[name].poll() is None, (self.tmp / f"agent-{name}.log").read_text()
+            assert time.monotonic() < deadline, "agent not ready"
+            time.sleep(0.05)
+        while not os.path.exists(os.path.join(self.cache(name), "cluster", "members.json")):
+            time.sleep(0.05)
+
+    def read_all(self, name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", READER, self.url, self.cache(name)], env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def finish(proc: subprocess.Popen) -> dict[str, str]:
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out)
+
+
+def expected(files: dict[str, bytes]) -> dict[str, str]:
+    return {p: hashlib.sha256(b).hexdigest() for p, b in files.items()}
+
+
+@pytest.fixture
+def group(tmp_path, s3):
+    server, client, bucket = s3
+    files = make_files()
+    put_tree(client, bucket, "ds", files)
+    g = Group(tmp_path, server.env(), ["n1", "n2", "n3"], f"s3://{bucket}/ds")
+    g.server, g.files, g.bucket = server, files, bucket
+    try:
+        for n in g.names:
+            g.start(n)
+        server.requests(reset=True)
+        yield g
+    finally:
+        g.stop()
+
+
+def dataset_gets(g: Group) -> dict[str, int]:
+    prefix = f"/{g.bucket}/ds/"
+    return {k: n for k, n in g.server.requests()["gets"].items() if k.startswith(prefix)}
+
+
+def test_three_nodes_read_one_dataset_with_one_get_per_block_and_one_listing(group):
+    readers = [group.read_all(n) for n in group.names]
+    results = [finish(r) for r in readers]
+    want = expected(group.files)
+    for got in results:
+        assert got == want  # every byte equal to the origin's
+    asked = group.server.requests()
+    gets = dataset_gets(group)
+    assert max(gets.values()) == 1, {k: n for k, n in gets.items() if n > 1}  # one GET per block or file
+    blocks = sum(-(-len(b) // BLOCK) for p, b in group.files.items() if p.startswith("big/"))
+    assert len([k for k in gets if "/big/" in k]) == blocks
+    assert len([k for k in gets if "/small/" in k]) == 30
+    roots = [q for q in asked["list_queries"] if "prefix=ds%2F&" in q or q.endswith("prefix=ds%2F")]
+    assert len(roots) == 1, asked["list_queries"]  # the dataset was listed once for the group
+
+
+def test_a_node_without_a_manifest_takes_a_peers_and_lists_nothing(group):
+    finish(group.read_all("n1"))
+    lists = group.server.requests()["lists"]
+    assert lists >= 1
+    for n in ("n2", "n3"):
+        assert finish(group.read_all(n)) == expected(group.files)
+    assert group.server.requests()["lists"] == lists
+
+
+def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_the_peer_server_refuses_strangers_and_bad_requests(group):
+    finish(group.read_all("n1"))
+    port = group.ports["n1"]
+    ds = dataset_id(group.url)
+    etag = group.server.client().head_object(Bucket=group.bucket, Key="ds/big/0.bin")["ETag"].strip('"')
+    from urllib.parse import quote
+
+    good = f"/v1/block/{ds}?path=big/0.bin&version={quote(etag)}&block=0"
+    member = {"Authorization": "Bearer group-secret-1", MEMBER_HEADER: "n2"}
+    status, body = _get(port, good, member)
+    assert status == 200 and body == group.files["big/0.bin"][:BLOCK], (status, body[:300])
+    assert _get(port, good)[0] == 401  # no token
+    assert _get(port, good, {**member, "Authorization": "Bearer wrong"})[0] == 401
+    assert _get(port, good, {**member, MEMBER_HEADER: "stranger"})[0] == 403  # not a member of this group
+    for bad, want in ((f"/v1/block/{ds}?path=../../etc/passwd&version=x&block=0", 400),
+                      (f"/v1/block/{ds}?path=/etc/passwd&version=x&block=0", 400),
+                      (f"/v1/block/{ds}?path=big/0.bin&version={quote(etag)}&block=-1", 400),
+                      (f"/v1/block/{ds}?path=big/0.bin&version={quote(etag)}&block=99999999999", 400),
+                      (f"/v1/block/{ds}?path=big/0.bin&version={quote(etag)}&block=999", 400),
+                      (f"/v1/block/{ds}?path=big/0.bin&version=&block=0", 400),
+                      (f"/v1/block/{ds}?path=big/0.bin&version=other-version&block=0", 404),
+                      ("/v1/block/not-an-id?path=big/0.bin&version=x&block=0", 400),
+                      ("/v1/block/%2E%2E%2F%2E%2E?path=big/0.bin&version=x&block=0", 400),
+                      (f"/v1/manifest/{ds}?url=%00", 400)):
+        status, body = _get(port, bad, member)
+        assert status == want, (bad, status, body)
+    # A file of another dataset that this node does not serve: nothing fetched, nothing served.
+    other = dataset_id("s3://elsewhere/x")
+    assert _get(port, f"/v1/block/{other}?url=s3://elsewhere/x&path=a&version=v&block=0", member)[0] == 404
+    assert _get(port, f"/v1/manifest/{other}?url=s3://elsewhere/x", member)[0] == 404
+    assert not any("elsewhere" in k for k in group.server.requests()["gets"])
+
+
+def test_a_killed_member_costs_readers_nothing(group):
+    """kill -9 of one agent: the readers of the others see right bytes and no error (its keys go to the next
+    candidates); it comes back and serves again."""
+    group.procs["n3"].send_signal(signal.SIGKILL)
+    group.procs["n3"].wait()
+    results = [finish(group.read_all(n)) for n in ("n1", "n2")]
+    assert all(r == expected(group.files) for r in results)
+    group.start("n3")
+    assert finish(group.read_all("n3")) == expected(group.files)
+
+
+def test_corrupted_bytes_from_a_peer_are_never_served(group, tmp_path):
+    """A member whose answers are damaged on the way (a byte flipped after the checksum was set): the reader
+    detects it, drops it and reads the bytes elsewhere."""
+    from aiohttp import ClientSession, web
+
+    real = group.ports["n2"]
+    flipped = {"n": 0}
+
+    async def proxy(request: web.Request) -> web.Response:
+        async with ClientSession() as s, s.get(f"http://127.0.0.1:{real}{request.path_qs}",
+                                               headers=request.headers) as r:
+            body = bytearray(await r.read())
+            headers = {k: v for k, v in r.headers.items() if k in (CHECKSUM_HEADER, "Content-Type")}
+            if r.status == 200 and body and request.path.startswith(("/v1/block", "/v1/small")):
+                body[len(body) // 2] ^= 0xFF
+                flipped["n"] += 1
+            return web.Response(status=r.status, body=bytes(body), headers=headers)
+
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    port = _free_port()
+    runner_of: list = [None]
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        app = web.Application()
+        app.router.add_route("GET", "/{tail:.*}", proxy)
+        runner = runner_of[0] = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        _read_through_the_damaging_proxy(group, tmp_path, port, flipped)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.run_until_complete(runner_of[0].cleanup())
+        loop.close()
+
+
+def _read_through_the_damaging_proxy(group, tmp_path, port: int, flipped: dict) -> None:
+    # n1 knows n2 only through the damaging proxy.
+    group.procs["n1"].send_signal(signal.SIGTERM)
+    group.procs["n1"].wait()
+    group.procs.pop("n1")
+    peers = f"n1=127.0.0.1:{group.ports['n1']},n2=127.0.0.1:{port},n3=127.0.0.1:{group.ports['n3']}"
+    ready = tmp_path / "ready-n1"
+    ready.unlink(missing_ok=True)
+    group.procs["n1"] = subprocess.Popen(
+        [sys.executable, "-m", "cachefs.cli.main", "agent", "--cache-dir", group.cache("n1"), "--group", "g1",
+         "--node", "n1", "--listen", f"127.0.0.1:{group.ports['n1']}", "--peers", peers,
+         "--serve", group.url.rsplit("/", 1)[0], "--secret-file", str(group.secret), "--ready-file", str(ready)],
+        env=group.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)  # the members file rewritten with the proxy's address
+    finish(group.read_all("n2"))  # n2 holds its keys
+    assert finish(group.read_all("n1")) == expected(group.files)
+    assert flipped["n"] > 0  # the damaged answers were sent, and none of them was served

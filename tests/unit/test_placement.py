@@ -1,0 +1,66 @@
+"""Weighted rendezvous placement over a slot table: owners agree with a full rebuild after incremental changes,
+a join or leave moves about 1/N of the keys, and weights set the shares."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from cachefs.cluster.placement import RANK, SLOTS, Placement, Weighted
+
+
+def group(n: int, weight=lambda i: 1.0) -> list[Weighted]:
+    return [Weighted(f"node-{i:04d}", weight(i)) for i in range(n)]
+
+
+def test_owners_are_distinct_best_first_and_stable():
+    p = Placement(group(20))
+    keys = [os.urandom(24) for _ in range(1000)]
+    for k in keys:
+        owners = p.owners(k)
+        assert len(owners) == RANK == len(set(owners))
+        assert owners[0] == p.owner(k)
+    again = Placement(group(20))
+    assert all(p.owners(k) == again.owners(k) for k in keys)  # the same members, the same answer everywhere
+
+
+@pytest.mark.parametrize("n", [10, 50])
+def test_a_join_or_a_leave_moves_about_one_nth_of_the_keys(n):
+    base = Placement(group(n))
+    joined = base.joined(Weighted("node-new"))
+    moved = np.count_nonzero(base.slot_owners() != joined.slot_owners()) / SLOTS
+    assert abs(moved - 1 / (n + 1)) < 0.1 / (n + 1) + 0.002, moved
+    left = base.left("node-0003")
+    # remaining names shift index by one after the removed one; compare by name
+    before = [base.names[i] for i in base.slot_owners()]
+    after = [left.names[i] for i in left.slot_owners()]
+    moved = sum(a != b for a, b in zip(before, after, strict=True)) / SLOTS
+    assert abs(moved - 1 / n) < 0.1 / n + 0.002, moved
+    # only the leaver's slots moved, and each to someone else
+    assert all(b == "node-0003" for a, b in zip(after, before, strict=True) if a != b)
+
+
+def test_incremental_changes_equal_a_full_rebuild():
+    p = Placement(group(30)).joined(Weighted("x", 2.0)).left("node-0007").joined(Weighted("y", 0.5))
+    full = Placement([*[m for m in group(30) if m.name != "node-0007"], Weighted("x", 2.0), Weighted("y", 0.5)])
+    assert [p.names[i] for i in p.slot_owners()] == [full.names[i] for i in full.slot_owners()]
+    keys = [os.urandom(16) for _ in range(500)]
+    assert all(p.owners(k) == full.owners(k) for k in keys)
+
+
+def test_weights_set_the_shares():
+    p = Placement(group(40, lambda i: 3.0 if i < 4 else 1.0))
+    heavy = np.mean([p.owned_share(f"node-{i:04d}") for i in range(4)])
+    light = np.mean([p.owned_share(f"node-{i:04d}") for i in range(4, 40)])
+    assert 2.5 < heavy / light < 3.5, heavy / light
+
+
+def test_small_groups_and_empty_ones():
+    assert Placement([]).owner(b"k") is None and Placement([]).owners(b"k") == []
+    one = Placement([Weighted("solo")])
+    assert one.owners(b"k") == ["solo"]
+    two = one.joined(Weighted("duo"))
+    assert sorted(two.owners(b"k")) == ["duo", "solo"]
+    assert two.left("solo").owners(b"k") == ["duo"] and two.left("duo").left("solo").owners(b"k") == []
