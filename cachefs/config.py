@@ -160,7 +160,8 @@ class MetricsConfig:
 class ClusterConfig:
     """The cache group this node belongs to (docs/CLUSTER.md). Empty ``group``: the node caches alone."""
 
-    #: The group's name (the node pod's ``cachefs.io/cache-group`` label; one group per rack or leaf, say).
+    #: The group's name: one per rack or leaf, say. "" in Kubernetes: the ``cachefs.io/cache-group`` label of
+    #: this node's Node (no label: the node reads through no group and serves none).
     group: str = ""
     #: This member's name: the node's ("" = ``$NODE_NAME``, else the host name).
     node_name: str = ""
@@ -174,7 +175,8 @@ class ClusterConfig:
     serve: str = ""
     #: A static member list, ``name=host:port[@weight],…`` (one host, tests); "" = the Kubernetes API.
     peers: str = ""
-    #: The headless Service over the group's node pods whose EndpointSlices are the members, NAMESPACE/NAME.
+    #: The headless Service over the node pods, NAMESPACE/NAME: its ready endpoints on nodes of this group (by
+    #: their ``cachefs.io/cache-group`` label) are the members.
     service: str = "cachefs-system/cachefs-peers"
     #: This member's projected ServiceAccount token (audience ``cachefs.io/peer``) sent with every request.
     token_file: str = "/var/run/secrets/cachefs/token"
@@ -184,15 +186,6 @@ class ClusterConfig:
     drain_grace: float = 600.0
     #: A peer that has not answered within this many seconds gets company: the next candidate is asked too.
     hedge_after: float = 0.25
-    #: Keep bytes read from peers on this node as guest data (evicted before what the node owns).
-    keep_guest: bool = True
-    #: A key whose owner serves more than this many bytes/s is hot and spread over more members (0 = from
-    #: ``nic_speed``: a quarter of it).
-    hot_bytes_per_s: int = 0
-    #: The node's NIC speed in bits/s, from which the hot threshold is derived.
-    nic_speed: int = 25_000_000_000
-    #: Extra members that hold a hot key.
-    hot_replicas: int = 2
 
 
 @dataclass(frozen=True)
@@ -261,8 +254,6 @@ class Config:
             raise ConfigError(f"cluster.service {k.service!r}: expected NAMESPACE/NAME")
         if k.drain_grace < 0 or k.hedge_after <= 0:
             raise ConfigError("need cluster.drain_grace >= 0 and cluster.hedge_after > 0")
-        if k.hot_bytes_per_s < 0 or k.nic_speed <= 0 or not 0 <= k.hot_replicas <= 16:
-            raise ConfigError("need cluster.hot_bytes_per_s >= 0, cluster.nic_speed > 0, 0 <= cluster.hot_replicas <= 16")
 
 
 def parse_listen(value: str, flag: str) -> tuple[str, int]:

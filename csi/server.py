@@ -83,7 +83,11 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
         rpc.add_NodeServicer_to_server(NodeService(sessions, node_id, cache_group), server)
         threading.Thread(target=_repair_loop, args=(sessions, stop, session_idle_timeout), name="cachefs-csi-repair",
                          daemon=True).start()
-    server.add_insecure_port(f"unix://{path}")
+    old_umask = os.umask(0o177)  # gRPC binds here: the socket is 0600, only root (kubelet) may call NodePublish
+    try:
+        server.add_insecure_port(f"unix://{path}")
+    finally:
+        os.umask(old_umask)
     server.start()
     log.info("CSI plugin listening on %s (node %s, controller %s)", path, node, controller)
     if threading.current_thread() is threading.main_thread():

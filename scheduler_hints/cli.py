@@ -10,7 +10,7 @@ from cachefs.cli.output import print_json
 from cachefs.config import Config
 from cachefs.errors import CacheFSError, ConfigError
 
-__all__ = ["add_commands", "labels", "publish_labels", "scheduler_extender"]
+__all__ = ["add_commands", "extender_tls", "labels", "publish_labels", "scheduler_extender"]
 
 
 def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
@@ -26,7 +26,13 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
     lb.set_defaults(run="scheduler_hints.cli:labels")
 
     se = sub.add_parser("scheduler-extender", parents=[base], help="run the kube-scheduler extender")
-    se.add_argument("--listen", default="127.0.0.1:8888", help="HOST:PORT (default 127.0.0.1:8888)")
+    se.add_argument("--listen", default="127.0.0.1:8888",
+                    help="HOST:PORT (default 127.0.0.1:8888: a sidecar of kube-scheduler); any other address "
+                         "needs --tls-cert, --tls-key and --client-ca")
+    se.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    se.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    se.add_argument("--client-ca", help="accept only clients with a certificate from this CA (kube-scheduler's, "
+                                        "its extender tlsConfig)")
     se.add_argument("--extender-config", dest="extender_config", help="YAML: weights, bind_timeout, gang_ttl")
     se.add_argument("--kubeconfig", help="kubeconfig for the watches and bindings (default: in-cluster, $KUBECONFIG)")
     se.add_argument("--standalone", action="store_true",
@@ -71,6 +77,7 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--listen {args.listen!r}: expected HOST:PORT")
+    ssl_context = extender_tls(args.listen, host.strip("[]"), args.tls_cert, args.tls_key, args.client_ca)
     cfg = load_extender_config(args.extender_config)
     if args.metrics_listen:
         from prometheus_client import start_http_server
@@ -83,7 +90,7 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
                    topology_wait=cfg.topology_wait, locality_wait=cfg.locality_wait,
                    locality_slack=cfg.locality_slack)
     if args.standalone:
-        await serve(ext, host.strip("[]"), int(port))
+        await serve(ext, host.strip("[]"), int(port), ssl_context, int(cfg.max_request_bytes))
         return 0
     from cachefs.kube import KubeClient, load_kube_config
 
@@ -94,11 +101,42 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
     watch = ClusterWatch(client, ext)
     try:
         await watch.start()
-        await serve(ext, host.strip("[]"), int(port))
+        await serve(ext, host.strip("[]"), int(port), ssl_context, int(cfg.max_request_bytes))
     finally:
         await watch.aclose()
         await client.aclose()
     return 0
+
+
+def extender_tls(listen: str, host: str, cert: str | None, key: str | None, client_ca: str | None):
+    """The extender's TLS context, or None on a loopback address. The extender binds pods with its own rights,
+    so it is never reachable over the network without proof of who asks: anywhere but loopback it serves
+    HTTPS and requires a client certificate from ``client_ca`` (docs/SECURITY.md)."""
+    import ipaddress
+    import ssl
+
+    if not (cert or key or client_ca):
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ConfigError(f"--listen {listen}: the extender binds pods, so it listens on a loopback address "
+                              "(as a sidecar of kube-scheduler) unless --tls-cert, --tls-key and --client-ca "
+                              "require kube-scheduler's client certificate (docs/SECURITY.md)")
+        return None
+    if not (cert and key and client_ca):
+        raise ConfigError("--tls-cert, --tls-key and --client-ca go together (a server certificate alone would "
+                          "let any client in)")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+        context.load_verify_locations(cafile=client_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"extender TLS: {exc}") from None
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
 
 
 async def publish_labels(args: argparse.Namespace, config: Config) -> int:

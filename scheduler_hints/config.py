@@ -24,6 +24,10 @@ class ExtenderConfig:
     #: data locally (by more than ``locality_slack`` of its bytes) than on the best nodes, waits for those.
     locality_wait: float = 300.0
     locality_slack: float = 0.2
+    #: Largest request body accepted (a 413 beyond). The default holds the node names of a nodeCacheCapable
+    #: extender (deploy/) many times over, and full Node objects of a few thousand nodes; raise it only for
+    #: nodeCacheCapable: false on a large cluster.
+    max_request_bytes: float = 32 * 1024 * 1024
 
 
 def load_extender_config(path: str | None) -> ExtenderConfig:
@@ -64,6 +68,8 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
         raise ConfigError(f"{path}: weights.hole_fit_when_short is a fraction, 0 to 1")
     if not 0 <= cfg.weights.hole_data_spread <= 1:
         raise ConfigError(f"{path}: weights.hole_data_spread is a fraction of the pod's bytes, 0 to 1")
+    if not 64 * 1024 <= cfg.max_request_bytes <= 1 << 30:
+        raise ConfigError(f"{path}: max_request_bytes must be between 64 KiB and 1 GiB")
     if not 0 <= cfg.locality_slack <= 1:
         raise ConfigError(f"{path}: locality_slack is a fraction of the pod's bytes, 0 to 1")
     return cfg

@@ -51,8 +51,9 @@ __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "ma
 
 log = logging.getLogger(__name__)
 
-#: Largest request accepted: 5,000 full Node objects of ~10 KiB each, with room to spare.
-MAX_BODY = 256 * 1024 * 1024
+#: Largest request accepted by default (ExtenderConfig.max_request_bytes): a 50 MB body is refused with a 413
+#: before it is read. 5,000 node names are ~100 KB; 5,000 full Node objects (nodeCacheCapable: false) ~5-25 MB.
+MAX_BODY = 32 * 1024 * 1024
 
 
 def _ci(obj: Any, key: str) -> Any:
@@ -72,6 +73,14 @@ def _same_names(new: list[NodeState], old: list[NodeState]) -> bool:
 
 class BadRequest(Exception):
     pass
+
+
+class NotHeld(Exception):
+    """A bind of a pod this extender does not hold for binding there (403)."""
+
+
+#: Seconds after our filter let a pod through during which it may be bound to one of the nodes it passed.
+BINDABLE_FOR = 300.0
 
 
 class Binder:
@@ -115,6 +124,9 @@ class Extender:
     clock: Callable[[], float] = time.monotonic
     _pods: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     _gang_first_seen: dict[str, float] = field(default_factory=dict)
+    #: Pods our filter let through: pod key -> (the filter's reply, when). Only these may be bound, and only to
+    #: a node in that reply: a forged ``/bind`` of any other pod binds nothing.
+    _bindable: dict[str, tuple[list, float]] = field(default_factory=dict)
     _ready_since: dict[str, float] = field(default_factory=dict)
     _locality_memo: dict[tuple, dict[str, float | None]] = field(default_factory=dict)
     _totals_memo: dict[tuple, dict[str, int]] = field(default_factory=dict)
@@ -201,6 +213,7 @@ class Extender:
         if not reason and source is not None:
             last = self._last_passed
             if last is not None and last[0] is source:
+                self._hold_for_binding(pod, source)
                 return last[1]
         result = {
             "Nodes": None if by_name else {"metadata": {}, "items": as_sent(passed)},
@@ -212,7 +225,24 @@ class Extender:
         }
         if not reason and source is not None:
             self._last_passed = (source, result)
+        if passed:
+            self._hold_for_binding(pod, result["NodeNames"] if by_name else passed)
         return result
+
+    def _hold_for_binding(self, pod: Mapping[str, Any], passed: list) -> None:
+        """``passed``: the node names, or Node objects, our filter let the pod through to (kept as they are:
+        looked through only if the pod is bound)."""
+        room(self._bindable, 100_000)[pod_key(pod)] = (passed, self.clock())
+
+    def _check_held(self, key: str, namespace: str, name: str, node: str) -> None:
+        held = self._bindable.get(key)
+        if held is not None and self.clock() - held[1] <= BINDABLE_FOR:
+            if any(n == node if isinstance(n, str) else (n.get("metadata") or {}).get("name") == node
+                   for n in held[0]):
+                return
+        metrics.BINDINGS.labels("refused").inc()
+        raise NotHeld(f"pod {namespace}/{name} is not held for binding to {node}: it did not pass this extender's "
+                      "filter there")
 
     def _locality_refusal(self, key: str, pod: Mapping[str, Any], count: int, gpus: int,
                           candidates: Callable[[], list[NodeState]]) -> str | None:
@@ -448,11 +478,16 @@ class Extender:
         if not all(isinstance(v, str) and v for v in (name, namespace, node)):
             raise BadRequest("ExtenderBindingArgs needs PodName, PodNamespace and Node")
         uid = uid if isinstance(uid, str) else ""
-        pod = self._pods.get(uid) or self._pods.get(f"{namespace}/{name}") or {
-            "metadata": {"name": name, "namespace": namespace, "uid": uid}}
+        pod = self._pods.get(uid) or self._pods.get(f"{namespace}/{name}")
+        meta = (pod or {}).get("metadata") or {}
+        if pod is None or (meta.get("name"), meta.get("namespace", "default")) != (name, namespace):
+            metrics.BINDINGS.labels("refused").inc()
+            raise NotHeld(f"pod {namespace}/{name} never passed this extender's filter")
+        key = pod_key(pod)
+        self._check_held(key, namespace, name, node)
+        del self._bindable[key]  # one bind per filter: a second (replayed) bind of the pod is refused
         gang = pod_gang(pod, self.min_members)
         gpus = pod_gpus(pod)
-        key = pod_key(pod)
         if gang is not None and gang.min_member > 1:
             complete = await self.gangs.wait_for_gang(gang, key, node, gpus)
             metrics.GANG_WAITS.labels("complete" if complete else "timeout").inc()
@@ -479,6 +514,7 @@ class Extender:
         self.bound_pods.pop(key, None)
         self.pending_pods.pop(key, None)
         self._pods.pop(key, None)
+        self._bindable.pop(key, None)
 
 
 async def _body(request: web.Request, max_body: int) -> bytes:
@@ -487,7 +523,12 @@ async def _body(request: web.Request, max_body: int) -> bytes:
     length = request.content_length
     if length is None or length > max_body:
         return await request.read()
-    return await request.content.readexactly(length)
+    if length == 0:  # readexactly(0) raises IncompleteReadError (was a 500 and a traceback)
+        return b""
+    try:
+        return await request.content.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise BadJSON("request body shorter than its Content-Length") from exc
 
 
 def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
@@ -533,6 +574,9 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
                 result = await ext.bind(body)
         except BadRequest as exc:
             return reply({"Error": str(exc)}, 400)
+        except NotHeld as exc:
+            log.warning("refused: %s", exc)
+            return reply({"Error": str(exc)}, 403)
         return verb_reply(verb, result)
 
     async def healthz(_request: web.Request) -> web.Response:
@@ -552,11 +596,12 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 50, 100)
 
 
-async def serve(ext: Extender, host: str, port: int) -> None:  # pragma: no cover - thin CLI glue
+async def serve(ext: Extender, host: str, port: int, ssl_context=None,
+                max_body: int = MAX_BODY) -> None:  # pragma: no cover - CLI glue
     tune_gc()
-    runner = web.AppRunner(make_app(ext), access_log=None)
+    runner = web.AppRunner(make_app(ext, max_body), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     log.info("scheduler extender listening on %s:%d", host, port)
     try:

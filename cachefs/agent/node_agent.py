@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from ..cluster.auth import SharedSecret, TokenReviewer
 from ..cluster.members_file import REWRITE_EVERY, GroupView, members_path, write_members
-from ..cluster.membership import EndpointSliceWatch, MemberTable, parse_peers
+from ..cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTable, parse_peers
 from ..config import Config, parse_listen
 from ..engine import Engine, get_engine
 from ..errors import ConfigError
@@ -66,18 +67,27 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
                     ready_file: str | None = None) -> int:
     """Run until SIGTERM/SIGINT."""
     k = config.cluster
-    if not k.group:
-        raise ConfigError("cachefs agent: no cache group (cluster.group, --group, CACHEFS_CLUSTER_GROUP)")
     node = node_name(config)
-    engine = get_engine(config)
-    engine.fetch_for_group()
-    await engine.start_background()
-    table = MemberTable(node, grace=k.drain_grace)
     kube = None
     if not k.peers or not k.secret_file:
         from ..kube import KubeClient, load_kube_config
 
         kube = KubeClient(load_kube_config(kubeconfig))
+    group = k.group or (await _group_of_node(kube, node) if kube is not None else "")
+    if not group:
+        if kube is not None:
+            await kube.aclose()
+        if k.peers:
+            raise ConfigError("cachefs agent: no cache group (cluster.group, --group, CACHEFS_CLUSTER_GROUP)")
+        log.info("node %s carries no %s label: it reads through no group and serves none", node, GROUP_LABEL)
+        await _until_signalled()
+        return 0
+    config = dataclasses.replace(config, cluster=dataclasses.replace(k, group=group))
+    k = config.cluster
+    engine = get_engine(config)
+    engine.fetch_for_group()
+    await engine.start_background()
+    table = MemberTable(node, grace=k.drain_grace)
     tasks: list[asyncio.Task] = []
     if k.peers:
         try:
@@ -90,7 +100,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
         synced.set()
     else:
         ns, _, svc = k.service.partition("/")
-        watch = EndpointSliceWatch(kube, ns, svc, table)
+        watch = EndpointSliceWatch(kube, ns, svc, table, group=k.group)
         synced = watch.synced
         tasks.append(asyncio.ensure_future(watch.run()))
     verifier = SharedSecret(k.secret_file) if k.secret_file else TokenReviewer(kube)
@@ -115,10 +125,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
     view = lambda: GroupView(k.group, node, table.members, frozenset(table.draining()),
                              k.token_file if not k.secret_file else "", k.secret_file)
     tasks.append(asyncio.ensure_future(_keep_members_file(config.cache.dir, table, synced, view)))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     log.info("cachefs agent %s of group %s: peer server on %s", node, k.group, k.listen)
     if ready_file:
         await synced.wait()
@@ -137,6 +144,29 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
             await kube.aclose()
         await engine.aclose()
     return 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _until_signalled() -> None:
+    await _stop_on_signals().wait()
+
+
+async def _group_of_node(kube, node: str) -> str:
+    """The cache group of this node: its Node's ``cachefs.io/cache-group`` label ("" if none)."""
+    from ..kube import ApiError
+
+    try:
+        doc = await kube.get(f"/api/v1/nodes/{node}")
+    except ApiError as exc:
+        raise ConfigError(f"cachefs agent: cannot read Node {node} for its {GROUP_LABEL} label: {exc}") from None
+    return str(((doc.get("metadata") or {}).get("labels") or {}).get(GROUP_LABEL, ""))
 
 
 async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio.Event,

@@ -160,12 +160,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="run this node's agent: serve its cache group (peer server, membership), /healthz, "
                              "/readyz and, with --metrics-listen, the node's metrics (docs/CLUSTER.md)")
     g = ag.add_argument_group("cache group (docs/CLUSTER.md; each also a cluster.* setting)")
-    g.add_argument("--group", dest="cluster_group", help="the cache group's name (cluster.group)")
+    g.add_argument("--group", dest="cluster_group",
+                   help="the cache group's name (cluster.group; default in Kubernetes: the Node's cachefs.io/cache-group label)")
     g.add_argument("--node", dest="cluster_node_name", help="this member's name (default: $NODE_NAME, host name)")
     g.add_argument("--listen", dest="cluster_listen", help="peer server HOST:PORT (default 0.0.0.0:7480)")
     g.add_argument("--advertise", dest="cluster_advertise", help="HOST:PORT the members reach this one at")
     g.add_argument("--peers", dest="cluster_peers",
                    help="static members NAME=HOST:PORT[@WEIGHT],... instead of the Kubernetes API")
+    g.add_argument("--service", dest="cluster_service",
+                   help="NAMESPACE/NAME of the headless Service over the node pods (default cachefs-system/cachefs-peers)")
     g.add_argument("--serve", dest="cluster_serve",
                    help="dataset URL prefixes this node fetches for the group, comma-separated")
     g.add_argument("--secret-file", dest="cluster_secret_file",

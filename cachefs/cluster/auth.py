@@ -6,7 +6,8 @@ says whether it is valid, for our audience, and which pod and node it was issued
 short while, and then checks that the node is a member of its group:
 
 * no token, or one the API server rejects or that is not for our audience: 401;
-* a valid token of a node outside this group: 403.
+* a valid token of another service account (any pod may ask kubelet for a token with our audience, but only node
+  pods run as ``cachefs-system/cachefs-node``), or of a node outside this group: 403.
 
 Without Kubernetes (``--peers``, one host, tests) the group shares a secret in a file (``--peer-token-file``): a
 token equal to it authenticates, and the member's name comes from the ``X-Cachefs-Member`` header.
@@ -22,10 +23,12 @@ from dataclasses import dataclass
 
 from ..kube import ApiError, KubeClient
 
-__all__ = ["AUDIENCE", "Forbidden", "Identity", "SharedSecret", "TokenReviewer", "Unauthorized", "read_token"]
+__all__ = ["AUDIENCE", "NODE_ACCOUNT", "Forbidden", "Identity", "SharedSecret", "TokenReviewer", "Unauthorized", "read_token"]
 
 #: The audience of the tokens node pods present to each other.
 AUDIENCE = "cachefs.io/peer"
+#: The user a node pod's token stands for (deploy/base/rbac-node-agent.yaml).
+NODE_ACCOUNT = "system:serviceaccount:cachefs-system:cachefs-node"
 
 
 class Unauthorized(Exception):
@@ -42,6 +45,8 @@ class Identity:
 
     node: str
     pod: str = ""
+    #: The Kubernetes user the token stands for ("" for a shared secret).
+    user: str = ""
 
 
 def read_token(path: str) -> str:
@@ -73,9 +78,10 @@ class SharedSecret:
 class TokenReviewer:
     """Tokens checked by the API server (TokenReview), answers kept for ``ttl`` seconds per token."""
 
-    def __init__(self, client: KubeClient, audience: str = AUDIENCE, *, ttl: float = 120.0,
-                 max_entries: int = 10_000) -> None:
+    def __init__(self, client: KubeClient, audience: str = AUDIENCE, *, account: str = NODE_ACCOUNT,
+                 ttl: float = 120.0, max_entries: int = 10_000) -> None:
         self.client, self.audience, self.ttl, self.max_entries = client, audience, ttl, max_entries
+        self.account = account
         self._cache: dict[bytes, tuple[float, Identity | None]] = {}
         self._inflight: dict[bytes, asyncio.Future] = {}
         self.reviews = 0
@@ -89,6 +95,8 @@ class TokenReviewer:
         if hit is not None and now - hit[0] < self.ttl:
             if hit[1] is None:
                 raise Unauthorized("token rejected")
+            if hit[1].user != self.account:
+                raise Forbidden(f"{hit[1].user} is not a cachefs node pod")
             return hit[1]
         fut = self._inflight.get(key)
         if fut is None:  # one review per token however many requests carry it at once
@@ -100,6 +108,8 @@ class TokenReviewer:
         self._cache[key] = (now, who)
         if who is None:
             raise Unauthorized("token rejected")
+        if who.user != self.account:
+            raise Forbidden(f"{who.user} is not a cachefs node pod")
         return who
 
     async def _review(self, token: str) -> Identity | None:
@@ -113,9 +123,10 @@ class TokenReviewer:
         status = doc.get("status") or {}
         if not status.get("authenticated") or self.audience not in (status.get("audiences") or []):
             return None
-        extra = (status.get("user") or {}).get("extra") or {}
+        user = status.get("user") or {}
+        extra = user.get("extra") or {}
         node = (extra.get("authentication.kubernetes.io/node-name") or [""])[0]
         pod = (extra.get("authentication.kubernetes.io/pod-name") or [""])[0]
         if not node:
             return None  # not a token bound to a pod on a node: not a node pod's
-        return Identity(node, pod)
+        return Identity(node, pod, str(user.get("username") or ""))

@@ -113,26 +113,62 @@ class MemberTable:
             if any(self.clock() - s >= self.grace for s in self._draining.values()) else False
 
 
+GROUP_LABEL = "cachefs.io/cache-group"
+
+
+async def list_and_watch(client: KubeClient, path: str, params: Mapping[str, str], what: str,
+                         on_list: Callable[[list], None], on_event: Callable[[str, Mapping], None]) -> None:
+    """List ``path``, then watch it for ever: resumed from the last resource version, listed again when the
+    server answers 410 Gone, backing off on errors (as kube-proxy's informers do)."""
+    rv, delay = None, 0.5
+    while True:
+        try:
+            if rv is None:
+                doc = await client.get(path, **params)
+                on_list(doc.get("items") or [])
+                rv = str((doc.get("metadata") or {}).get("resourceVersion", ""))
+            async for event in client.watch(path, rv, params=params):
+                obj = event.get("object") or {}
+                rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+                if event.get("type") != "BOOKMARK":
+                    on_event(str(event.get("type")), obj)
+            delay = 0.5
+        except ApiError as exc:
+            if exc.status == 410:  # too old to resume: list again
+                log.info("cache group: %s: listing again", what)
+                rv = None
+                continue
+            log.warning("cache group: watching %s: %s", what, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+        except (TimeoutError, ConnectionError, OSError) as exc:
+            log.warning("cache group: watching %s: %s", what, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+
 class EndpointSliceWatch:
-    """Keeps a :class:`MemberTable` in step with the ready endpoints of one headless Service (list + watch)."""
+    """Keeps a :class:`MemberTable` in step with the ready endpoints of one headless Service (list + watch).
+
+    With ``group``, only endpoints on nodes labelled ``cachefs.io/cache-group=<group>`` are members: one Service
+    over every node pod of the DaemonSet, and the group each node belongs to read from its Node's labels (a
+    second watch, of this group's nodes only)."""
 
     #: Name of the Service port members serve the peer protocol on.
     PORT_NAME = "peer"
 
     def __init__(self, client: KubeClient, namespace: str, service: str, table: MemberTable,
-                 weight: Callable[[str], float] = lambda name: 1.0) -> None:
+                 weight: Callable[[str], float] = lambda name: 1.0, *, group: str = "") -> None:
         self.client, self.namespace, self.service, self.table = client, namespace, service, table
-        self.weight = weight
+        self.weight, self.group = weight, group
         self._slices: dict[str, dict[str, Member]] = {}
+        self._group_nodes: set[str] = set()
+        self._slices_listed, self._nodes_listed = False, not group
         self.synced = asyncio.Event()
-        self.relists = 0
 
     @property
     def path(self) -> str:
         return f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
-
-    def _selector(self) -> dict[str, str]:
-        return {"labelSelector": f"kubernetes.io/service-name={self.service}"}
 
     def _members_of(self, eps: Mapping) -> dict[str, Member]:
         port = next((p.get("port") for p in eps.get("ports") or [] if p.get("name") == self.PORT_NAME), None)
@@ -153,51 +189,50 @@ class EndpointSliceWatch:
         return out
 
     def _apply(self) -> None:
+        if not (self._slices_listed and self._nodes_listed):
+            return
         present: dict[str, Member] = {}
         for members in self._slices.values():
             present.update(members)
+        if self.group:
+            present = {n: m for n, m in present.items() if n in self._group_nodes}
         self.table.update(present)
-
-    async def _list(self) -> str:
-        doc = await self.client.get(self.path, **self._selector())
-        self._slices = {(s.get("metadata") or {}).get("name", ""): self._members_of(s) for s in doc.get("items") or []}
-        self._apply()
         self.synced.set()
-        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
+
+    def _slices_listed_now(self, items: list) -> None:
+        self._slices = {(s.get("metadata") or {}).get("name", ""): self._members_of(s) for s in items}
+        self._slices_listed = True
+        self._apply()
+
+    def _slice_event(self, kind: str, obj: Mapping) -> None:
+        name = (obj.get("metadata") or {}).get("name", "")
+        if kind == "DELETED":
+            self._slices.pop(name, None)
+        else:
+            self._slices[name] = self._members_of(obj)
+        self._apply()
+
+    def _nodes_listed_now(self, items: list) -> None:
+        self._group_nodes = {(n.get("metadata") or {}).get("name", "") for n in items}
+        self._nodes_listed = True
+        self._apply()
+
+    def _node_event(self, kind: str, obj: Mapping) -> None:
+        meta = obj.get("metadata") or {}
+        name, labels = meta.get("name", ""), meta.get("labels") or {}
+        before = name in self._group_nodes
+        if kind == "DELETED" or labels.get(GROUP_LABEL) != self.group:
+            self._group_nodes.discard(name)
+        else:
+            self._group_nodes.add(name)
+        if before != (name in self._group_nodes):
+            self._apply()
 
     async def run(self) -> None:
-        """List, then watch for ever (resuming; listing again on 410 Gone; backing off on errors)."""
-        rv, delay = None, 0.5
-        while True:
-            try:
-                if rv is None:
-                    rv = await self._list()
-                    if self.relists:
-                        log.info("cache group: listed %s again (resource version %s)", self.service, rv)
-                async for event in self.client.watch(self.path, rv, params=self._selector()):
-                    obj = event.get("object") or {}
-                    meta = obj.get("metadata") or {}
-                    rv = str(meta.get("resourceVersion") or rv)
-                    kind = event.get("type")
-                    if kind == "BOOKMARK":
-                        continue
-                    name = meta.get("name", "")
-                    if kind == "DELETED":
-                        self._slices.pop(name, None)
-                    else:
-                        self._slices[name] = self._members_of(obj)
-                    self._apply()
-                delay = 0.5
-            except ApiError as exc:
-                if exc.status == 410:  # too old to resume: list again
-                    rv = None
-                    self.relists += 1
-                    continue
-                log.warning("cache group: watching %s: %s", self.service, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-            except (TimeoutError, ConnectionError, OSError) as exc:
-                log.warning("cache group: watching %s: %s", self.service, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-            self.table.expire()
+        """Follow the Service's slices (and the group's nodes) until cancelled."""
+        watches = [list_and_watch(self.client, self.path, {"labelSelector": f"kubernetes.io/service-name={self.service}"},
+                                  f"{self.namespace}/{self.service}", self._slices_listed_now, self._slice_event)]
+        if self.group:
+            watches.append(list_and_watch(self.client, "/api/v1/nodes", {"labelSelector": f"{GROUP_LABEL}={self.group}"},
+                                          f"nodes of group {self.group}", self._nodes_listed_now, self._node_event))
+        await asyncio.gather(*watches)

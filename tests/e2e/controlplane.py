@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 ADMIN_TOKEN = "cachefs-e2e-admin"
 EXTENDER_TOKEN = "cachefs-e2e-extender"
-EXTENDER_USER = "system:serviceaccount:cachefs-system:cachefs-scheduler-extender"
+EXTENDER_USER = "system:serviceaccount:cachefs-system:cachefs-scheduler"  # the sidecar shares its pod's account
 
 
 #: The extender's topology_wait in these tests (seconds).
@@ -215,6 +215,7 @@ _PATHS = {
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
     "DaemonSet": ("/apis/apps/v1", "daemonsets", True), "Deployment": ("/apis/apps/v1", "deployments", True),
     "Job": ("/apis/batch/v1", "jobs", True),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices", True),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "CSIDriver": ("/apis/storage.k8s.io/v1", "csidrivers", False),
     "StorageClass": ("/apis/storage.k8s.io/v1", "storageclasses", False),

@@ -89,6 +89,13 @@ def test_second_scheduler_manifests_are_accepted(k8s):
         k8s.apply(*objs)
         dep = k8s.request("GET", "/apis/apps/v1/namespaces/cachefs-system/deployments/cachefs-scheduler")
         assert dep["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"] == config["metadata"]["name"]
+        # the extender is a sidecar that listens on loopback, where kube-scheduler's config points
+        (extender,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "extender"]
+        listen = extender["args"][extender["args"].index("--listen") + 1]
+        sched = yaml.safe_load(config["data"]["kube-scheduler-config.yaml"])
+        assert listen.startswith("127.0.0.1:") and sched["extenders"][0]["urlPrefix"] == f"http://{listen}"
+        assert all(p.get("containerPort") != int(listen.split(":")[1])
+                   for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", []))
     finally:
         delete_all(k8s, objs)
 
@@ -102,8 +109,8 @@ def test_monitoring_scrapes_the_ports_the_pods_expose_and_the_dashboard_uses_kno
 
     (pm,) = docs(REPO / "deploy" / "monitoring" / "podmonitor.yaml")
     pods = {}
-    for name in ("node-daemonset.yaml", "scheduler-extender.yaml"):
-        for d in docs(BASE / name):
+    for path in (BASE / "node-daemonset.yaml", REPO / "deploy" / "scheduler" / "second-scheduler.yaml"):
+        for d in docs(path):
             if d["kind"] in ("DaemonSet", "Deployment"):
                 pods[d["metadata"]["name"]] = d["spec"]["template"]
     components = pm["spec"]["selector"]["matchExpressions"][0]["values"]

@@ -252,6 +252,27 @@ def test_gangs_land_in_one_clique_and_never_deadlock(k8s):
         delete_pod(k8s, p)
 
 
+def test_a_forged_bind_of_a_pod_the_extender_never_filtered_binds_nothing(k8s):
+    """Another tenant's pending pod (left to a scheduler that does not run here) cannot be placed by posting
+    to the extender's bind: it answers 403 and the pod stays unbound."""
+    import urllib.error
+    import urllib.request
+
+    make_node(k8s, "forge-target", gpus=8)
+    k8s.apply(make_pod("victim", scheduler="nobody"))
+    uid = k8s.request("GET", "/api/v1/namespaces/default/pods/victim")["metadata"]["uid"]
+    body = json.dumps({"PodName": "victim", "PodNamespace": "default", "PodUID": uid, "Node": "forge-target"})
+    req = urllib.request.Request(f"http://127.0.0.1:{k8s.extender_port}/bind", data=body.encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=10)
+    assert refused.value.code == 403 and "filter" in json.loads(refused.value.read())["Error"]
+    refused.value.close()
+    time.sleep(1)
+    assert node_of(k8s, "victim") is None
+    delete_pod(k8s, "victim")
+    k8s.request("DELETE", "/api/v1/nodes/forge-target")
+
+
 def test_scheduler_accepted_every_extender_response(k8s):
     """After the tests above, kube-scheduler logged no extender failure other than the deliberate outage."""
     lines = k8s.log("kube-scheduler").splitlines()

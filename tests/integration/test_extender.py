@@ -144,12 +144,48 @@ def test_node_cache_capable_mode_uses_names(server):
     ("filter", b'{"Pod": {}, "Nodes": {"items": 7}}', 400),
     ("prioritize", b'{"Pod": {}}', 400),
     ("bind", b'{"PodName": 3}', 400),
+    ("filter", b"", 400),
+    ("prioritize", b"", 400),
+    ("bind", b"", 400),
     ("preempt-everything", b"{}", 404),
 ])
 def test_bad_requests_get_clear_4xx(server, verb, raw, status):
     base, _ = server
     got, body = post(base, verb, None, raw=raw)
     assert got == status and body["Error"]
+
+
+def bind_request(base, p, node_name):
+    body = {"PodName": p["metadata"]["name"], "PodNamespace": p["metadata"]["namespace"],
+            "PodUID": p["metadata"]["uid"], "Node": node_name}
+    return post(base, "bind", body)
+
+
+def test_a_forged_bind_binds_nothing(server):
+    """Only a pod our filter let through may be bound, only to a node it passed, and only once per filter:
+    anything else is a 403 and no Binding is made."""
+    base, ext = server
+    nodes = [node("a"), node("b")]
+    never_filtered = pod("victim", gpus=1)
+    status, body = bind_request(base, never_filtered, "a")
+    assert status == 403 and "filter" in body["Error"]
+    refused_there = pod("refused", gpus=1)
+    status, res = post(base, "filter", args(refused_there, nodes[1:]))  # kube-scheduler had ruled out a
+    assert [n["metadata"]["name"] for n in res["Nodes"]["items"]] == ["b"]
+    status, body = bind_request(base, refused_there, "a")
+    assert status == 403, body
+    assert ext.binder.bindings == []
+    # the request a real kube-scheduler makes: filter, then bind to a node that passed
+    ok = pod("ok", gpus=1)
+    post(base, "filter", args(ok, nodes))
+    assert bind_request(base, ok, "b") == (200, {"Error": ""})
+    assert ext.binder.bindings == [("ml", "ok", "b")]
+    status, body = bind_request(base, ok, "b")  # replayed
+    assert status == 403
+    impostor = dict(ok, metadata=dict(ok["metadata"], name="other"))
+    post(base, "filter", args(ok, nodes))
+    assert bind_request(base, impostor, "b")[0] == 403  # the uid of a held pod with another pod's name
+    assert ext.binder.bindings == [("ml", "ok", "b")]
 
 
 def test_pods_smaller_than_a_node_keep_whole_nodes_free_while_whole_node_pods_wait(server):
@@ -322,7 +358,7 @@ def test_oversized_request_is_refused():
 
     status, error = asyncio.run(go())
     assert status == 413 and "1024" in error
-    assert MAX_BODY >= 128 * 1024 * 1024  # room for 5,000 full Node objects
+    assert 8 * 1024 * 1024 <= MAX_BODY < 50_000_000  # full Node objects of thousands of nodes; 50 MB refused
 
     async def with_length():  # a Content-Length over the cap is refused before the body is read
         async with TestClient(TestServer(make_app(Extender(), max_body=1024))) as client:

@@ -1,0 +1,90 @@
+"""Every unix socket cachefs listens on is root's alone: the CSI plugin's (kubelet calls it), the mounter's
+(its requests carry credentials) and a mount's hand-over socket (it hands out the FUSE descriptor, the whole file
+system). Another user on the node is refused by the kernel at connect(). The sockets are made in a directory
+anyone may enter, so that it is each socket's own mode that is tested."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+from cachefs.fuse.holder import socket_path_for
+from cachefs.mount_records import mount_file
+from tests.conftest import put_tree
+from tests.integration.test_fuse import Mounted
+
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts, another uid)")
+
+
+def connect_as(uid: int, path: str) -> str:
+    code = ("import os, socket, sys\nos.setgid({0}); os.setuid({0})\ns = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect(sys.argv[1]); print('connected')\nexcept OSError as e:\n    print(type(e).__name__)")
+    return subprocess.run([sys.executable, "-c", code.format(uid), path], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+@pytest.fixture
+def open_dir():
+    d = tempfile.mkdtemp(prefix="cachefs-sockets-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_check_can_fail(open_dir):
+    """A socket anyone may write to is reached by nobody: what the tests below see is the socket's mode."""
+    path = os.path.join(open_dir, "open.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+        os.chmod(path, 0o666)
+        s.listen()
+        assert connect_as(NOBODY, path) == "connected"
+
+
+def test_csi_and_mounter_sockets_refuse_other_users(open_dir):
+    from csi.mounter import serve_mounter
+    from csi.server import serve
+
+    stop, csi_ready, mounter_ready = threading.Event(), threading.Event(), threading.Event()
+    csi_sock, mounter_sock = os.path.join(open_dir, "csi.sock"), os.path.join(open_dir, "mounter.sock")
+    cache, state = os.path.join(open_dir, "cache"), os.path.join(open_dir, "state")
+    threads = [threading.Thread(target=serve, args=(f"unix://{csi_sock}",), daemon=True,
+                                kwargs=dict(node_id="n1", cache_dir=cache, state_dir=state, ready=csi_ready,
+                                            stop=stop)),
+               threading.Thread(target=serve_mounter, args=(mounter_sock, os.path.join(open_dir, "mnt"), cache),
+                                kwargs=dict(ready=mounter_ready, stop=stop), daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        assert csi_ready.wait(30) and mounter_ready.wait(30)
+        for path in (csi_sock, mounter_sock):
+            assert connect_as(0, path) == "connected"
+            assert connect_as(NOBODY, path) == "PermissionError", path
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(20)
+
+
+def test_a_mounts_hand_over_socket_refuses_other_users(s3, open_dir):
+    _, client, bucket = s3
+    put_tree(client, bucket, "sock", {"a.bin": b"a" * 100})
+    cache, mnt = os.path.join(open_dir, "cache"), os.path.join(open_dir, "mnt")
+    os.makedirs(mnt)
+    m = Mounted(cache, f"s3://{bucket}/sock", mnt)
+    try:
+        path = socket_path_for(mount_file(cache, mnt, ".sock"))
+        for d in (cache, os.path.dirname(path)):  # let nobody walk to it: the socket alone must refuse
+            os.chmod(d, 0o755)
+        assert connect_as(NOBODY, path) == "PermissionError"
+    finally:
+        m.close()
