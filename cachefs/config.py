@@ -186,6 +186,10 @@ class ClusterConfig:
     drain_grace: float = 600.0
     #: A peer that has not answered within this many seconds gets company: the next candidate is asked too.
     hedge_after: float = 0.25
+    #: Store what this node reads from peers (blocks and small files) on its disk too. Off (the default), a node's
+    #: disk holds what it owns, so the group's disks add up to one cache; on, data replicates to where it is read,
+    #: competing for room with what the node owns (it is not evicted first: docs/CLUSTER.md).
+    keep_guest: bool = False
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ class Engine:
         origin = OriginTier(self.funnel)
         self.mirror = MirrorTier(self.funnel, self.assemblies, self.index, self.stats)
         # Missing bytes: the cache group's members first (while the node is in one), then the mirror, the origin.
-        self.group = GroupLink(c.dir, block_size=c.block_size, hedge_after=config.cluster.hedge_after)
+        self.group = GroupLink(c.dir, block_size=c.block_size, hedge_after=config.cluster.hedge_after,
+                               keep_guest=config.cluster.keep_guest)
         self.blocks = BlockPath(config, self.objects, TierChain([self.group.block_tier, origin], self.tier_counts),
                                 self.funnel, self.evictor, self.disk, self.stats)
         self.packs = PackPath(config, pack_store, self.index,
@@ -99,7 +100,7 @@ class Engine:
     def _at_exit(self) -> None:
         from . import _aio
 
-        loop = _aio.get_loop() if self._sources else None
+        loop = _aio.get_loop() if self._sources or self.group.client is not None else None
         if loop is not None and loop.is_running():
             try:
                 _aio.run_sync(self.aclose(), timeout=5)
@@ -121,6 +122,11 @@ class Engine:
         source: Source | None = None,
     ) -> Dataset:
         """Open a dataset, taking its first manifest if the node has none. No origin request otherwise."""
+        if self._loop is None:
+            # Exit hooks run last-registered first: registered again now, after the event loop's own hook, the
+            # engine closes (its sessions included) while the loop still runs.
+            atexit.unregister(self._at_exit)
+            atexit.register(self._at_exit)
         self._loop = self.blocks.loop = asyncio.get_running_loop()
         ref = DatasetRef.from_url(url)
         src = source or self.source_for(ref.url, storage_options)

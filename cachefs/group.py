@@ -35,7 +35,7 @@ def manifest_key(ds_id: str) -> bytes:
 class GroupLink:
     """Follows the members file of ``cache_dir``; :meth:`refresh` now and then (cheap: one stat)."""
 
-    def __init__(self, cache_dir: str, *, block_size: int, hedge_after: float = 0.25) -> None:
+    def __init__(self, cache_dir: str, *, block_size: int, hedge_after: float = 0.25, keep_guest: bool = False) -> None:
         self.cache_dir = cache_dir
         #: Whether this process is the node's agent, which fetches for the group rather than reading through it.
         self.serving = False
@@ -44,8 +44,11 @@ class GroupLink:
         self.table = None
         self.client = None
         self.view: GroupView | None = None
-        self.block_tier = PeerTier(self, kind="block", block_size=block_size, hedge_after=hedge_after)
-        self.small_tier = PeerTier(self, kind="small", hedge_after=hedge_after)
+        # What peers send is not stored unless ``keep_guest``: a node's disk holds what it owns, so the group's
+        # disks add up to one cache (readers keep it in memory for a while).
+        self.block_tier = PeerTier(self, kind="block", block_size=block_size, hedge_after=hedge_after,
+                                   kept=keep_guest)
+        self.small_tier = PeerTier(self, kind="small", hedge_after=hedge_after, kept=keep_guest)
         self._stamp: tuple[float, int] | None = None
         self.refresh()
 

@@ -27,7 +27,7 @@ from ..cluster.auth import Forbidden, Unauthorized
 from ..cluster.membership import MemberTable
 from ..cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
 from ..manifest import valid_relpath
-from ..tiers.peer import block_key, small_key
+from ..tiers.peer import DirectoryWindows, block_key
 from ..types import object_key
 from .serving import GroupServing
 
@@ -49,6 +49,7 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
                   ready=lambda: True) -> web.Application:
     """The peer server's application. ``verifier.identify(token, claimed member) -> Identity`` checks tokens;
     ``ready()`` says whether membership is known (``/readyz``)."""
+    windows = DirectoryWindows()
 
     @web.middleware
     async def authenticate(request: web.Request, handler):
@@ -127,7 +128,8 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
         ds, entry, _ = got
         if not serving.engine.packed(entry):
             return _bad("not a small file: ask /v1/block")
-        return _answer(await serving.bytes_for(ds, entry, None, fetch=_fetches(request, small_key(ds.ref.id, entry.path))))
+        fetch = _fetches(request, windows.key(ds, entry.path))
+        return _answer(await serving.bytes_for(ds, entry, None, fetch=fetch))
 
     async def manifest(request: web.Request) -> web.Response:
         ds_id, url = request.match_info["dataset"], request.query.get("url", "")

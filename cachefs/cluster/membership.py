@@ -87,6 +87,12 @@ class MemberTable:
         """Take the members and draining set another process decided (the agent's members file): placement
         follows, incrementally. Returns whether anything changed."""
         now, placement, changed = self.clock(), self.placement, False
+        if not self._members and members:  # the first view: one table made at once, not N joins
+            self._members = dict(members)
+            self._draining = {n: now for n in draining if n in members}
+            self.placement = Placement([Weighted(n, m.weight) for n, m in members.items()])
+            self.generation += 1
+            return True
         for name in [n for n in self._members if n not in members]:
             placement = placement.left(name)
             del self._members[name]

@@ -62,7 +62,13 @@ class PeerClient:
             async with self._client().get(url, params=params, headers=self._headers()) as resp:
                 if resp.content_length is not None and resp.content_length > limit:
                     raise PeerError(f"{address}: an answer of {resp.content_length} bytes, at most {limit} asked")
-                body = await resp.content.read(limit + 1)
+                # read(n) returns what has arrived so far, not n bytes: gather the body up to the limit + 1
+                # (one byte more tells an over-long answer).
+                parts, got = [], 0
+                while got <= limit and (chunk := await resp.content.read(limit + 1 - got)):
+                    parts.append(chunk)
+                    got += len(chunk)
+                body = parts[0] if len(parts) == 1 else b"".join(parts)
                 return resp.status, body, dict(resp.headers)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise PeerError(f"peer {address}: {type(exc).__name__}: {exc}") from None

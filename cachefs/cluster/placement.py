@@ -128,13 +128,12 @@ class Placement:
         s = _scores(_SLOT_HASH, np.array([_seed(member.name)], dtype=np.uint64),
                     np.array([max(member.weight, 1e-9)]))[:, 0]
         who, score = self._who.copy(), self._score.copy()
-        enter = s > score[:, -1]
-        rows = np.nonzero(enter)[0]
-        for r in rows:  # (a few of SLOTS; each row is RANK long)
-            pos = int(np.searchsorted(-score[r], -s[r]))
-            who[r, pos + 1:] = who[r, pos:-1].copy()
-            score[r, pos + 1:] = score[r, pos:-1].copy()
-            who[r, pos], score[r, pos] = i, s[r]
+        rows = np.nonzero(s > score[:, -1])[0]  # the slots it enters: ~RANK/N of them, all of them while N < RANK
+        both_s = np.concatenate([score[rows], s[rows, None]], axis=1)
+        both_w = np.concatenate([who[rows], np.full((len(rows), 1), i, dtype=who.dtype)], axis=1)
+        order = np.argsort(-both_s, axis=1, kind="stable")[:, :RANK]
+        score[rows] = np.take_along_axis(both_s, order, axis=1)
+        who[rows] = np.take_along_axis(both_w, order, axis=1)
         return Placement(members, _table=(who, score))
 
     def left(self, name: str) -> Placement:

@@ -248,20 +248,23 @@ class BlockPath:
             fut = self._fetches.start(key, self._fetch(ds, entry, ob, idx, held))
         elif held is not None:
             await held.release()
-        data, stored = await asyncio.shield(fut)
-        if strict and not stored:
+        data, stored, guest = await asyncio.shield(fut)
+        if strict and not stored and not guest:
             raise CacheFullError(f"cache disk full: cannot store {entry.path} (capacity {self.space.capacity} B)")
         if not stored:
             self._keep_unstored(key, data)
         return data
 
-    async def _fetch(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, held) -> tuple[bytes, bool]:
+    async def _fetch(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, held) -> tuple[bytes, bool, bool]:
+        """(the block, whether it was stored here, whether it is a guest: kept by the group member owning it)."""
         start = idx * self.block_size
         length = min(self.block_size, entry.size - start)
         async with held or await self.funnel.hold(length):
-            data = await self.chain.fetch(Want(ds, entry, ob.key, start, length))
+            data, tier = await self.chain.fetch_from(Want(ds, entry, ob.key, start, length))
+            if not tier.kept:
+                return data, False, True
             stored = await self._store(ob, idx, data, block_checksum(data))
-        return data, stored
+        return data, stored, False
 
     async def _store(self, ob: OpenObject, idx: int, data: bytes, checksum: int) -> bool:
         """Write block ``idx`` and record it, if the disk has room; whether it did."""

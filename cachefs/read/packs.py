@@ -72,6 +72,34 @@ def _read_ahead(fd: int) -> None:
     threading.Thread(target=run, name="cachefs-pack-readahead", daemon=True).start()
 
 
+class GuestFiles:
+    """Small files read from the group's peers and not stored here (``cluster.keep_guest`` off), kept in memory for
+    a while (least recently used out past ``limit`` bytes): a directory's read-ahead brings them before their
+    readers ask. Any thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._files: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, okey: bytes) -> bytes | None:
+        with self._lock:
+            data = self._files.get(okey)
+            if data is not None:
+                self._files.move_to_end(okey)
+            return data
+
+    def put(self, okey: bytes, data: bytes) -> None:
+        with self._lock:
+            if okey in self._files or len(data) > self.limit:
+                return
+            self._files[okey] = data
+            self.used += len(data)
+            while self.used > self.limit:
+                _, old = self._files.popitem(last=False)
+                self.used -= len(old)
+
+
 class PackPath:
     def __init__(self, config: Config, store: PackStore, index: Index, chain: TierChain, funnel: OriginFunnel,
                  evictor: Evictor, disk: DiskJobs, stats: ReadStats, assemblies: PackAssemblies) -> None:
@@ -87,6 +115,7 @@ class PackPath:
         self._listings: OrderedDict[tuple[str, int, str], tuple[list[str], list[Entry]]] = OrderedDict()
         self._ahead: dict[tuple[str, str], int] = {}  # (dataset, dir) → listing position read-ahead reached
         self._sweeps: dict[bytes, tuple[float, int, float]] = {}  # pack key → sweep state (planners.sweep)
+        self.guests = GuestFiles(config.engine.memory_budget // 8)
         removed = self.store.clean(index.has_pack)
         if removed:
             log.info("removed %d unfinished or orphaned pack file(s)", removed)
@@ -100,7 +129,7 @@ class PackPath:
     # -- local reads (any thread) ---------------------------------------------------------------------------
     def has(self, okey: bytes) -> bool:
         return (self.pending.get(okey) is not None or self.assemblies.holds(okey)
-                or self.index.packed(okey) is not None)
+                or self.index.packed(okey) is not None or self.guests.get(okey) is not None)
 
     def local(self, ds_id: str, okey: bytes, size: int, *, wait: bool = True) -> bytes | bytearray | object | None:
         """The whole object if this node holds it (pending or packed, checksum verified), else None. Without
@@ -108,6 +137,8 @@ class PackPath:
         if size == 0:
             return b""
         data = self.pending.get(okey)
+        if data is None:
+            data = self.guests.get(okey)
         if data is not None:
             return data
         assembling = self.assemblies.pending(okey)
@@ -195,11 +226,13 @@ class PackPath:
 
     async def _fetch(self, ds: Dataset, okey: bytes, entry: Entry, held: Reservation | None = None) -> bytes:
         async with held or await self.funnel.hold(entry.size):
-            data = await self.chain.fetch(Want(ds, entry, okey, 0, entry.size))
+            data, tier = await self.chain.fetch_from(Want(ds, entry, okey, 0, entry.size))
         # A whole small object is handed to readers (and waits in its pending pack) as it is: bytes, not the
         # bytearray a source may have received the body into.
         data = data if type(data) is bytes else bytes(data)
-        if not self.has(okey):  # (a mirror window installs what it brings itself)
+        if not tier.kept:  # the group member that owns it keeps it
+            self.guests.put(okey, data)
+        elif not self.has(okey):  # (a mirror window installs what it brings itself)
             await self.pending.add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data))
         return data
 

@@ -44,6 +44,8 @@ class Want:
 class Tier(abc.ABC):
     #: The tier's name in counters and metrics (``origin``, ``mirror``, ``peer``).
     name: str
+    #: Whether what this tier serves is stored on this node (a cache group's peers may keep it for us instead).
+    kept: bool = True
 
     @abc.abstractmethod
     async def fetch(self, want: Want) -> bytes | bytearray | None:
@@ -84,6 +86,10 @@ class TierChain:
         self.tiers, self.counts = tiers, counts
 
     async def fetch(self, want: Want) -> bytes | bytearray:
+        return (await self.fetch_from(want))[0]
+
+    async def fetch_from(self, want: Want) -> tuple[bytes | bytearray, Tier]:
+        """The bytes and the tier that served them."""
         *first, last = self.tiers
         for tier in first:
             try:
@@ -94,9 +100,9 @@ class TierChain:
                 continue
             if data is not None:
                 self.counts.served(tier.name, len(data))
-                return data
+                return data, tier
         data = await last.fetch(want)
         if data is None:
             raise CacheFSError(f"{want.entry.path}: no tier could serve it")
         self.counts.served(last.name, len(data))
-        return data
+        return data, last

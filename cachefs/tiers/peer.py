@@ -19,13 +19,16 @@ Draining members (gone from the API, within their grace period) are asked last.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
+from collections import OrderedDict
 
+from ..dataset import Dataset
 from ..errors import CacheFSError
 from .base import Tier, Want
 
-__all__ = ["BREAKER_FAILURES", "Breaker", "PeerTier", "block_key", "small_key"]
+__all__ = ["BREAKER_FAILURES", "SMALL_WINDOW", "Breaker", "DirectoryWindows", "PeerTier", "block_key", "small_key"]
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +40,36 @@ def block_key(okey: bytes, idx: int) -> bytes:
     return b"b" + okey + idx.to_bytes(4, "big")
 
 
-def small_key(ds_id: str, path: str) -> bytes:
-    """The placement key of a small file: its directory (a directory's files are read together and packed
-    together, so they share an owner)."""
-    return b"d" + ds_id.encode() + b"/" + path.rpartition("/")[0].encode("utf-8", "surrogateescape")
+#: Small files are placed by windows of this many names of their directory (sorted): neighbours, read ahead and
+#: packed together, share an owner, and a directory of a million files still spreads over the group.
+SMALL_WINDOW = 256
+
+
+def small_key(ds_id: str, path: str, window: int) -> bytes:
+    """The placement key of a small file: window ``window`` of its directory."""
+    return (b"d" + ds_id.encode() + b"/" + path.rpartition("/")[0].encode("utf-8", "surrogateescape") + b"#"
+            + window.to_bytes(4, "big"))
+
+
+class DirectoryWindows:
+    """The placement key of a small file (:func:`small_key`), from its position in its directory's sorted listing
+    in the reader's manifest version (sorted names kept for the last ``keep`` directories)."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._names: OrderedDict[tuple[str, int, str], list[str]] = OrderedDict()
+
+    def key(self, ds: Dataset, path: str) -> bytes:
+        parent, _, name = path.rpartition("/")
+        at = (ds.ref.id, ds.version, parent)
+        names = self._names.get(at)
+        if names is None:
+            names = self._names[at] = sorted(e.path.rpartition("/")[2] for e in ds.listdir(parent))
+            if len(self._names) > self.keep:
+                self._names.popitem(last=False)
+        else:
+            self._names.move_to_end(at)
+        return small_key(ds.ref.id, path, bisect.bisect_left(names, name) // SMALL_WINDOW)
 
 
 class Breaker:
@@ -71,12 +100,13 @@ class PeerTier(Tier):
     name = "peer"
 
     def __init__(self, group, *, kind: str, block_size: int = 0, hedge_after: float = 0.25,
-                 candidates: int = 2) -> None:
+                 candidates: int = 2, kept: bool = True) -> None:
         if kind not in ("block", "small") or (kind == "block" and block_size <= 0):
             raise ValueError(f"a peer tier of {kind!r} (block size {block_size})")
-        self.group, self.kind, self.block_size = group, kind, block_size
+        self.group, self.kind, self.block_size, self.kept = group, kind, block_size, kept
         self.hedge_after, self.candidates = hedge_after, candidates
         self.breaker = Breaker()
+        self.windows = DirectoryWindows()
         #: Requests that hedging sent to a second candidate.
         self.hedged = 0
 
@@ -95,7 +125,7 @@ class PeerTier(Tier):
         else:
             if not want.whole:
                 return None
-            key = small_key(want.ds.ref.id, want.entry.path)
+            key = self.windows.key(want.ds, want.entry.path)
         order = self._order(key)[: self.candidates]
         if not order:
             return None

@@ -107,6 +107,7 @@ class Group:
 def finish(proc: subprocess.Popen) -> dict[str, str]:
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-3000:]
+    assert "Unclosed" not in err and "Traceback" not in err, err[-3000:]  # the peer client's session closed at exit
     return json.loads(out)
 
 
@@ -173,21 +174,34 @@ def test_the_peer_server_refuses_strangers_and_bad_requests(group):
     finish(group.read_all("n1"))
     port = group.ports["n1"]
     ds = dataset_id(group.url)
-    etag = group.server.client().head_object(Bucket=group.bucket, Key="ds/big/0.bin")["ETag"].strip('"')
     from urllib.parse import quote
 
-    good = f"/v1/block/{ds}?path=big/0.bin&version={quote(etag)}&block=0"
     member = {"Authorization": "Bearer group-secret-1", MEMBER_HEADER: "n2"}
-    status, body = _get(port, good, member)
-    assert status == 200 and body == group.files["big/0.bin"][:BLOCK], (status, body[:300])
+    # n1 holds the blocks it owns (guests are not kept): 404 for the others when asked not to fetch, and with
+    # fetch=1 it fetches those it is one of the first owners of. Every answer is the origin's bytes.
+    held = None
+    for fetch in ("0", "1"):
+        for path in sorted(p for p in group.files if p.startswith("big/")):
+            etag = group.server.client().head_object(Bucket=group.bucket, Key=f"ds/{path}")["ETag"].strip('"')
+            for i in range(-(-len(group.files[path]) // BLOCK)):
+                ask = f"/v1/block/{ds}?path={path}&version={quote(etag)}&block={i}"
+                status, body = _get(port, f"{ask}&fetch={fetch}", member)
+                assert status in (200, 404), (status, body[:300])
+                if status == 200:
+                    assert body == group.files[path][i * BLOCK:(i + 1) * BLOCK]
+                    held = held or (ask, path, etag)
+        if held:
+            break
+    assert held, "n1 holds and fetches no block at all"
+    good, path, etag = held
     assert _get(port, good)[0] == 401  # no token
     assert _get(port, good, {**member, "Authorization": "Bearer wrong"})[0] == 401
     assert _get(port, good, {**member, MEMBER_HEADER: "stranger"})[0] == 403  # not a member of this group
     for bad, want in ((f"/v1/block/{ds}?path=../../etc/passwd&version=x&block=0", 400),
                       (f"/v1/block/{ds}?path=/etc/passwd&version=x&block=0", 400),
-                      (f"/v1/block/{ds}?path=big/0.bin&version={quote(etag)}&block=-1", 400),
-                      (f"/v1/block/{ds}?path=big/0.bin&version={quote(etag)}&block=99999999999", 400),
-                      (f"/v1/block/{ds}?path=big/0.bin&version={quote(etag)}&block=999", 400),
+                      (f"/v1/block/{ds}?path={path}&version={quote(etag)}&block=-1", 400),
+                      (f"/v1/block/{ds}?path={path}&version={quote(etag)}&block=99999999999", 400),
+                      (f"/v1/block/{ds}?path={path}&version={quote(etag)}&block=999", 400),
                       (f"/v1/block/{ds}?path=big/0.bin&version=&block=0", 400),
                       (f"/v1/block/{ds}?path=big/0.bin&version=other-version&block=0", 404),
                       ("/v1/block/not-an-id?path=big/0.bin&version=x&block=0", 400),
@@ -279,3 +293,33 @@ def _read_through_the_damaging_proxy(group, tmp_path, port: int, flipped: dict) 
     finish(group.read_all("n2"))  # n2 holds its keys
     assert finish(group.read_all("n1")) == expected(group.files)
     assert flipped["n"] > 0  # the damaged answers were sent, and none of them was served
+
+
+def stored_block_bytes(cache_dir: str) -> int:
+    """Bytes of large-file blocks on a node's disk (the sparse object files' allocated size)."""
+    total = 0
+    for root, _dirs, files in os.walk(os.path.join(cache_dir, "data")):
+        total += sum(os.stat(os.path.join(root, f)).st_blocks * 512 for f in files)
+    return total
+
+
+def test_blocks_are_stored_once_in_the_group_unless_guests_are_kept(group):
+    """By default a node keeps the blocks it owns and not those it read from peers, so the group's disks hold one
+    copy of a large file between them; with cluster.keep_guest, readers keep what they read too."""
+    for n in group.names:
+        assert finish(group.read_all(n)) == expected(group.files)
+    big = sum(len(b) for p, b in group.files.items() if p.startswith("big/"))
+    per_node = [stored_block_bytes(group.cache(n)) for n in group.names]
+    assert big <= sum(per_node) < big + 3 * 3 * 4096, per_node  # one copy (plus the last blocks' page rounding)
+    assert all(0 < s < big for s in per_node), per_node  # each holds its share, none the whole
+    guest_cache = str(group.tmp / "cache-guest-reader")
+    env = {**group.env, "CACHEFS_CLUSTER_KEEP_GUEST": "1"}
+    os.makedirs(os.path.join(guest_cache, "cluster"))
+    with open(os.path.join(group.cache("n1"), "cluster", "members.json")) as f:  # a reader on n1's node
+        members = f.read()
+    with open(os.path.join(guest_cache, "cluster", "members.json"), "w") as f:
+        f.write(members)
+    proc = subprocess.Popen([sys.executable, "-c", READER, group.url, guest_cache], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert finish(proc) == expected(group.files)
+    assert stored_block_bytes(guest_cache) >= big

@@ -64,3 +64,21 @@ def test_small_groups_and_empty_ones():
     two = one.joined(Weighted("duo"))
     assert sorted(two.owners(b"k")) == ["duo", "solo"]
     assert two.left("solo").owners(b"k") == ["duo"] and two.left("duo").left("solo").owners(b"k") == []
+
+
+def test_small_files_are_placed_by_windows_of_their_directory():
+    """Neighbours in a directory share an owner; a directory larger than a window spreads over the members."""
+    from types import SimpleNamespace
+
+    from cachefs.tiers.peer import SMALL_WINDOW, DirectoryWindows
+
+    names = [f"img_{i:06d}.jpg" for i in range(SMALL_WINDOW * 40)]
+    entries = [SimpleNamespace(path=f"train/{n}") for n in reversed(names)]  # whatever order the listing has
+    ds = SimpleNamespace(ref=SimpleNamespace(id="d" * 16), version=3, listdir=lambda parent: entries)
+    windows = DirectoryWindows()
+    keys = [windows.key(ds, f"train/{n}") for n in names]
+    assert keys[0] == keys[SMALL_WINDOW - 1] != keys[SMALL_WINDOW]
+    assert len(set(keys)) == 40
+    placement = Placement([Weighted(f"n{i}") for i in range(4)])
+    owners = {placement.owner(k) for k in set(keys)}
+    assert len(owners) == 4  # the one directory is served by every member
