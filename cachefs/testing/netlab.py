@@ -178,9 +178,15 @@ class TcpForwarder:
         self._loop.run_until_complete(start())
         if self._server is not None:
             self._loop.run_forever()
+        tasks = asyncio.all_tasks(self._loop)  # connections still open: ended with the forwarder
+        for task in tasks:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self._loop.close()
 
     def close(self) -> None:
-        if self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        if not self._loop.is_closed():
+            if self._server is not None:
+                self._loop.call_soon_threadsafe(self._server.close)
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
