@@ -32,7 +32,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from .errors import ObjectNotFoundError
+from .errors import CacheFSError, ObjectNotFoundError
 from .sources import Source
 from .types import DatasetRef, object_key
 
@@ -96,7 +96,6 @@ async def load_mirror(ref: DatasetRef, source: Source, url: str | None = None) -
     """The mirror of dataset ``ref`` at ``url`` (default ``<dataset URL>.cachefs``), read through ``source`` (the
     dataset's own, with its credentials and endpoint, or the one it was written with), or None if there is none
     (or it is of another dataset, another format, or incomplete)."""
-    import pyarrow as pa
 
     url = (url or mirror_url_for(ref.url)).rstrip("/")
     src = source
@@ -104,18 +103,61 @@ async def load_mirror(ref: DatasetRef, source: Source, url: str | None = None) -
         st = await src.stat(f"{url}/mirror.json")
     except ObjectNotFoundError:
         return None
-    meta = json.loads(await src.read(f"{url}/mirror.json", st.version, 0, st.size))
-    if meta.get("format") != FORMAT or meta.get("source", "").rstrip("/") != ref.url.rstrip("/"):
-        log.warning("%s: not a mirror of %s in format %d; ignored", url, ref.url, FORMAT)
+    meta = parse_meta(ref, url, await src.read(f"{url}/mirror.json", st.version, 0, st.size))
+    if meta is None:
         return None
     idx = meta["index"]
-    raw = await src.read(f"{url}/{idx['name']}", idx.get("version", ""), 0, int(idx["size"]))
+    return parse_index(ref, url, meta, await src.read(f"{url}/{idx['name']}", idx["version"], 0, idx["size"]))
+
+
+def _damage(url: str, exc: Exception) -> CacheFSError:
+    return CacheFSError(f"{url}: the mirror is damaged ({type(exc).__name__}: {exc})")
+
+
+def parse_meta(ref: DatasetRef, url: str, raw: bytes) -> dict | None:
+    """``mirror.json`` of a mirror of ``ref``: None if it is of another dataset or format; CacheFSError if it is
+    damaged."""
+    try:
+        meta = json.loads(raw)
+        if not isinstance(meta, dict):
+            raise TypeError("not an object")
+        if meta.get("format") != FORMAT or str(meta.get("source", "")).rstrip("/") != ref.url.rstrip("/"):
+            log.warning("%s: not a mirror of %s in format %d; ignored", url, ref.url, FORMAT)
+            return None
+        idx = meta["index"]
+        meta["index"] = {"name": str(idx["name"]), "version": str(idx.get("version", "")), "size": int(idx["size"])}
+        meta["packs"] = [{"name": str(p["name"]), "version": str(p.get("version", "")), "size": int(p["size"])}
+                         for p in meta["packs"]]
+        if meta["index"]["size"] < 0 or any(p["size"] < 0 for p in meta["packs"]):
+            raise ValueError("negative size")
+        return meta
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _damage(url, exc) from None
+
+
+def parse_index(ref: DatasetRef, url: str, meta: dict, raw: bytes) -> MirrorIndex:
+    """The mirror's index (Arrow IPC) as a :class:`MirrorIndex`; CacheFSError if it is damaged (a member outside
+    its pack included)."""
+    import pyarrow as pa
+
+    try:
+        return _parse_index(ref, url, meta, raw)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, OSError, pa.ArrowException) as exc:
+        raise _damage(url, exc) from None
+
+
+def _parse_index(ref: DatasetRef, url: str, meta: dict, raw: bytes) -> MirrorIndex:
+    import pyarrow as pa
+
     table = pa.ipc.open_file(pa.py_buffer(raw)).read_all()
-    mirror = MirrorIndex(url, [(f"{url}/{p['name']}", p.get("version", "")) for p in meta["packs"]],
-                         [int(p["size"]) for p in meta["packs"]])
+    table.validate(full=True)  # damaged offsets would otherwise reach to_pylist (a SystemError in pyarrow)
+    sizes = [int(p["size"]) for p in meta["packs"]]
+    mirror = MirrorIndex(url, [(f"{url}/{p['name']}", p["version"]) for p in meta["packs"]], sizes)
     mirror.layout = [[] for _ in mirror.packs]
     cols = [table.column(n).to_pylist() for n in ("path", "version", "pack", "offset", "length", "checksum")]
     for path, version, pack, offset, length, checksum in zip(*cols, strict=True):
+        if not (0 <= pack < len(sizes) and 0 <= offset and 0 <= length and offset + length <= sizes[pack]):
+            raise ValueError(f"{path!r} lies outside its pack")
         okey = object_key(ref.id, path, version)
         mirror.entries[okey] = (pack, offset, length, checksum)
         mirror.layout[pack].append((offset, length, okey, checksum, path, version))

@@ -29,6 +29,8 @@ def canonical_url(url: str) -> str:
     if not isinstance(url, str) or not url.strip():
         raise InvalidURLError("empty dataset URL")
     url = url.strip()
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in url):  # NUL ends a C path; others hide in logs
+        raise InvalidURLError(f"{url!r}: control characters are not allowed in dataset URLs")
     if "::" in url:
         raise InvalidURLError(f"{url!r}: give the dataset URL itself, not a chained fsspec URL")
     if "://" not in url:
@@ -49,7 +51,10 @@ def canonical_url(url: str) -> str:
             raise InvalidURLError(f"{url!r}: file URLs need an absolute path (file:///data/set)")
         path = os.path.normpath(rest)
         return "file://" + path
-    parts = urlsplit(f"{scheme}://{rest}")
+    try:
+        parts = urlsplit(f"{scheme}://{rest}")
+    except ValueError as exc:  # e.g. an unbalanced "[" in the host
+        raise InvalidURLError(f"{url!r}: {exc}") from None
     if scheme in _OBJECT_STORE_SCHEMES and not parts.netloc:
         raise InvalidURLError(f"{url!r}: no bucket name")
     if scheme == "s3" and not _S3_BUCKET.fullmatch(parts.netloc):

@@ -97,9 +97,14 @@ def pod_datasets(pod: Mapping[str, Any], volumes: VolumeIndex | None = None) -> 
     return ids
 
 
+#: More of a resource than any node has: a larger request is this many (it fits nowhere), so that arithmetic
+#: on it stays within 64-bit arrays (a request of 10**23 GPUs was an OverflowError and a 500).
+MAX_QUANTITY = 1 << 40
+
+
 def _quantity(value: Any) -> int:
     try:
-        return max(0, int(str(value)))
+        return min(max(0, int(str(value))), MAX_QUANTITY)
     except ValueError:
         return 0
 
@@ -118,8 +123,12 @@ def pod_gpus(pod: Mapping[str, Any]) -> int:
                 return _quantity(q)
         return 0
 
-    main = sum(per(c) for c in spec.get("containers") or ())
-    init = max((per(c) for c in spec.get("initContainers") or ()), default=0)
+    def listed(key: str) -> list:
+        value = spec.get(key)
+        return value if isinstance(value, list) else []
+
+    main = sum(per(c) for c in listed("containers"))
+    init = max((per(c) for c in listed("initContainers")), default=0)
     return max(main, init)
 
 

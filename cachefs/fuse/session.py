@@ -9,6 +9,7 @@ import errno
 import fcntl
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -125,18 +126,12 @@ class FuseSession:
         started = time.perf_counter()
         length, opcode, unique, nodeid, _uid, _gid, _pid, extlen, _ = wire.IN_HEADER.unpack_from(req)
         body = req[wire.IN_HEADER.size:length - 8 * extlen]  # extension headers (8-byte units) sit at the end
-        if opcode == Op.FORGET:
-            self.fs.forget(nodeid, wire.FORGET_IN.unpack_from(body)[0])
-            return
-        if opcode == Op.BATCH_FORGET:
-            count, _ = wire.BATCH_FORGET_IN.unpack_from(body)
-            for i in range(count):
-                ino, nlookup = wire.FORGET_ONE.unpack_from(body, wire.BATCH_FORGET_IN.size + i * wire.FORGET_ONE.size)
-                self.fs.forget(ino, nlookup)
-            return
-        if opcode == Op.INTERRUPT:
-            self._interrupt(wire.INTERRUPT_IN.unpack_from(body)[0])
-            return
+        if opcode in _UNANSWERED:
+            try:
+                self._unanswered(opcode, nodeid, body)
+            except struct.error:  # truncated: the kernel expects no answer, so there is nobody to tell
+                log.warning("ignored a malformed %s request (%d bytes)", _op_name(opcode), len(req))
+            return None
         if unique & UNIQUE_RESEND:
             self.fs.stats["resent_requests"] = self.fs.stats.get("resent_requests", 0) + 1
         handler = self.ops.get(opcode)
@@ -148,6 +143,11 @@ class FuseSession:
             self._started[unique] = started  # (a READ answered later is timed to its answer)
         try:
             payload = handler(nodeid, unique, body)
+        except struct.error:  # a request shorter than its opcode's arguments
+            log.warning("malformed %s request (%d bytes)", _op_name(opcode), len(req))
+            self._reply(unique, errno.EINVAL)
+            self._answered(unique, opcode, started, ok=False)
+            return None
         except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
             self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
             self._answered(unique, opcode, started, ok=False)
@@ -308,6 +308,19 @@ class FuseSession:
         fut.add_done_callback(lambda f: self._fetched(unique, nodeid, f))
         return DEFERRED
 
+    def _unanswered(self, opcode: int, nodeid: int, body: memoryview) -> None:
+        """FORGET, BATCH_FORGET and INTERRUPT: the kernel waits for no answer."""
+        if opcode == Op.FORGET:
+            self.fs.forget(nodeid, wire.FORGET_IN.unpack_from(body)[0])
+        elif opcode == Op.BATCH_FORGET:
+            count, _ = wire.BATCH_FORGET_IN.unpack_from(body)
+            count = min(count, (len(body) - wire.BATCH_FORGET_IN.size) // wire.FORGET_ONE.size)
+            for i in range(count):
+                ino, nlookup = wire.FORGET_ONE.unpack_from(body, wire.BATCH_FORGET_IN.size + i * wire.FORGET_ONE.size)
+                self.fs.forget(ino, nlookup)
+        else:
+            self._interrupt(wire.INTERRUPT_IN.unpack_from(body)[0])
+
     def _answered(self, unique: int, opcode: int, started: float, ok: bool = True) -> None:
         if opcode == Op.READ:
             self._started.pop(unique, None)
@@ -433,6 +446,9 @@ class _Later:
         if payload is not DEFERRED:
             session._reply(self.unique, 0, payload)
             session._answered(self.unique, Op.READ, started)
+
+
+_UNANSWERED = frozenset({Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT})
 
 
 def _op_name(opcode: int) -> str:

@@ -61,7 +61,9 @@ class _Connection(asyncio.BufferedProtocol):
         if self._body is not None:
             return self._body[self._got:]
         if self._head_len == len(self._head):
-            self._head.extend(bytes(len(self._head)))  # a long header: grow (bounded in buffer_updated)
+            # A long header: grow (bounded in buffer_updated) into a new buffer, as a view of the old one may
+            # still be held by whoever filled it (extending it in place would raise BufferError).
+            self._head = self._head + bytes(len(self._head))
         return memoryview(self._head)[self._head_len:]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -121,12 +123,16 @@ class _Connection(asyncio.BufferedProtocol):
             name, sep, value = line.partition(":")
             if not sep:
                 raise UnsupportedResponse(f"malformed header line {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
+            name, value = name.strip().lower(), value.strip()
+            if name == "content-length" and headers.get(name, value) != value:
+                raise UnsupportedResponse("conflicting Content-Length headers")
+            headers[name] = value
         if "transfer-encoding" in headers or "content-length" not in headers:
             raise UnsupportedResponse("a response without Content-Length")
-        length = int(headers["content-length"])
-        if length < 0:
-            raise UnsupportedResponse("a negative Content-Length")
+        raw_length = headers["content-length"]
+        if not (raw_length.isascii() and raw_length.isdigit()):  # int() would take "+4", " 4", "1_0"
+            raise UnsupportedResponse(f"Content-Length {raw_length[:40]!r} is not a number of bytes")
+        length = int(raw_length)
         if length > self._max_body:  # never allocated: the buffer is sized by what the server says
             raise UnsupportedResponse(f"a body of {length} bytes, over the {self._max_body} this request allows")
         if headers.get("connection", "").lower() == "close" or version == "HTTP/1.0":

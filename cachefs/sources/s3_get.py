@@ -118,7 +118,7 @@ def parse_list_page(body: bytes, parse_time: Callable[[str], Any]) -> dict | Non
             contents.append({"Key": decode(fields[key_tag]), "Size": int(fields[size_tag]),
                              "ETag": fields.get(etag_tag), "LastModified": parse_time(fields[time_tag])})
         prefixes = [{"Prefix": decode(p.findtext(tags["Prefix"]))} for p in root.iterfind(tags["CommonPrefixes"])]
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):  # AttributeError: a CommonPrefixes without Prefix
         return None
     page: dict = {"Contents": contents, "CommonPrefixes": prefixes,
                   "IsTruncated": root.findtext(tags["IsTruncated"]) == "true"}
