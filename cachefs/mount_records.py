@@ -85,10 +85,35 @@ def record_holder(cache_dir: str, mountpoint: str, url: str, state: str, reason:
 
 
 def forget_holder(cache_dir: str, mountpoint: str) -> None:
+    for suffix in (".holder.json", ".pin.json"):
+        try:
+            os.unlink(mount_file(cache_dir, mountpoint, suffix))
+        except FileNotFoundError:
+            pass
+
+
+def record_pin(cache_dir: str, mountpoint: str, url: str, version: int, holder_pid: int) -> bool:
+    """The manifest version a mount serves, for as long as its holder lives: ``cachefs refresh`` keeps it (a
+    restarted daemon must find it). False if the disk had no room for the record."""
+    return _write_json(mount_file(cache_dir, mountpoint, ".pin.json"),
+                       {"mountpoint": os.path.abspath(mountpoint), "url": url, "version": version,
+                        "holder_pid": holder_pid})
+
+
+def pinned_versions(cache_dir: str, url: str) -> set[int]:
+    """Manifest versions of ``url`` that live mounts serve."""
     try:
-        os.unlink(mount_file(cache_dir, mountpoint, ".holder.json"))
-    except FileNotFoundError:
-        pass
+        names = os.listdir(_dir(cache_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    out = set()
+    for name in names:
+        if name.endswith(".pin.json"):
+            rec = _read(os.path.join(_dir(cache_dir), name))
+            if rec is not None and rec.get("url") == url and _alive(rec.get("holder_pid")) \
+                    and isinstance(rec.get("version"), int):
+                out.add(rec["version"])
+    return out
 
 
 def holder_state(cache_dir: str, mountpoint: str) -> dict | None:
@@ -113,7 +138,7 @@ def list_mounts(cache_dir: str) -> list[dict]:
                 out.setdefault(rec["mountpoint"], {}).update(
                     {k: rec[k] for k in ("mountpoint", "url", "holder_pid", "state", "reason") if k in rec})
     for name in names:
-        if name.endswith(".json") and not name.endswith(".holder.json"):
+        if name.endswith(".json") and not name.endswith((".holder.json", ".pin.json")):
             rec = _read(os.path.join(_dir(cache_dir), name))
             if rec is not None and _alive(rec.get("pid")):
                 m = out.setdefault(rec["mountpoint"], {"state": "serving"})

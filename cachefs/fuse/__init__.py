@@ -17,7 +17,7 @@ from .._aio import get_loop, run_sync
 from .._collector import quiet_collector
 from ..config import Config
 from ..engine import get_engine
-from ..mount_records import forget_mount, mount_file, record_mount
+from ..mount_records import forget_mount, mount_file, record_mount, record_pin
 from .fs import CacheFS
 from .holder import MountHolder, announce_failure, announce_ready, receive_fd, socket_path_for
 from .journal import MountJournal
@@ -62,6 +62,8 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
         journal.close()
         os.close(fd)
         raise
+    if not record_pin(cache_dir, mountpoint, ds.ref.url, ds.version, os.getppid()):  # (the holder is our parent)
+        log.warning("%s: no room to record that it serves manifest v%d; a refresh may drop it", mountpoint, ds.version)
     # The origin client takes a while to set up (hundreds of ms for S3): do it now, not in the first cold read.
     asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
     asyncio.run_coroutine_threadsafe(engine.start_background(), get_loop())  # hits of local reads reach the index

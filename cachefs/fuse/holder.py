@@ -8,7 +8,8 @@ replays the mount journal (:mod:`.journal`) and asks the kernel to resend what t
 A daemon that cannot start (the dataset no longer opens: credentials refused, the origin gone, and no
 manifest on the node) must not leave readers waiting forever. Once no daemon has served the mount for
 ``answer_after`` seconds, the holder answers the kernel itself, every request with EIO (STATFS with
-ENOTCONN), while it keeps trying to start one with a growing delay; a daemon that comes up asks the holder to
+ENOTCONN), those the dead daemon had read included (it asks the kernel to resend them), while it keeps trying
+to start one with a growing delay; a daemon that comes up asks the holder to
 stop answering before it reads a request (:func:`announce_ready`). The holder's state (starting, serving,
 failing and why) is in the mount records (:mod:`cachefs.mount_records`) for ``cachefs status``.
 
@@ -178,6 +179,12 @@ class ErrorResponder:
 
     def _run(self, stop: threading.Event) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        # Requests a killed daemon had read are pending in the kernel, not queued: asked again here, they get
+        # their error too instead of waiting for a daemon that may never come (kernels >= 6.9).
+        try:
+            os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size, wire.NOTIFY_RESEND, 0))
+        except OSError:
+            pass
         buf = bytearray(wire.MAX_REQUEST)
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)

@@ -9,6 +9,7 @@ import os
 
 from ..errors import ObjectNotFoundError
 from ..index import DatasetRecord, Index, ManifestInfo
+from ..mount_records import pinned_versions
 from ..sources import Source
 from ..types import DatasetRef
 from .store import ManifestStore, ManifestWriter
@@ -76,8 +77,10 @@ async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: Da
     rec.manifests.append(ManifestInfo(version, writer.created, writer.files, writer.bytes, writer.skipped,
                                       writer.largest))
     rec.current = version
-    dropped = rec.manifests[:-KEEP_VERSIONS]
-    rec.manifests = rec.manifests[-KEEP_VERSIONS:]
+    # The newest KEEP_VERSIONS stay, and any version a live mount serves (its next daemon must find it).
+    pinned = pinned_versions(os.path.dirname(index.path), ds.url)
+    dropped = [m for m in rec.manifests[:-KEEP_VERSIONS] if m.version not in pinned]
+    rec.manifests = [m for m in rec.manifests if m not in dropped]
     index.put_dataset(rec)  # the commit point: readers switch to the new version here
     for old in dropped:
         store.drop(ds.id, old.version)

@@ -140,6 +140,8 @@ class TcpForwarder:
 
     def __init__(self, listen: tuple[str, int], target: tuple[str, int]) -> None:
         self.listen, self.target = listen, target
+        #: While set, nothing is forwarded either way (a stalled origin, for tests); bytes wait until cleared.
+        self.held = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._server: asyncio.base_events.Server | None = None
@@ -154,6 +156,8 @@ class TcpForwarder:
         async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 while data := await reader.read(65536):
+                    while self.held.is_set():
+                        await asyncio.sleep(0.05)
                     writer.write(data)
                     await writer.drain()
             except (ConnectionError, OSError):
@@ -183,6 +187,10 @@ class TcpForwarder:
             task.cancel()
         self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         self._loop.close()
+
+    @property
+    def port(self) -> int:
+        return self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
         if not self._loop.is_closed():
