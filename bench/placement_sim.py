@@ -40,7 +40,7 @@ from scheduler_hints.scoring import (
     Weights,
     best_slots_locality,
     defer_for_locality,
-    group_best,
+    group_fractions,
     locality_scorer,
     score_nodes,
     whole_nodes_short,
@@ -300,12 +300,12 @@ class Simulation:
             elif kind == 1:  # completion (kind 2 is a retry tick: just another scheduling pass)
                 running -= 1
                 self.release(job)
-            groups = group_best([self.state(n) for n in self.nodes.values()]) if self.policy == "cachefs" else None
+            groups = group_fractions([self.state(n) for n in self.nodes.values()]) if self.policy == "cachefs" else None
             if self.policy in ("cachefs", "default+gang"):  # gang admission: whole or nothing, in queue order
                 for q in list(queue):
                     if self.place_whole(q, groups, t):
                         start(q, t)
-                        groups = group_best([self.state(n) for n in self.nodes.values()])
+                        groups = group_fractions([self.state(n) for n in self.nodes.values()])
             else:  # kube-scheduler without gangs: one pod at a time, pods of queued jobs interleaved
                 progress = True
                 while progress:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .labels import DATASET_PREFIX, FREE_LABEL, read_node
-from .scoring import NodeState, domain_index, group_best
+from .scoring import NodeState, domain_index, group_fractions
 
 __all__ = ["OWN_LABEL_PREFIXES", "NodeCache"]
 
@@ -83,7 +83,7 @@ class NodeCache:
         generation = self.generation
         if self._cluster is None or self._cluster[0] != generation:
             states = [self._parsed[name][1] for name in self.nodes]
-            self._cluster = (generation, states, group_best(states), self._layout_changes)
+            self._cluster = (generation, states, group_fractions(states), self._layout_changes)
         return self._cluster[1], self._cluster[2]
 
     def domains(self, levels: tuple[str, ...]) -> list:

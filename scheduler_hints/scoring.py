@@ -82,37 +82,32 @@ class NodeState:
     gpu_free: int = 0
 
 
-def group_best(nodes: Sequence[NodeState]) -> dict[str, dict[str, list[tuple[float, str]]]]:
-    """Per cache group and dataset, the two best (fraction, node) pairs: what :func:`locality` needs to give
-    a node credit for its best *peer* in O(1)."""
-    out: dict[str, dict[str, list[tuple[float, str]]]] = {}
+def group_fractions(nodes: Sequence[NodeState]) -> dict[str, dict[str, float]]:
+    """Per cache group and dataset, the fraction of the dataset the group holds: the sum of its members'
+    fractions, at most 1. A group shards a dataset over its members' disks (docs/CLUSTER.md: each keeps what it
+    owns), so what its nodes hold adds up; where members also keep copies (``cluster.keep_guest``) the sum
+    overcounts, which the cap at 1 bounds."""
+    out: dict[str, dict[str, float]] = {}
     for n in nodes:
         g = n.cache.cache_group
         if not g:
             continue
         per = out.setdefault(g, {})
         for ds, frac in n.cache.fractions.items():
-            entry = (frac, n.name)
-            top = per.get(ds)
-            if top is None:
-                per[ds] = [entry]
-            elif len(top) == 1:
-                top.insert(0 if entry > top[0] else 1, entry)
-            elif entry > top[1]:
-                top[:] = [entry, top[0]] if entry > top[0] else [top[0], entry]
+            per[ds] = min(1.0, per.get(ds, 0.0) + frac)
     return out
 
 
 def locality(needs: PodNeeds, node: NodeState,
-             groups: Mapping[str, Mapping[str, list[tuple[float, str]]]] | None = None, w: Weights = Weights()
+             groups: Mapping[str, Mapping[str, float]] | None = None, w: Weights = Weights()
              ) -> float | None:
-    """Fraction of the pod's bytes cached on the node, plus ``w.domain`` × the extra fraction cached on the best
-    peer of its cache group (``groups`` from :func:`group_best`; capped at 1). None when the pod reads no
-    known dataset."""
+    """Fraction of the pod's bytes cached on the node, plus ``w.domain`` × the fraction its cache group holds
+    beyond that (``groups`` from :func:`group_fractions`: bytes a peer serves instead of the origin; capped at
+    1). None when the pod reads no known dataset."""
     return locality_scorer(needs, groups, w)(node)
 
 
-def locality_scorer(needs: PodNeeds, groups: Mapping[str, Mapping[str, list[tuple[float, str]]]] | None = None,
+def locality_scorer(needs: PodNeeds, groups: Mapping[str, Mapping[str, float]] | None = None,
                     w: Weights = Weights()) -> Callable[[NodeState], float | None]:
     """:func:`locality` for one pod, with the per-pod work done once: score thousands of nodes with it."""
     if not needs.datasets:
@@ -128,13 +123,7 @@ def locality_scorer(needs: PodNeeds, groups: Mapping[str, Mapping[str, list[tupl
         group = groups.get(node.cache.cache_group) if use_domain and node.cache.cache_group else None
         if not group:
             return min(1.0, local)
-        domain = 0.0
-        for d, wt in items:
-            top = group.get(d)
-            if not top:
-                continue
-            best = top[0][0] if top[0][1] != node.name else (top[1][0] if len(top) > 1 else 0.0)
-            domain += wt * max(0.0, best - fractions.get(d, 0.0))
+        domain = sum(wt * max(0.0, group.get(d, 0.0) - fractions.get(d, 0.0)) for d, wt in items)
         return min(1.0, local + w.domain * domain)
 
     return score
@@ -167,7 +156,7 @@ def packing_column(pod_gpus: int, free: np.ndarray, allocatable: np.ndarray, hol
 
 
 def gang_domain_locality(needs: PodNeeds, cluster: Sequence[NodeState], gang_size: int,
-                         groups: Mapping[str, Mapping[str, list[tuple[float, str]]]] | None = None,
+                         groups: Mapping[str, Mapping[str, float]] | None = None,
                          w: Weights = Weights(), score: Callable[[NodeState], float | None] | None = None
                          ) -> dict[tuple[str, str], float]:
     """Per topology domain that can hold the whole gang: the mean locality of the ``gang_size`` best free pod

@@ -14,7 +14,7 @@ from scheduler_hints.scoring import (
     defer_for_locality,
     gang_domain_locality,
     gpu_packing,
-    group_best,
+    group_fractions,
     locality,
     locality_scorer,
     score_nodes,
@@ -47,12 +47,12 @@ def test_locality_domain_credit_is_smaller_than_local():
     holder = node("h", {A: 1.0}, group="rack-1")
     needs = PodNeeds({A: 0})
     peers = [peer, same_group, other_group, holder]
-    groups = group_best(peers)
+    groups = group_fractions(peers)
     assert locality(needs, holder, groups) == 1.0
     assert locality(needs, same_group, groups) == pytest.approx(Weights().domain)
     assert locality(needs, other_group, groups) == 0.0
     alone = node("solo", {A: 1.0}, group="rack-9")
-    assert locality(needs, alone, group_best([alone])) == 1.0  # its own copy is not peer credit
+    assert locality(needs, alone, group_fractions([alone])) == 1.0  # its own copy is not peer credit
 
 
 @pytest.mark.parametrize(("gpus", "alloc", "free", "want"), [
@@ -66,7 +66,7 @@ def test_small_pods_fill_holes_only_while_whole_node_pods_wait():
     needs = PodNeeds({A: 0}, gpus=1)
     holder_whole = node("holder", {A: 1.0}, alloc=8, free=8)  # holds the data, but is a whole free node
     hole = node("hole", alloc=8, free=1)  # holds nothing, one GPU free on a busy node
-    score = locality_scorer(needs, group_best([holder_whole, hole]))
+    score = locality_scorer(needs, group_fractions([holder_whole, hole]))
     calm = score_nodes(needs, [holder_whole, hole], score)
     short = score_nodes(needs, [holder_whole, hole], score, whole_nodes_short=True)
     assert calm[0] > calm[1]  # nobody needs whole nodes: the data wins
@@ -95,7 +95,7 @@ def test_while_whole_nodes_are_short_data_chooses_among_holes():
     loose = node("loose", {A: 1.0}, alloc=8, free=7)  # a loose hole that holds all the data
     whole = node("whole", {A: 1.0}, alloc=8, free=8)  # holds the data, but is a whole free node
     nodes = [tight, loose, whole]
-    score = locality_scorer(needs, group_best(nodes))
+    score = locality_scorer(needs, group_fractions(nodes))
     short = score_nodes(needs, nodes, score, whole_nodes_short=True)
     assert short[1] > short[0] > short[2]  # data among the holes; never the whole node
     tightest = score_nodes(needs, nodes, score, Weights(hole_fit_when_short=1.0), whole_nodes_short=True)
@@ -318,3 +318,18 @@ def test_domain_free_counts_gpus_or_pod_slots_per_domain():
     assert domain_free(cluster, levels, 8, capacity=True) == {("clique", "c1"): 2, ("leaf", "l1"): 3}
     assert domain_free(cluster, levels, index=domain_index(cluster, levels)) == want_free
     assert domain_free(cluster, levels, index=domain_index(cluster[1:], levels)) == want_free  # not this cluster's
+
+
+def test_a_group_that_shards_a_dataset_counts_as_holding_all_of_it():
+    """Four nodes of a group each own a quarter of the dataset (a cache group keeps one copy between them): any
+    node of the group reads the rest from its peers, which beats the origin; a node outside the group does not."""
+    members = [node(f"r{i}", {A: 0.25}, group="rack-1") for i in range(4)]
+    newcomer = node("r-new", {}, group="rack-1")
+    outsider = node("o", {}, group="rack-2")
+    groups = group_fractions([*members, newcomer, outsider])
+    assert groups["rack-1"][A] == pytest.approx(1.0)
+    needs = PodNeeds({A: 0})
+    assert locality(needs, members[0], groups) == pytest.approx(0.25 + Weights().domain * 0.75)
+    assert locality(needs, newcomer, groups) == pytest.approx(Weights().domain)
+    assert locality(needs, outsider, groups) == 0.0
+    assert locality(needs, members[0], groups) > locality(needs, newcomer, groups) > locality(needs, outsider, groups)
