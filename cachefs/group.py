@@ -9,13 +9,14 @@ one) the process reads alone, as before.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 
 from .cluster.members_file import STALE_AFTER, GroupView, members_path, read_members
 from .errors import CacheFSError
-from .manifest.shipping import unpack_manifest
+from .manifest.shipping import pack_manifest, unpack_manifest
 from .tiers import PeerTier
 from .types import DatasetRef, Entry
 
@@ -104,6 +105,26 @@ class GroupLink:
             except CacheFSError as exc:
                 log.info("%s: no manifest from %s (%s)", ref.url, name, exc)
         return None
+
+    async def push_manifest(self, ref: DatasetRef, store, version: int) -> int:
+        """Hand the manifest version this node just took of ``ref`` to the other members (``cachefs refresh``):
+        those that know the dataset make it their current version. Returns how many took it; a member that is
+        down or declines is logged, not an error (it keeps its snapshot until its own refresh)."""
+        client = self.client
+        if not self.joined or client is None:
+            return 0
+        raw = await asyncio.to_thread(pack_manifest, store, ref.id, version, ref.url)
+        took = 0
+        for name, member in self.table.members.items():
+            if name == self.table.self_name or not self.table.active(name):
+                continue
+            try:
+                took += await client.push_manifest(member.address, ref.id, ref.url, raw)
+            except CacheFSError as exc:
+                log.info("%s: %s did not take the new manifest (%s)", ref.url, name, exc)
+        if took:
+            log.info("%s: manifest v%d handed to %d member(s) of the group", ref.url, version, took)
+        return took
 
     async def close(self) -> None:
         if self.client is not None:

@@ -3,9 +3,9 @@
 It runs the peer server (what this node serves its cache group), follows the group's membership (static, or
 the EndpointSlices of the group's headless Service), writes it where the node's other cachefs processes read it
 (:mod:`cachefs.cluster.members_file`), serves ``/healthz`` and ``/readyz`` beside the peer protocol and, with
-``--metrics-listen``, the node's metrics. Tasks of other packages (the label publisher of scheduler_hints) join
-through the ``cachefs.agent_tasks`` entry point. FUSE sessions stay with the mounter; they read through the group
-on their own, from the members file.
+``--metrics-listen``, the node's metrics. Tasks of other packages join through the ``cachefs.agent_tasks`` entry
+point: scheduler_hints registers the label publisher, which runs on nodes outside every group too. FUSE sessions
+stay with the mounter; they read through the group on their own, from the members file.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AgentContext:
-    """What an agent task gets: the config, this node's name and group, the engine, the member table, and a
-    Kubernetes client (None without the API)."""
+    """What an agent task gets: the config, this node's name and group ("" outside every group), the engine and
+    the member table (None outside every group), and a Kubernetes client (None without the API)."""
 
     config: Config
     node: str
     group: str
-    engine: Engine
-    table: MemberTable
+    engine: Engine | None
+    table: MemberTable | None
     kube: object | None
 
 
@@ -75,12 +75,16 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
         kube = KubeClient(load_kube_config(kubeconfig))
     group = k.group or (await _group_of_node(kube, node) if kube is not None else "")
     if not group:
-        if kube is not None:
-            await kube.aclose()
         if k.peers:
             raise ConfigError("cachefs agent: no cache group (cluster.group, --group, CACHEFS_CLUSTER_GROUP)")
         log.info("node %s carries no %s label: it reads through no group and serves none", node, GROUP_LABEL)
-        await _until_signalled()
+        tasks = _start_tasks(AgentContext(config, node, "", None, None, kube))  # (the label publisher)
+        try:
+            await _until_signalled()
+        finally:
+            await _cancel(tasks)
+            if kube is not None:
+                await kube.aclose()
         return 0
     config = dataclasses.replace(config, cluster=dataclasses.replace(k, group=group))
     k = config.cluster
@@ -118,10 +122,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
         from ..metrics_server import serve_metrics
 
         serve_metrics(config, *parse_listen(metrics_listen, "--metrics-listen"))
-    ctx = AgentContext(config, node, k.group, engine, table, kube)
-    for ep in entry_points(group="cachefs.agent_tasks"):
-        task_fn: Callable[[AgentContext], Awaitable[None]] = ep.load()
-        tasks.append(asyncio.ensure_future(task_fn(ctx)))
+    tasks += _start_tasks(AgentContext(config, node, k.group, engine, table, kube))
     view = lambda: GroupView(k.group, node, table.members, frozenset(table.draining()),
                              k.token_file if not k.secret_file else "", k.secret_file)
     tasks.append(asyncio.ensure_future(_keep_members_file(config.cache.dir, table, synced, view)))
@@ -134,9 +135,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
     try:
         await stop.wait()
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel(tasks)
         with contextlib.suppress(OSError):  # readers stop asking a group this node no longer serves
             os.unlink(members_path(config.cache.dir))
         await runner.cleanup()
@@ -144,6 +143,21 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
             await kube.aclose()
         await engine.aclose()
     return 0
+
+
+def _start_tasks(ctx: AgentContext) -> list[asyncio.Task]:
+    """The tasks other packages register under the ``cachefs.agent_tasks`` entry point (the label publisher)."""
+    tasks = []
+    for ep in entry_points(group="cachefs.agent_tasks"):
+        task_fn: Callable[[AgentContext], Awaitable[None]] = ep.load()
+        tasks.append(asyncio.ensure_future(task_fn(ctx)))
+    return tasks
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _stop_on_signals() -> asyncio.Event:

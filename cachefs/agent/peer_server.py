@@ -23,9 +23,11 @@ import re
 
 from aiohttp import web
 
+from ..checksum import block_checksum
 from ..cluster.auth import Forbidden, Unauthorized
 from ..cluster.membership import MemberTable
 from ..cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
+from ..errors import CacheFSError
 from ..manifest import valid_relpath
 from ..tiers.peer import DirectoryWindows, block_key
 from ..types import object_key
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 _DATASET = re.compile(r"[0-9a-f]{16}")
 #: A key's first candidates fetch it from the origin when asked (the owner, and the one hedging asks next).
 OWNERS_THAT_FETCH = 2
+#: The largest manifest a member may push (10 million files are ~1 GiB packed).
+MAX_MANIFEST = 2 << 30
 _MAX_VERSION = 1024
 
 
@@ -144,6 +148,29 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
         return web.Response(body=raw, headers={CHECKSUM_HEADER: f"{checksum:016x}"},
                             content_type="application/msgpack")
 
+    async def pushed_manifest(request: web.Request) -> web.Response:
+        """A member took a new manifest of a dataset (``cachefs refresh``): take it too, if this node knows it."""
+        ds_id, url = request.match_info["dataset"], request.query.get("url", "")
+        if not _DATASET.fullmatch(ds_id) or len(url) > 4096 or not url.isprintable():
+            return _bad("not a dataset id and URL")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return web.json_response({"error": f"a manifest over {MAX_MANIFEST} bytes"}, status=413)
+        try:
+            if int(request.headers.get(CHECKSUM_HEADER, ""), 16) != block_checksum(raw):
+                return _bad("the manifest failed its checksum")
+        except ValueError:
+            return _bad("no checksum with the manifest")
+        try:
+            took = await serving.take_pushed(ds_id, url, raw)
+        except CacheFSError as exc:  # not a manifest, or of another dataset
+            return _bad(str(exc))
+        if not took:
+            return web.json_response({"error": "this node does not know that dataset"}, status=404)
+        log.info("took a new manifest of %s from %s", url, request["member"])
+        return web.json_response({"ok": True})
+
     async def info(request: web.Request) -> web.Response:
         return web.json_response({"name": table.self_name, "weight": weight})
 
@@ -153,10 +180,12 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
     async def readyz(request: web.Request) -> web.Response:
         return web.Response(text="ok") if ready() else web.Response(text="membership not known yet", status=503)
 
-    app = web.Application(middlewares=[authenticate], client_max_size=4096)  # requests carry no bodies
+    # Requests carry no bodies, except a manifest a member pushes after a refresh.
+    app = web.Application(middlewares=[authenticate], client_max_size=MAX_MANIFEST)
     app.router.add_get("/v1/block/{dataset}", block)
     app.router.add_get("/v1/small/{dataset}", small)
     app.router.add_get("/v1/manifest/{dataset}", manifest)
+    app.router.add_post("/v1/manifest/{dataset}", pushed_manifest)
     app.router.add_get("/v1/info", info)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -15,7 +15,7 @@ import logging
 from ..checksum import block_checksum
 from ..dataset import Dataset
 from ..engine import Engine
-from ..manifest.shipping import pack_manifest
+from ..manifest.shipping import pack_manifest, unpack_manifest
 from ..types import Entry, dataset_id
 
 __all__ = ["GroupServing"]
@@ -85,3 +85,12 @@ class GroupServing:
                 return None
         raw = await asyncio.to_thread(pack_manifest, self.engine.manifests, ds_id, rec.current, rec.url)
         return raw, block_checksum(raw)
+
+    async def take_pushed(self, ds_id: str, url: str, raw: bytes) -> bool:
+        """A manifest a member took of a dataset this node knows (``cachefs refresh`` there): it becomes this
+        node's current version too (pinned versions stay). False for a dataset this node does not know."""
+        rec = self.engine.index.dataset(ds_id)
+        if rec is None or not rec.manifests or (url and url != rec.url):
+            return False
+        await self.engine.adopt_manifest(rec.url, unpack_manifest(raw, rec.url))
+        return True

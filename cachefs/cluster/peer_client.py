@@ -120,6 +120,18 @@ class PeerClient:
             raise PeerError(f"peer {address}: the manifest failed its checksum")
         return body
 
+    async def push_manifest(self, address: str, ds_id: str, url: str, raw: bytes) -> bool:
+        """Hand a member the manifest this node just took of dataset ``ds_id`` (``cachefs refresh``); whether it
+        took it (a member that does not know the dataset declines)."""
+        try:
+            async with self._client().post(f"http://{address}/v1/manifest/{ds_id}", params={"url": url}, data=raw,
+                                           headers={**self._headers(),
+                                                    CHECKSUM_HEADER: f"{block_checksum(raw):016x}"}) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise PeerError(f"peer {address}: {type(exc).__name__}: {exc}") from None
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -5,7 +5,7 @@ they are with projected tokens checked by TokenReview, under the RBAC deploy/ sh
 
 What it shows: one origin GET per block or small file for the whole group and every byte right; a member
 killed mid-epoch and brought back, a member joining mid-epoch (about 1/N of the keys move) and a slowed member
-cost the readers nothing."""
+cost the readers nothing. Each agent also publishes its node's cache-locality labels."""
 
 from __future__ import annotations
 
@@ -231,3 +231,13 @@ def test_a_group_reads_each_byte_once_from_the_origin_and_rides_out_kills_joins_
         c.finish(proc)
     finally:
         c.lab.delay("e3", 0)
+
+    # The agent also publishes its node's cache-locality labels (the label publisher runs as its task).
+    from cachefs.types import dataset_id
+    from scheduler_hints.labels import dataset_key
+
+    key = dataset_key(dataset_id("s3://data/ds"))
+    deadline = time.monotonic() + 90
+    while key not in (c.k8s.request("GET", "/api/v1/nodes/e1")["metadata"].get("labels") or {}):
+        assert time.monotonic() < deadline, "the agent on e1 published no label for the dataset it caches"
+        time.sleep(1)

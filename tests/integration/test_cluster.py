@@ -209,6 +209,25 @@ def test_the_peer_server_refuses_strangers_and_bad_requests(group):
                       (f"/v1/manifest/{ds}?url=%00", 400)):
         status, body = _get(port, bad, member)
         assert status == want, (bad, status, body)
+    # A pushed manifest (after a refresh elsewhere): only from a member, checksummed, of a dataset known here.
+    def push(ds_id: str, body: bytes, headers: dict) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/manifest/{ds_id}?url={group.url}", data=body,
+                                     headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return exc.code
+
+    assert push(ds, b"x", {}) == 401
+    assert push(ds, b"not a manifest", {**member, CHECKSUM_HEADER: "0" * 16}) == 400  # checksum
+    from cachefs.checksum import block_checksum
+
+    junk = b"not a manifest"
+    assert push(ds, junk, {**member, CHECKSUM_HEADER: f"{block_checksum(junk):016x}"}) == 400  # does not decode
+    assert push(dataset_id("s3://elsewhere/x"), junk, {**member, CHECKSUM_HEADER: f"{block_checksum(junk):016x}"}) \
+        == 404  # not a dataset this node knows
     # A file of another dataset that this node does not serve: nothing fetched, nothing served.
     other = dataset_id("s3://elsewhere/x")
     assert _get(port, f"/v1/block/{other}?url=s3://elsewhere/x&path=a&version=v&block=0", member)[0] == 404
@@ -323,3 +342,20 @@ def test_blocks_are_stored_once_in_the_group_unless_guests_are_kept(group):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert finish(proc) == expected(group.files)
     assert stored_block_bytes(guest_cache) >= big
+
+
+def test_a_refresh_on_one_node_is_taken_by_the_group(group):
+    """`cachefs refresh` on one node lists the origin once and hands the new manifest to the members: readers
+    on every node then see the new file, and no other node lists the origin."""
+    for n in group.names:
+        finish(group.read_all(n))
+    group.server.client().put_object(Bucket=group.bucket, Key="ds/small/d0/new.txt", Body=b"added later")
+    lists = group.server.requests()["lists"]
+    out = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "refresh", group.url, "--cache-dir",
+                          group.cache("n1")], env=group.env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed_by_refresh = group.server.requests()["lists"] - lists
+    want = {**expected(group.files), "small/d0/new.txt": hashlib.sha256(b"added later").hexdigest()}
+    for n in ("n2", "n3"):
+        assert finish(group.read_all(n)) == want
+    assert group.server.requests()["lists"] - lists == listed_by_refresh  # n2 and n3 listed nothing
