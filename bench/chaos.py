@@ -108,7 +108,8 @@ class FaultProxy:
             if kind == "stall":
                 await asyncio.sleep(self.stall_s)
             if kind == "reset":
-                request.transport.abort()
+                if request.transport is not None:
+                    request.transport.abort()
                 return web.Response(status=500)
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
             async with self.session.request(request.method, self.target + request.path_qs, headers=headers,
@@ -123,7 +124,8 @@ class FaultProxy:
                         await resp.write(body[:len(body) // 2])
                     except ConnectionError:  # the client gave up first: the fault happened all the same
                         pass
-                    request.transport.abort()
+                    if request.transport is not None:
+                        request.transport.abort()
                     return resp
                 return web.Response(status=up.status, body=body, headers=out)
 
