@@ -43,10 +43,23 @@ def parse_timestamp(value: str) -> datetime:
         try:
             parsed = email.utils.parsedate_to_datetime(value)
         except (TypeError, ValueError):
-            from botocore.utils import parse_timestamp as slow_but_general
-
-            return slow_but_general(value)
+            parsed = _general_timestamp(value)
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def _general_timestamp(value: str) -> datetime:
+    """botocore's general parser, for the rare other forms. A time zone dateutil does not know makes it warn
+    and guess; that is refused like any unreadable timestamp (ValueError), not guessed."""
+    import warnings
+
+    from botocore.utils import parse_timestamp as slow_but_general
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return slow_but_general(value)
+    except Warning as exc:
+        raise ValueError(f"unreadable timestamp {value[:64]!r}: {exc}") from None
 
 
 def _etag(raw: str | None) -> str:
