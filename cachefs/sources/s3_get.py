@@ -102,7 +102,7 @@ def parse_list_page(body: bytes, parse_time: Callable[[str], Any]) -> dict | Non
     for anything else (then botocore sends the request and reads the answer)."""
     try:
         root = ElementTree.fromstring(body)
-    except ElementTree.ParseError:
+    except (ElementTree.ParseError, LookupError, ValueError):  # LookupError: an encoding Python does not know
         return None
     ns = root.tag[:root.tag.index("}") + 1] if root.tag.startswith("{") else ""
     if root.tag != ns + "ListBucketResult":

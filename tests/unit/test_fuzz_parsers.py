@@ -128,6 +128,7 @@ def _key_xml(key: str) -> bytes:
 @example(page=LIST_PAGE[:len(LIST_PAGE) // 2])  # truncated
 @example(page=LIST_PAGE.replace(b"<Prefix>ds/sub/</Prefix>", b""))  # a CommonPrefixes without its Prefix
 @example(page=LIST_PAGE.replace(b"10:00:01.000Z", b"10:00:01.AZ"))  # a time zone dateutil warns about
+@example(page=LIST_PAGE.replace(b'encoding="UTF-8"', b'encoding="TF-8"'))  # an encoding Python does not know
 def test_listing_pages_never_yield_an_entry_outside_the_dataset(page):
     from cachefs.manifest import valid_relpath
     from cachefs.sources.s3 import parse_timestamp
