@@ -6,14 +6,16 @@ kubeconfig (token or client certificate, CA file or inline data). Why not kubern
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import base64
 import json
+import logging
 import os
 import ssl
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,9 @@ import aiohttp
 
 from cachefs.errors import ConfigError
 
-__all__ = ["ApiError", "KubeClient", "KubeConfig", "load_kube_config"]
+__all__ = ["ApiError", "KubeClient", "KubeConfig", "Reflector", "load_kube_config"]
+
+log = logging.getLogger(__name__)
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -217,3 +221,72 @@ def _api_error(status: int, raw: bytes) -> ApiError:
         return ApiError(status, str(doc.get("reason", "")), str(doc.get("message", "")))
     except (ValueError, AttributeError):
         return ApiError(status, "", raw[:200].decode(errors="replace"))
+
+
+Handler = Callable[[str, Mapping[str, Any]], None]
+
+
+class Reflector:
+    """Keeps ``handler(event_type, object)`` informed about every object at ``path``; ``handler("SYNC", {})``
+    after each (re)list, once every listed object was delivered as ``ADDED``. Objects gone during a relist
+    are delivered as ``DELETED``. The loop: list (remember ``resourceVersion``), watch from there, resume after
+    a dropped stream from the last version seen, list again on 410 Gone or any other API error."""
+
+    def __init__(self, client: KubeClient, path: str, handler: Handler, *, optional: bool = False,
+                 params: Mapping[str, str] | None = None) -> None:
+        """``params``: more query parameters for the list and the watch (a label selector)."""
+        self.client, self.path, self.handler, self.optional = client, path, handler, optional
+        self.params = dict(params or {})
+        self.synced = asyncio.Event()
+        self._known: dict[str, Mapping[str, Any]] = {}
+
+    @staticmethod
+    def _key(obj: Mapping[str, Any]) -> str:
+        meta = obj.get("metadata") or {}
+        return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+    async def _list(self) -> str:
+        doc = await self.client.get(self.path, **self.params)
+        seen = {}
+        for obj in doc.get("items") or []:
+            seen[self._key(obj)] = obj
+            self.handler("ADDED", obj)
+        for key in set(self._known) - set(seen):
+            self.handler("DELETED", self._known[key])
+        self._known = seen
+        self.handler("SYNC", {})
+        self.synced.set()
+        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
+
+    async def run(self) -> None:
+        delay = 0.5
+        rv = ""
+        while True:
+            try:
+                if not rv:
+                    rv = await self._list()
+                async for event in self.client.watch(self.path, rv, params=self.params):
+                    obj = event.get("object") or {}
+                    rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+                    if event["type"] == "BOOKMARK":
+                        continue
+                    if event["type"] == "DELETED":
+                        self._known.pop(self._key(obj), None)
+                    else:
+                        self._known[self._key(obj)] = obj
+                    self.handler(event["type"], obj)
+                delay = 0.5
+            except ApiError as exc:
+                if exc.status == 410:
+                    rv = ""
+                    continue
+                if exc.status == 404 and self.optional:
+                    log.info("%s not served (its CRD is not installed); not watching it", self.path)
+                    self.synced.set()
+                    return
+                log.warning("watching %s: %s; relisting", self.path, exc)
+                rv = ""
+            except (TimeoutError, OSError, ValueError) as exc:
+                log.warning("watching %s: %s; resuming", self.path, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)

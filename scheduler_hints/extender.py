@@ -240,7 +240,6 @@ class Extender:
             if any(n == node if isinstance(n, str) else (n.get("metadata") or {}).get("name") == node
                    for n in held[0]):
                 return
-        metrics.BINDINGS.labels("refused").inc()
         raise NotHeld(f"pod {namespace}/{name} is not held for binding to {node}: it did not pass this extender's "
                       "filter there")
 
@@ -481,7 +480,6 @@ class Extender:
         pod = self._pods.get(uid) or self._pods.get(f"{namespace}/{name}")
         meta = (pod or {}).get("metadata") or {}
         if pod is None or (meta.get("name"), meta.get("namespace", "default")) != (name, namespace):
-            metrics.BINDINGS.labels("refused").inc()
             raise NotHeld(f"pod {namespace}/{name} never passed this extender's filter")
         key = pod_key(pod)
         self._check_held(key, namespace, name, node)
@@ -575,6 +573,7 @@ def make_app(ext: Extender, max_body: int = MAX_BODY) -> web.Application:
         except BadRequest as exc:
             return reply({"Error": str(exc)}, 400)
         except NotHeld as exc:
+            metrics.BINDINGS.labels("refused").inc()
             log.warning("refused: %s", exc)
             return reply({"Error": str(exc)}, 403)
         return verb_reply(verb, result)

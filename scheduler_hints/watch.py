@@ -1,19 +1,18 @@
 """Watch-fed caches for the extender: nodes, PVs/PVCs, pods and PodGroups, each kept current by list + watch
 (never an API call per scheduling request).
 
-:class:`Reflector` is the one list/watch loop: list (remember ``resourceVersion``), watch from there, resume
-after a dropped stream from the last version seen, relist on 410 Gone. :class:`ClusterWatch` runs one
-reflector per resource and feeds the :class:`~scheduler_hints.extender.Extender`.
+:class:`~cachefs.kube.Reflector` is the one list/watch loop (the cache group's membership uses it too);
+:class:`ClusterWatch` runs one reflector per resource and feeds the :class:`~scheduler_hints.extender.Extender`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from cachefs.kube import ApiError, KubeClient
+from cachefs.kube import KubeClient, Reflector
 
 from .extender import Binder, Extender
 from .pods import CSI_DRIVER, URL_ATTRIBUTES, VolumeIndex, pod_gpus, pod_key
@@ -21,71 +20,6 @@ from .pods import CSI_DRIVER, URL_ATTRIBUTES, VolumeIndex, pod_gpus, pod_key
 __all__ = ["ClusterWatch", "KubeBinder", "Reflector", "WatchedVolumes"]
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[str, Mapping[str, Any]], None]
-
-
-class Reflector:
-    """Keeps ``handler(event_type, object)`` informed about every object at ``path``; ``handler("SYNC", {})``
-    after each (re)list, once every listed object was delivered as ``ADDED``. Objects gone during a relist
-    are delivered as ``DELETED``."""
-
-    def __init__(self, client: KubeClient, path: str, handler: Handler, *, optional: bool = False) -> None:
-        self.client, self.path, self.handler, self.optional = client, path, handler, optional
-        self.synced = asyncio.Event()
-        self._known: dict[str, Mapping[str, Any]] = {}
-
-    @staticmethod
-    def _key(obj: Mapping[str, Any]) -> str:
-        meta = obj.get("metadata") or {}
-        return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-
-    async def _list(self) -> str:
-        doc = await self.client.get(self.path)
-        seen = {}
-        for obj in doc.get("items") or []:
-            seen[self._key(obj)] = obj
-            self.handler("ADDED", obj)
-        for key in set(self._known) - set(seen):
-            self.handler("DELETED", self._known[key])
-        self._known = seen
-        self.handler("SYNC", {})
-        self.synced.set()
-        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
-
-    async def run(self) -> None:
-        delay = 0.5
-        rv = ""
-        while True:
-            try:
-                if not rv:
-                    rv = await self._list()
-                async for event in self.client.watch(self.path, rv):
-                    obj = event.get("object") or {}
-                    rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
-                    if event["type"] == "BOOKMARK":
-                        continue
-                    if event["type"] == "DELETED":
-                        self._known.pop(self._key(obj), None)
-                    else:
-                        self._known[self._key(obj)] = obj
-                    self.handler(event["type"], obj)
-                delay = 0.5
-            except ApiError as exc:
-                if exc.status == 410:
-                    rv = ""
-                    continue
-                if exc.status == 404 and self.optional:
-                    log.info("%s not served (its CRD is not installed); not watching it", self.path)
-                    self.synced.set()
-                    return
-                log.warning("watching %s: %s; relisting", self.path, exc)
-                rv = ""
-            except (TimeoutError, OSError, ValueError) as exc:
-                log.warning("watching %s: %s; resuming", self.path, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
-
 
 class WatchedVolumes(VolumeIndex):
     """PVC → dataset URL from watched PVCs and PVs of the cachefs CSI driver."""

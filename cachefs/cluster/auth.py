@@ -93,19 +93,16 @@ class TokenReviewer:
         now = time.monotonic()
         hit = self._cache.get(key)
         if hit is not None and now - hit[0] < self.ttl:
-            if hit[1] is None:
-                raise Unauthorized("token rejected")
-            if hit[1].user != self.account:
-                raise Forbidden(f"{hit[1].user} is not a cachefs node pod")
-            return hit[1]
-        fut = self._inflight.get(key)
-        if fut is None:  # one review per token however many requests carry it at once
-            fut = self._inflight[key] = asyncio.ensure_future(self._review(token))
-            fut.add_done_callback(lambda f: self._inflight.pop(key, None))
-        who = await asyncio.shield(fut)
-        if len(self._cache) >= self.max_entries:
-            self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.ttl}
-        self._cache[key] = (now, who)
+            who = hit[1]
+        else:
+            fut = self._inflight.get(key)
+            if fut is None:  # one review per token however many requests carry it at once
+                fut = self._inflight[key] = asyncio.ensure_future(self._review(token))
+                fut.add_done_callback(lambda f: self._inflight.pop(key, None))
+            who = await asyncio.shield(fut)
+            if len(self._cache) >= self.max_entries:
+                self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.ttl}
+            self._cache[key] = (now, who)
         if who is None:
             raise Unauthorized("token rejected")
         if who.user != self.account:

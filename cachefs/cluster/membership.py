@@ -6,6 +6,8 @@ version, listed again when the server says 410 Gone), the way kube-proxy follows
 count. No consensus, no gossip, no per-agent Lease: the API server already knows which node pods are up, and a
 watch costs it one stream per agent.
 
+The watches are :class:`~cachefs.kube.Reflector` loops, the same the scheduler extender runs.
+
 A member that disappears stays placed as *draining* for a grace period (``cluster.drain_grace``, 10 minutes): a
 node pod that restarts comes back to the keys it owned, instead of every key moving twice. Readers ask draining
 members last (their requests fail fast, and the next candidate answers).
@@ -18,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from ..kube import ApiError, KubeClient
+from ..kube import KubeClient, Reflector
 from .members import Member, parse_peers
 from .placement import Placement, Weighted
 
@@ -54,6 +56,8 @@ class MemberTable:
     def update(self, present: Mapping[str, Member]) -> bool:
         """Who is present now: new members join, ones that changed address or weight are replaced, absent ones
         start draining, ones drained past the grace period leave. Returns whether placement changed."""
+        if self._first_view(present, ()):
+            return True
         now, placement, changed = self.clock(), self.placement, False
         for name, m in present.items():
             old = self._members.get(name)
@@ -83,16 +87,24 @@ class MemberTable:
             self.generation += 1
         return changed
 
+    def _first_view(self, members: Mapping[str, Member], draining) -> bool:
+        """An empty table's first members: one table made at once (a join is incremental, and N of them cost N
+        passes over the slots: ~6 ms each at 5,000 members, bench/placement_bench.py, half a minute for all)."""
+        if self._members or not members:
+            return False
+        now = self.clock()
+        self._members = dict(members)
+        self._draining = {n: now for n in draining if n in members}
+        self.placement = Placement([Weighted(n, m.weight) for n, m in members.items()])
+        self.generation += 1
+        return True
+
     def replace(self, members: Mapping[str, Member], draining: frozenset[str] | set[str]) -> bool:
         """Take the members and draining set another process decided (the agent's members file): placement
         follows, incrementally. Returns whether anything changed."""
-        now, placement, changed = self.clock(), self.placement, False
-        if not self._members and members:  # the first view: one table made at once, not N joins
-            self._members = dict(members)
-            self._draining = {n: now for n in draining if n in members}
-            self.placement = Placement([Weighted(n, m.weight) for n, m in members.items()])
-            self.generation += 1
+        if self._first_view(members, draining):
             return True
+        now, placement, changed = self.clock(), self.placement, False
         for name in [n for n in self._members if n not in members]:
             placement = placement.left(name)
             del self._members[name]
@@ -120,37 +132,6 @@ class MemberTable:
 
 
 GROUP_LABEL = "cachefs.io/cache-group"
-
-
-async def list_and_watch(client: KubeClient, path: str, params: Mapping[str, str], what: str,
-                         on_list: Callable[[list], None], on_event: Callable[[str, Mapping], None]) -> None:
-    """List ``path``, then watch it for ever: resumed from the last resource version, listed again when the
-    server answers 410 Gone, backing off on errors (as kube-proxy's informers do)."""
-    rv, delay = None, 0.5
-    while True:
-        try:
-            if rv is None:
-                doc = await client.get(path, **params)
-                on_list(doc.get("items") or [])
-                rv = str((doc.get("metadata") or {}).get("resourceVersion", ""))
-            async for event in client.watch(path, rv, params=params):
-                obj = event.get("object") or {}
-                rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
-                if event.get("type") != "BOOKMARK":
-                    on_event(str(event.get("type")), obj)
-            delay = 0.5
-        except ApiError as exc:
-            if exc.status == 410:  # too old to resume: list again
-                log.info("cache group: %s: listing again", what)
-                rv = None
-                continue
-            log.warning("cache group: watching %s: %s", what, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
-        except (TimeoutError, ConnectionError, OSError) as exc:
-            log.warning("cache group: watching %s: %s", what, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
 
 
 class EndpointSliceWatch:
@@ -205,40 +186,34 @@ class EndpointSliceWatch:
         self.table.update(present)
         self.synced.set()
 
-    def _slices_listed_now(self, items: list) -> None:
-        self._slices = {(s.get("metadata") or {}).get("name", ""): self._members_of(s) for s in items}
-        self._slices_listed = True
-        self._apply()
-
     def _slice_event(self, kind: str, obj: Mapping) -> None:
         name = (obj.get("metadata") or {}).get("name", "")
-        if kind == "DELETED":
+        if kind == "SYNC":
+            self._slices_listed = True
+        elif kind == "DELETED":
             self._slices.pop(name, None)
         else:
             self._slices[name] = self._members_of(obj)
-        self._apply()
-
-    def _nodes_listed_now(self, items: list) -> None:
-        self._group_nodes = {(n.get("metadata") or {}).get("name", "") for n in items}
-        self._nodes_listed = True
         self._apply()
 
     def _node_event(self, kind: str, obj: Mapping) -> None:
         meta = obj.get("metadata") or {}
         name, labels = meta.get("name", ""), meta.get("labels") or {}
         before = name in self._group_nodes
-        if kind == "DELETED" or labels.get(GROUP_LABEL) != self.group:
+        if kind == "SYNC":
+            self._nodes_listed = True
+        elif kind == "DELETED" or labels.get(GROUP_LABEL) != self.group:
             self._group_nodes.discard(name)
         else:
             self._group_nodes.add(name)
-        if before != (name in self._group_nodes):
+        if kind == "SYNC" or before != (name in self._group_nodes):  # (a relist repeats every node)
             self._apply()
 
     async def run(self) -> None:
         """Follow the Service's slices (and the group's nodes) until cancelled."""
-        watches = [list_and_watch(self.client, self.path, {"labelSelector": f"kubernetes.io/service-name={self.service}"},
-                                  f"{self.namespace}/{self.service}", self._slices_listed_now, self._slice_event)]
+        watches = [Reflector(self.client, self.path, self._slice_event,
+                             params={"labelSelector": f"kubernetes.io/service-name={self.service}"}).run()]
         if self.group:
-            watches.append(list_and_watch(self.client, "/api/v1/nodes", {"labelSelector": f"{GROUP_LABEL}={self.group}"},
-                                          f"nodes of group {self.group}", self._nodes_listed_now, self._node_event))
+            watches.append(Reflector(self.client, "/api/v1/nodes", self._node_event,
+                                     params={"labelSelector": f"{GROUP_LABEL}={self.group}"}).run())
         await asyncio.gather(*watches)

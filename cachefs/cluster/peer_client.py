@@ -73,52 +73,44 @@ class PeerClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise PeerError(f"peer {address}: {type(exc).__name__}: {exc}") from None
 
-    async def _bytes(self, address: str, path: str, params: dict[str, str], length: int) -> bytes | None:
-        status, body, headers = await self._get(address, path, params, length)
+    async def _verified(self, address: str, path: str, params: dict[str, str], limit: int, *,
+                        length: int | None = None) -> bytes | None:
+        """The body of a GET, checked against the xxh3 the peer sends with it (and ``length``, when known); None
+        for a 404 (the peer does not hold it and does not fetch it)."""
+        status, body, headers = await self._get(address, path, params, limit)
         if status == 404:
             return None
-        if status != 200 and status != 206:
+        if status != 200:
             raise PeerError(f"peer {address}: HTTP {status} {body[:200].decode(errors='replace')}")
-        if len(body) != length:
+        if length is not None and len(body) != length:
             raise PeerError(f"peer {address}: {len(body)} bytes, {length} expected")
         try:
             expected = int(headers.get(CHECKSUM_HEADER, ""), 16)
         except ValueError:
-            raise PeerError(f"peer {address}: no checksum with the bytes") from None
+            raise PeerError(f"peer {address}: no checksum with {path}") from None
         if block_checksum(body) != expected:
-            raise PeerError(f"peer {address}: the bytes failed their checksum")
+            raise PeerError(f"peer {address}: {path} failed its checksum")
         return body
 
     async def block(self, address: str, ds_id: str, url: str, path: str, version: str, idx: int,
                     length: int, *, fetch: bool = True) -> bytes | None:
         """Block ``idx`` (``length`` bytes) of ``path`` at ``version`` of dataset ``ds_id`` (at ``url``), verified;
         None if the peer does not hold it and does not fetch it (``fetch`` False, or it is not an owner)."""
-        return await self._bytes(address, f"/v1/block/{ds_id}", {"url": url, "path": path, "version": version,
-                                                                  "block": str(idx), "fetch": "1" if fetch else "0"},
-                                 length)
+        return await self._verified(address, f"/v1/block/{ds_id}", {"url": url, "path": path, "version": version,
+                                                                     "block": str(idx), "fetch": "1" if fetch else "0"},
+                                    length, length=length)
 
     async def small(self, address: str, ds_id: str, url: str, path: str, version: str,
                     length: int, *, fetch: bool = True) -> bytes | None:
         """The whole small file ``path`` at ``version``, verified; None if the peer does not hold it and does not
         fetch it."""
-        return await self._bytes(address, f"/v1/small/{ds_id}", {"url": url, "path": path, "version": version,
-                                                                  "fetch": "1" if fetch else "0"}, length)
+        return await self._verified(address, f"/v1/small/{ds_id}", {"url": url, "path": path, "version": version,
+                                                                     "fetch": "1" if fetch else "0"}, length, length=length)
 
     async def manifest(self, address: str, ds_id: str, *, url: str = "", limit: int = 1 << 30) -> bytes | None:
         """The current manifest of dataset ``ds_id`` (at ``url``) as the peer holds it, or takes it if it serves
         that dataset to the group (see peer_server), verified."""
-        status, body, headers = await self._get(address, f"/v1/manifest/{ds_id}", {"url": url} if url else {}, limit)
-        if status == 404:
-            return None
-        if status != 200:
-            raise PeerError(f"peer {address}: HTTP {status}")
-        try:
-            expected = int(headers.get(CHECKSUM_HEADER, ""), 16)
-        except ValueError:
-            raise PeerError(f"peer {address}: no checksum with the manifest") from None
-        if block_checksum(body) != expected:
-            raise PeerError(f"peer {address}: the manifest failed its checksum")
-        return body
+        return await self._verified(address, f"/v1/manifest/{ds_id}", {"url": url} if url else {}, limit)
 
     async def push_manifest(self, address: str, ds_id: str, url: str, raw: bytes) -> bool:
         """Hand a member the manifest this node just took of dataset ``ds_id`` (``cachefs refresh``); whether it

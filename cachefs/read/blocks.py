@@ -23,8 +23,8 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict
 
+from ..bytes_lru import BytesLRU
 from ..checksum import block_checksum
 from ..config import Config
 from ..dataset import Dataset
@@ -58,8 +58,7 @@ class BlockPath:
         self._background: set[asyncio.Future] = set()  # read-ahead tasks
         #: Blocks a full disk could not take, kept for their readers (see the module docstring).
         self.unstored_limit = min(config.engine.readahead_max, config.engine.memory_budget // 4)
-        self._unstored: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
-        self._unstored_bytes = 0
+        self._unstored = BytesLRU(self.unstored_limit)  # (object key, block) → bytes
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None  # where threads serving local reads start read-ahead
 
@@ -252,7 +251,7 @@ class BlockPath:
         if strict and not stored and not guest:
             raise CacheFullError(f"cache disk full: cannot store {entry.path} (capacity {self.space.capacity} B)")
         if not stored:
-            self._keep_unstored(key, data)
+            self._unstored.put(key, data)
         return data
 
     async def _fetch(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, held) -> tuple[bytes, bool, bool]:
@@ -321,25 +320,11 @@ class BlockPath:
             self.objects.release(ob)
 
     # -- blocks kept in memory ------------------------------------------------------------------------------
-    def _keep_unstored(self, key: tuple[bytes, int], data: bytes) -> None:
-        if key in self._unstored or len(data) > self.unstored_limit:
-            return
-        self._unstored[key] = data
-        self._unstored_bytes += len(data)
-        while self._unstored_bytes > self.unstored_limit:
-            _, old = self._unstored.popitem(last=False)
-            self._unstored_bytes -= len(old)
-
     def _kept_unstored(self, okey: bytes, blocks: list[int]) -> dict[int, bytes]:
         if not self._unstored:
             return {}
-        got = {}
-        for i in blocks:
-            data = self._unstored.get((okey, i))
-            if data is not None:
-                self._unstored.move_to_end((okey, i))
-                got[i] = data
-        return got
+        got = {i: self._unstored.get((okey, i)) for i in blocks}
+        return {i: data for i, data in got.items() if data is not None}
 
     # -- what is here ---------------------------------------------------------------------------------------
     def cached_bytes(self, ds: Dataset, entry: Entry, okey: bytes) -> int:

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 
 from ..budget import Reservation
+from ..bytes_lru import BytesLRU
 from ..checksum import block_checksum
 from ..config import Config
 from ..dataset import Dataset
@@ -72,34 +73,6 @@ def _read_ahead(fd: int) -> None:
     threading.Thread(target=run, name="cachefs-pack-readahead", daemon=True).start()
 
 
-class GuestFiles:
-    """Small files read from the group's peers and not stored here (``cluster.keep_guest`` off), kept in memory for
-    a while (least recently used out past ``limit`` bytes): a directory's read-ahead brings them before their
-    readers ask. Any thread."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-        self._files: OrderedDict[bytes, bytes] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, okey: bytes) -> bytes | None:
-        with self._lock:
-            data = self._files.get(okey)
-            if data is not None:
-                self._files.move_to_end(okey)
-            return data
-
-    def put(self, okey: bytes, data: bytes) -> None:
-        with self._lock:
-            if okey in self._files or len(data) > self.limit:
-                return
-            self._files[okey] = data
-            self.used += len(data)
-            while self.used > self.limit:
-                _, old = self._files.popitem(last=False)
-                self.used -= len(old)
-
-
 class PackPath:
     def __init__(self, config: Config, store: PackStore, index: Index, chain: TierChain, funnel: OriginFunnel,
                  evictor: Evictor, disk: DiskJobs, stats: ReadStats, assemblies: PackAssemblies) -> None:
@@ -115,7 +88,9 @@ class PackPath:
         self._listings: OrderedDict[tuple[str, int, str], tuple[list[str], list[Entry]]] = OrderedDict()
         self._ahead: dict[tuple[str, str], int] = {}  # (dataset, dir) → listing position read-ahead reached
         self._sweeps: dict[bytes, tuple[float, int, float]] = {}  # pack key → sweep state (planners.sweep)
-        self.guests = GuestFiles(config.engine.memory_budget // 8)
+        # Small files the group's peers sent and this node does not store (cluster.keep_guest off): kept in
+        # memory for a while, as a directory's read-ahead brings them before their readers ask.
+        self.guests = BytesLRU(config.engine.memory_budget // 8)
         removed = self.store.clean(index.has_pack)
         if removed:
             log.info("removed %d unfinished or orphaned pack file(s)", removed)
@@ -129,7 +104,7 @@ class PackPath:
     # -- local reads (any thread) ---------------------------------------------------------------------------
     def has(self, okey: bytes) -> bool:
         return (self.pending.get(okey) is not None or self.assemblies.holds(okey)
-                or self.index.packed(okey) is not None or self.guests.get(okey) is not None)
+                or self.index.packed(okey) is not None or okey in self.guests)
 
     def local(self, ds_id: str, okey: bytes, size: int, *, wait: bool = True) -> bytes | bytearray | object | None:
         """The whole object if this node holds it (pending or packed, checksum verified), else None. Without
@@ -137,8 +112,6 @@ class PackPath:
         if size == 0:
             return b""
         data = self.pending.get(okey)
-        if data is None:
-            data = self.guests.get(okey)
         if data is not None:
             return data
         assembling = self.assemblies.pending(okey)
@@ -150,7 +123,7 @@ class PackPath:
                     return None if data is CORRUPT else data
         loc = self.index.packed(okey)
         if loc is None:
-            return None
+            return self.guests.get(okey)  # (only on a miss here: packed files never pay for the guests' lock)
         pack_id, offset, length, checksum = loc
         pkey = pack_key(ds_id, pack_id)
         fd = self._open_pack(ds_id, pack_id, pkey)

@@ -204,6 +204,12 @@ def test_a_group_reads_each_byte_once_from_the_origin_and_rides_out_kills_joins_
     four = Placement([Weighted(n) for n in ("e1", "e2", "e3", "e4")])
     moved = float(np.mean(np.array(three.names)[three.slot_owners()] != np.array(four.names)[four.slot_owners()]))
     assert abs(moved - 1 / 4) < 0.1 * (1 / 4), moved
+    # ... and in practice: the newcomer now owns blocks of the dataset, stored on its disk (readers do not keep
+    # what peers send, so only an owner stores a block).
+    big = sum(len(b) for p, b in c.files.items() if p.startswith("big/"))
+    held = sum(os.stat(os.path.join(root, f)).st_blocks * 512
+               for root, _dirs, names in os.walk(os.path.join(c.cache("e4"), "data")) for f in names)
+    assert 0 < held < big, (held, big)
 
     # kill -9 of a member mid-epoch: readers elsewhere see no error; its slice entry turns not-ready and it
     # drains (keeps its place); it comes back and is a member again.

@@ -283,11 +283,18 @@ def test_csi_volume_attributes_ids_and_secrets_are_accepted_or_refused_clearly(a
 
 
 # -- files read back from disk or the origin -----------------------------------------------------------------
+def _flipped(data: bytes, flips: list[tuple[int, int]]) -> bytes:
+    out = bytearray(data)
+    for i, x in flips:
+        out[i] ^= x
+    return bytes(out)
+
+
 def _flips(data: bytes):
     """``data`` with a few bytes changed, or cut short."""
     return st.one_of(
         st.lists(st.tuples(st.integers(0, max(0, len(data) - 1)), st.integers(1, 255)), min_size=1, max_size=4).map(
-            lambda flips: bytes(b ^ x if i in dict(flips) and (x := dict(flips)[i]) else b for i, b in enumerate(data))),
+            lambda flips: _flipped(data, flips)),
         st.integers(0, max(0, len(data) - 1)).map(lambda n: data[:n]))
 
 
