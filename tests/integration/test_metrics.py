@@ -85,8 +85,10 @@ def test_a_mount_and_the_node_endpoint_count_what_a_known_workload_did(s3, tmp_p
         for rel, data in files.items():  # cold: each file one GET (some of them ahead of its reader)
             with open(m.path(rel), "rb") as f:
                 assert f.read() == data
+        # (a file read to its end takes one or two READs: wait for the opens too, which count files)
         cold = _wait_for(endpoint, lambda s: value(s, "cachefs_read_bytes_total", kind="small", result="miss")
-                         >= total and value(s, "cachefs_fuse_requests_total", op="read", result="ok") >= n)
+                         >= total and value(s, "cachefs_fuse_requests_total", op="read", result="ok") >= n
+                         and value(s, "cachefs_fuse_opens_total", mode="userspace") >= n)
         assert value(cold, "cachefs_origin_requests_total", kind="get", result="ok") - gets0 == n
         assert value(cold, "cachefs_read_bytes_total", kind="small", result="miss") == total
         assert value(cold, "cachefs_read_bytes_total", kind="small", result="hit") == 0
