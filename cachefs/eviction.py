@@ -3,9 +3,12 @@
 
 When cached bytes pass ``high_watermark × capacity`` or the disk's free space drops under ``min_free``, whole
 objects and packs are removed until usage is under ``low_watermark × capacity`` (and, when a write asked for
-room, until it fits): first those read at most once, then the rest, least recently used first within each group
-(:func:`eviction_order`). An object a reader holds (any process: a shared ``flock``) is skipped; a pack goes
-without waiting for readers, who read on from the unlinked file.
+room, until it fits): first guest data (in a cache group, what another member owns and this node keeps a copy of:
+docs/CLUSTER.md), then objects and packs read at most once, then the rest, least recently used first within each
+group (:func:`eviction_order`). The node's own data is evicted only while it alone is over the target: never for
+guest data that readers hold at the moment. An object a reader holds (any process: a shared ``flock``) is skipped; a pack goes
+without waiting for readers, who read on from the unlinked file. Guest blocks go from an object's file by
+rewriting it without them (:meth:`~cachefs.store.base.BlockStore.try_keep_only`), so the blocks it owns stay.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -22,7 +26,7 @@ from .errors import CacheFullError
 from .index.records import ObjectRecord, PackRecord
 from .open_objects import OpenObjects
 from .read_stats import ReadStats
-from .space import DiskSpace
+from .space import FULL_BACKOFF, DiskSpace
 from .store.packs import PackStore
 
 __all__ = ["Evictor", "eviction_order"]
@@ -55,6 +59,7 @@ class Evictor:
         self._check_every = max(1, min(64 << 20, int(self.capacity * (1 - config.cache.high_watermark) / 2)))
         self._stored_since_check = 0
         self._background: asyncio.Future | None = None
+        self._guests_full_until = 0.0  # (guest writes refused at once until then: no scan of guests per block)
 
     # -- writers ----------------------------------------------------------------------------------------------
     def store(self, nbytes: int, write: Callable[[], T]) -> T | None:
@@ -73,6 +78,31 @@ class Evictor:
                 self.make_room(nbytes)
         self.space.mark_full()
         return None
+
+    def store_guest(self, nbytes: int, write: Callable[[], T]) -> T | None:
+        """:meth:`store` for guest data (another group member owns it): written only into room under the high
+        watermark, making room by evicting other guest data only, never what the node owns; None when not
+        stored, which is no error (its owner keeps it). Blocking: a disk thread."""
+        if time.monotonic() < self._guests_full_until:
+            return None
+        for attempt in (0, 1):
+            if nbytes <= self.space.guest_room():
+                try:
+                    return write()
+                except CacheFullError:
+                    pass
+            if attempt == 0:
+                self.make_guest_room(nbytes)
+        self._guests_full_until = time.monotonic() + FULL_BACKOFF
+        return None
+
+    def make_guest_room(self, need: int) -> int:
+        """Evict guest data so that ``need`` more bytes of it fit under the high watermark; bytes freed."""
+        c = self.config.cache
+        with self._one_at_a_time:
+            self.flush_stats()
+            target = min(int(self.capacity * c.low_watermark), int(self.capacity * c.high_watermark) - need)
+            return self._evict_guests(target, max(self.min_free * 1.1, self.min_free + need))
 
     def make_room(self, need: int) -> int:
         """Evict so that ``need`` more bytes fit (one eviction at a time in this process); bytes freed."""
@@ -117,9 +147,19 @@ class Evictor:
         _, free = self.files.disk_usage()
         if not (force or everything or dataset) and total <= self.capacity * c.high_watermark and free >= self.min_free:
             return 0
+        freed = 0
+        if not (everything or dataset):
+            freed = self._evict_guests(target, floor)
+            # The node's own data is not evicted for guests' sake (it would only be fetched from the origin
+            # again): not when what is over the target is guest data readers hold right now, nor to go from the
+            # high watermark down to the low one once evicting guests got usage under the high one.
+            guests = self.index.guest_bytes()
+            if guests and self.index.totals()[0] - guests <= target:
+                return freed
+            if freed and self._under(int(self.capacity * c.high_watermark) - need, floor):
+                return freed
         candidates = sorted([*self.index.objects(dataset), *((None, p) for p in self.index.packs(dataset))],
                             key=lambda kv: eviction_order(kv[1]))
-        freed = 0
         keep = None if (everything or dataset) else self.keep_newer_than
         for okey, rec in candidates:
             if keep is not None and rec.last_access >= keep:
@@ -137,6 +177,54 @@ class Evictor:
         if freed:
             log.info("evicted %d bytes", freed)
         return freed
+
+    def _under(self, target: int, floor: float) -> bool:
+        total, _ = self.index.totals()
+        _, free = self.files.disk_usage()
+        return total <= target and free >= floor
+
+    def _evict_guests(self, target: int, floor: float) -> int:
+        """Guest data first, least recently used first: guest packs whole, guest blocks out of their objects."""
+        blocks, pack_keys = self.index.guests()
+        if not (blocks or pack_keys):
+            return 0
+        victims: list[tuple[float, bytes | None, object]] = []
+        for pkey in pack_keys:
+            rec = self.index.pack(pkey)
+            if rec is not None:
+                victims.append((rec.last_access, None, rec))
+        for okey, idxs in blocks.items():
+            rec = self.index.object(okey)
+            if rec is not None:
+                victims.append((rec.last_access, okey, (rec, idxs)))
+        freed = 0
+        for _, okey, what in sorted(victims, key=lambda v: v[0]):
+            if self._under(target, floor):
+                break
+            try:
+                if okey is None:
+                    freed += self._evict_one(None, what)
+                else:
+                    freed += self._evict_guest_blocks(okey, *what)
+            except CacheFullError as exc:
+                log.error("eviction stopped: %s", exc)
+                break
+        return freed
+
+    def _evict_guest_blocks(self, okey: bytes, rec: ObjectRecord, guests: list[int]) -> int:
+        if not self.objects.close_idle(okey):
+            return 0  # a reader here holds it
+        gone = set(guests)
+        freed: list[int] = []
+
+        def keep() -> list[int]:  # (under the file's exclusive lock: a block written meanwhile is counted)
+            return [i for i in self.index.blocks_of(okey) if i not in gone]
+
+        def forget() -> bool:
+            freed.append(self.index.evict_guest_blocks(okey, guests))
+            return True
+
+        return sum(freed) if self.files.try_keep_only(okey, rec.dataset, keep, forget) else 0
 
     def _evict_one(self, okey: bytes | None, rec: ObjectRecord | PackRecord) -> int:
         if okey is None:  # a pack: the index forgets it and its members, then the file goes

@@ -33,9 +33,11 @@ class DiskSpace:
     """Admission of new bytes on one cache disk: the index's cached bytes against ``capacity``, the store's file
     system against ``min_free``."""
 
-    def __init__(self, index: Index, store: BlockStore, *, capacity: int, min_free: int, high_watermark: float) -> None:
+    def __init__(self, index: Index, store: BlockStore, *, capacity: int, min_free: int, high_watermark: float,
+                 low_watermark: float | None = None) -> None:
         self.index, self.store = index, store
         self.capacity, self.min_free, self.high_watermark = capacity, min_free, high_watermark
+        self.low_watermark = high_watermark if low_watermark is None else low_watermark
         self._full_until = 0.0
         self._warned = False
         #: Writes refused for want of room since start (the metrics show it).
@@ -48,6 +50,12 @@ class DiskSpace:
 
     def admits(self, nbytes: int) -> bool:
         return nbytes <= self.room()
+
+    def guest_room(self) -> int:
+        """Bytes guest data may still take: under the low watermark (the room up to the high one is left to the
+        node's own data, so guests never set eviction off) and above the free-space floor."""
+        _, free = self.store.disk_usage()
+        return max(0, min(int(self.capacity * self.low_watermark) - self.index.totals()[0], free - self.min_free))
 
     def over_limits(self) -> bool:
         """Past the high watermark, or under the free-space floor: time to evict."""

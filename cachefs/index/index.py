@@ -87,6 +87,9 @@ class Index:
         self._objects, self._blocks, self.manifest_db = dbs["objects"], dbs["blocks"], dbs["manifest"]
         self._packed, self._packs, self._members = dbs["packed"], dbs["packs"], dbs["pack_members"]
         self._dir_heat = dbs["dir_heat"]
+        # Guest data (another group member owns it; evicted first): keys of the blocks db (object key + block
+        # index, 20 bytes) and of the packs db (24 bytes), empty values.
+        self._guests = dbs["guests"]
         self.reserve = IndexReserve(os.path.join(self.path, "reserve"))
         self._check_format()
 
@@ -185,11 +188,15 @@ class Index:
             raw = txn.get(okey, db=self._objects)
         return ObjectRecord.unpack(raw) if raw else None
 
-    def put_block(self, okey: bytes, idx: int, checksum: int, length: int, obj: ObjectRecord) -> bool:
-        """Record a block as present (after its bytes are on disk). Returns False if it already was."""
+    def put_block(self, okey: bytes, idx: int, checksum: int, length: int, obj: ObjectRecord, *,
+                  guest: bool = False) -> bool:
+        """Record a block as present (after its bytes are on disk); a ``guest`` block (another group member owns
+        it) is evicted first. Returns False if it already was."""
         def body(txn):
             if not txn.put(_bkey(okey, idx), BLOCK.pack(checksum, length), db=self._blocks, overwrite=False):
                 return False
+            if guest:
+                txn.put(_bkey(okey, idx), b"", db=self._guests)
             raw = txn.get(okey, db=self._objects)
             new_object = raw is None
             rec = obj if new_object else ObjectRecord.unpack(raw)
@@ -206,18 +213,64 @@ class Index:
 
     def drop_block(self, okey: bytes, idx: int) -> None:
         """Forget one block (it failed its checksum); its bytes will be fetched again."""
-        def body(txn):
+        self._write(lambda txn: self._drop_blocks(txn, okey, [idx]))
+
+    def _drop_blocks(self, txn, okey: bytes, idxs: list[int]) -> int:
+        dropped = 0
+        for idx in idxs:
             raw = txn.pop(_bkey(okey, idx), db=self._blocks)
-            if raw is None:
-                return
-            _, length = BLOCK.unpack(raw)
-            obj_raw = txn.get(okey, db=self._objects)
-            if obj_raw is not None:
-                rec = ObjectRecord.unpack(obj_raw)
-                rec.cached_bytes -= length
-                txn.put(okey, rec.pack(), db=self._objects)
-                self._add_stats(txn, rec.dataset, cached=-length)
-            self._add_totals(txn, -length, 0)
+            txn.delete(_bkey(okey, idx), db=self._guests)
+            if raw is not None:
+                dropped += BLOCK.unpack(raw)[1]
+        obj_raw = txn.get(okey, db=self._objects)
+        if obj_raw is not None and dropped:
+            rec = ObjectRecord.unpack(obj_raw)
+            rec.cached_bytes -= dropped
+            txn.put(okey, rec.pack(), db=self._objects)
+            self._add_stats(txn, rec.dataset, cached=-dropped)
+        self._add_totals(txn, -dropped, 0)
+        return dropped
+
+    # -- guest data -----------------------------------------------------------------------------------------
+    def guests(self) -> tuple[dict[bytes, list[int]], list[bytes]]:
+        """Guest data: ({object key: its guest blocks}, [pack keys of guest packs])."""
+        blocks: dict[bytes, list[int]] = {}
+        packs: list[bytes] = []
+        with self.env.begin() as txn:
+            for k in txn.cursor(db=self._guests).iternext(values=False):
+                k = bytes(k)
+                if len(k) == 20:
+                    blocks.setdefault(k[:16], []).append(int.from_bytes(k[16:], "big"))
+                else:
+                    packs.append(k)
+        return blocks, packs
+
+    def guest_bytes(self) -> int:
+        """Bytes of guest data cached (blocks and whole packs)."""
+        total = 0
+        with self.env.begin() as txn:
+            for k in txn.cursor(db=self._guests).iternext(values=False):
+                if len(k) == 20:
+                    raw = txn.get(k, db=self._blocks)
+                    total += BLOCK.unpack(raw)[1] if raw is not None else 0
+                else:
+                    raw = txn.get(k, db=self._packs)
+                    total += PackRecord.unpack(bytes(k), raw).size if raw is not None else 0
+        return total
+
+    def evict_guest_blocks(self, okey: bytes, idxs: list[int]) -> int:
+        """Forget guest blocks of an object whose file was rewritten without them (eviction); the object's
+        record goes too once it has no block left. Returns the bytes forgotten."""
+        def body(txn):
+            dropped = self._drop_blocks(txn, okey, idxs)
+            cur = txn.cursor(db=self._blocks)
+            if not (cur.set_range(okey) and bytes(cur.key()[:16]) == okey):
+                raw = txn.pop(okey, db=self._objects)
+                if raw is not None:
+                    self._add_totals(txn, 0, -1)
+            if dropped:
+                self._add_evicted(txn, dropped)
+            return dropped
 
         return self._write(body)
 
@@ -231,6 +284,7 @@ class Index:
             cur = txn.cursor(db=self._blocks)
             if cur.set_range(okey):
                 while cur.key()[:16] == okey:
+                    txn.delete(bytes(cur.key()), db=self._guests)
                     if not cur.delete():
                         break
             self._add_stats(txn, rec.dataset, cached=-rec.cached_bytes)
@@ -254,13 +308,17 @@ class Index:
             raw = txn.get(okey, db=self._packed)
         return PACKED.unpack(raw) if raw else None
 
-    def commit_pack(self, dataset: str, pack_id: int, size: int, members: list[tuple[bytes, int, int, int]]) -> int:
+    def commit_pack(self, dataset: str, pack_id: int, size: int, members: list[tuple[bytes, int, int, int]], *,
+                    guest: bool = False) -> int:
         """Record a pack file (already complete on disk) and point its members' keys at it. A member another
-        process packed first keeps its record (this pack's copy is dead weight until the pack is evicted).
-        Returns how many members were recorded."""
+        process packed first keeps its record (this pack's copy is dead weight until the pack is evicted). A
+        ``guest`` pack (small files other group members own) is evicted first. Returns how many members were
+        recorded."""
         pkey = pack_key(dataset, pack_id)
 
         def body(txn):
+            if guest:
+                txn.put(pkey, b"", db=self._guests)
             live = count = 0
             for okey, offset, length, checksum in members:
                 if txn.put(okey, PACKED.pack(pack_id, offset, length, checksum), db=self._packed, overwrite=False):
@@ -298,6 +356,11 @@ class Index:
         with self.env.begin() as txn:
             return txn.get(pack_key(dataset, pack_id), db=self._packs) is not None
 
+    def pack(self, pkey: bytes) -> PackRecord | None:
+        with self.env.begin() as txn:
+            raw = txn.get(pkey, db=self._packs)
+        return PackRecord.unpack(pkey, raw) if raw is not None else None
+
     def packs(self, dataset: str | None = None) -> Iterator[PackRecord]:
         with self.env.begin() as txn:
             cur = txn.cursor(db=self._packs)
@@ -315,6 +378,7 @@ class Index:
         pkey = pack_key(dataset, pack_id)
         def body(txn):
             raw = txn.pop(pkey, db=self._packs)
+            txn.delete(pkey, db=self._guests)
             if raw is None:
                 return 0
             rec = PackRecord.unpack(pkey, raw)

@@ -255,18 +255,29 @@ class BlockPath:
         return data
 
     async def _fetch(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, held) -> tuple[bytes, bool, bool]:
-        """(the block, whether it was stored here, whether it is a guest: kept by the group member owning it)."""
+        """(the block, whether it was stored here, whether it is a guest: kept by the group member owning it,
+        stored here too or not)."""
         start = idx * self.block_size
         length = min(self.block_size, entry.size - start)
         async with held or await self.funnel.hold(length):
             data, tier = await self.chain.fetch_from(Want(ds, entry, ob.key, start, length))
             if not tier.kept:
                 return data, False, True
-            stored = await self._store(ob, idx, data, block_checksum(data))
-        return data, stored, False
+            if tier.guest and self.objects.has(ob, idx):
+                return data, True, True  # (this node's agent owns it and stored it as it answered)
+            stored = await self._store(ob, idx, data, block_checksum(data), guest=tier.guest)
+            if not stored and ob.stale and not self.closing:
+                # Its file was evicted or rewritten (guest blocks out) while the block was on its way: the block
+                # goes into the object's file as it is now, not into the memory of one process.
+                fresh = self.objects.acquire(ds.ref.id, entry, ob.key)
+                try:
+                    stored = await self._store(fresh, idx, data, block_checksum(data), guest=tier.guest)
+                finally:
+                    self.objects.release(fresh)
+        return data, stored, tier.guest  # (a guest a full disk could not take is no error: its owner keeps it)
 
-    async def _store(self, ob: OpenObject, idx: int, data: bytes, checksum: int) -> bool:
-        """Write block ``idx`` and record it, if the disk has room; whether it did."""
+    async def _store(self, ob: OpenObject, idx: int, data: bytes, checksum: int, *, guest: bool = False) -> bool:
+        """Write block ``idx`` and record it (as guest data: evicted first), if the disk has room; whether it did."""
         if self.closing or ob.stale:
             return False
 
@@ -276,7 +287,7 @@ class BlockPath:
             try:
                 ob.stored.write_block(idx, data)
                 try:
-                    self.objects.index.put_block(ob.key, idx, checksum, len(data), ob.record)
+                    self.objects.index.put_block(ob.key, idx, checksum, len(data), ob.record, guest=guest)
                 except CacheFullError:
                     ob.stored.drop_block(idx)
                     raise
@@ -284,9 +295,12 @@ class BlockPath:
                 self.objects.unhold(ob)
             return True
 
-        decided, stored = (False, None) if len(data) >= 256 * 1024 else self.space.try_store(len(data), write)
-        if not decided:
-            stored = await self.disk.run(self.evictor.store, len(data), write)
+        if guest:
+            stored = await self.disk.run(self.evictor.store_guest, len(data), write)
+        else:
+            decided, stored = (False, None) if len(data) >= 256 * 1024 else self.space.try_store(len(data), write)
+            if not decided:
+                stored = await self.disk.run(self.evictor.store, len(data), write)
         if not stored:
             return False
         ob.present[idx] = (checksum, len(data))

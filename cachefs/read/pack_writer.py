@@ -42,8 +42,10 @@ class PendingPacks:
         self.pack_size, self.store, self.index, self.evictor, self.disk = pack_size, store, index, evictor, disk
         self.space = evictor.space
         self._lock = threading.Lock()  # read from FUSE threads too
-        self._pending: dict[str, list[Member]] = {}  # dataset id → members of its next pack
-        self._pending_bytes: dict[str, int] = {}
+        # (dataset id, guest) → members of its next pack: guest data (other members own it) goes in packs of its
+        # own, which are evicted first.
+        self._pending: dict[tuple[str, bool], list[Member]] = {}
+        self._pending_bytes: dict[tuple[str, bool], int] = {}
         self._pending_data: dict[bytes, bytes] = {}  # object key → bytes, until its pack is in the index
         self._unwritten = 0  # bytes pending or being written
         self._written: asyncio.Event | None = None
@@ -57,17 +59,18 @@ class PendingPacks:
         with self._lock:
             return self._pending_data.get(okey)
 
-    async def add(self, ds_id: str, member: Member) -> None:
-        """Queue ``member`` for its dataset's next pack (readable at once through :meth:`get`); waits while two
-        packs' worth of bytes are waiting for the disk."""
+    async def add(self, ds_id: str, member: Member, *, guest: bool = False) -> None:
+        """Queue ``member`` for its dataset's next pack (of guest data, with ``guest``), readable at once through
+        :meth:`get`; waits while two packs' worth of bytes are waiting for the disk."""
+        key = (ds_id, guest)
         with self._lock:
             self._pending_data[member.okey] = member.data
-            self._pending.setdefault(ds_id, []).append(member)
-            pending = self._pending_bytes[ds_id] = self._pending_bytes.get(ds_id, 0) + len(member.data)
+            self._pending.setdefault(key, []).append(member)
+            pending = self._pending_bytes[key] = self._pending_bytes.get(key, 0) + len(member.data)
             self._unwritten += len(member.data)
             full = pending >= self.pack_size
         if full:
-            self._start_write(ds_id)
+            self._start_write(key)
         elif self._flush_timer is None:
             self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_DELAY, self._flush_soon)
         # Back-pressure: at most two packs' worth of fetched bytes wait for the disk.
@@ -76,25 +79,25 @@ class PendingPacks:
                 self._written = asyncio.Event()
             self._written.clear()
             if not self._writes:
-                for ds in list(self._pending):
-                    self._start_write(ds)
+                for key in list(self._pending):
+                    self._start_write(key)
             await self._written.wait()
 
     def _flush_soon(self) -> None:
         self._flush_timer = None
-        for ds_id in list(self._pending):
-            self._start_write(ds_id)
+        for key in list(self._pending):
+            self._start_write(key)
 
-    def _take(self, ds_id: str) -> list[Member]:
+    def _take(self, key: tuple[str, bool]) -> list[Member]:
         with self._lock:
-            self._pending_bytes.pop(ds_id, None)
-            return self._pending.pop(ds_id, [])
+            self._pending_bytes.pop(key, None)
+            return self._pending.pop(key, [])
 
-    def _start_write(self, ds_id: str) -> None:
-        members = self._take(ds_id)
+    def _start_write(self, key: tuple[str, bool]) -> None:
+        members = self._take(key)
         if not members:
             return
-        task = asyncio.ensure_future(self.disk.run(self._write, ds_id, members))
+        task = asyncio.ensure_future(self.disk.run(self._write, key, members))
         self._writes.add(task)
 
         def done(t: asyncio.Task) -> None:
@@ -108,18 +111,20 @@ class PendingPacks:
 
         task.add_done_callback(done)
 
-    def _write(self, ds_id: str, members: list[Member]) -> int:
+    def _write(self, key: tuple[str, bool], members: list[Member]) -> int:
         """Write one pack and record its members (a disk thread); bytes written. What the disk has no room for
         is dropped: those members were served, they are just not cached."""
         nbytes = sum(len(m.data) for m in members)
         dropped: list[Member] = []
         try:
-            written = self._write_fitting(ds_id, members, dropped)
+            written = self._write_fitting(key, members, dropped)
         finally:
             with self._lock:  # in the index now (or dropped): no longer served from memory
                 for m in members:
                     self._pending_data.pop(m.okey, None)
                 self._unwritten -= nbytes
+        if key[1]:
+            return written  # guest data the disk has no room for is no error: its owner keeps it
         if dropped:
             self.full_error = CacheFullError(f"cache disk full: could not store {len(dropped)} small files "
                                              f"(capacity {self.space.capacity} B)")
@@ -127,13 +132,18 @@ class PendingPacks:
             self.full_error = None
         return written
 
-    def _write_fitting(self, ds_id: str, members: list[Member], dropped: list[Member]) -> int:
+    def _write_fitting(self, key: tuple[str, bool], members: list[Member], dropped: list[Member]) -> int:
         """Write as many of ``members`` (in order) as the disk has room for, as one pack; the rest go to
         ``dropped``. Room is asked for first (evicting once), so a full disk costs no failed writes."""
-        space = self.space
-        if not space.full and not space.admits(_pack_bytes(members)):
-            self.evictor.make_room(_pack_bytes(members))
-        room = 0 if space.full else space.room()
+        space, guest = self.space, key[1]
+        if guest:  # only into room under the high watermark, made by evicting other guests (Evictor.store_guest)
+            if space.guest_room() < _pack_bytes(members):
+                self.evictor.make_guest_room(_pack_bytes(members))
+            room = space.guest_room()
+        else:
+            if not space.full and not space.admits(_pack_bytes(members)):
+                self.evictor.make_room(_pack_bytes(members))
+            room = 0 if space.full else space.room()
         fit, need = 0, _PACK_OVERHEAD
         for m in members:
             need += _member_bytes(m)
@@ -142,18 +152,21 @@ class PendingPacks:
             fit += 1
         dropped.extend(members[fit:])
         if not fit:
-            space.mark_full()
+            if not guest:
+                space.mark_full()
             return 0
-        written = self.evictor.store(_pack_bytes(members[:fit]), lambda: self._write_pack(ds_id, members[:fit]))
+        store = self.evictor.store_guest if guest else self.evictor.store
+        written = store(_pack_bytes(members[:fit]), lambda: self._write_pack(key, members[:fit]))
         if written is None:
             dropped.extend(members[:fit])
             return 0
         return written
 
-    def _write_pack(self, ds_id: str, members: list[Member]) -> int:
+    def _write_pack(self, key: tuple[str, bool], members: list[Member]) -> int:
+        ds_id, guest = key
         written = self.store.write(ds_id, members)
         try:
-            self.index.commit_pack(ds_id, written.pack_id, written.size, written.members)
+            self.index.commit_pack(ds_id, written.pack_id, written.size, written.members, guest=guest)
         except CacheFSError:
             self.store.remove(ds_id, written.pack_id)  # never a pack file the index does not know
             raise
@@ -161,14 +174,14 @@ class PendingPacks:
 
     async def flush(self) -> None:
         """Write every pending pack now and wait for all writes."""
-        for ds_id in list(self._pending):
-            self._start_write(ds_id)
+        for key in list(self._pending):
+            self._start_write(key)
         while self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
 
     def flush_sync(self) -> None:
         """:meth:`flush` for callers without the event loop (shutdown)."""
-        for ds_id in list(self._pending):
-            members = self._take(ds_id)
+        for key in list(self._pending):
+            members = self._take(key)
             if members:
-                self._write(ds_id, members)
+                self._write(key, members)

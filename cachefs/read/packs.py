@@ -206,7 +206,8 @@ class PackPath:
         if not tier.kept:  # the group member that owns it keeps it
             self.guests.put(okey, data)
         elif not self.has(okey):  # (a mirror window installs what it brings itself)
-            await self.pending.add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data))
+            await self.pending.add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data),
+                                   guest=tier.guest)
         return data
 
     # -- serving peers ----------------------------------------------------------------------------------------

@@ -95,5 +95,14 @@ class BlockStore(abc.ABC):
         file. Returns whether the file was removed."""
 
     @abc.abstractmethod
+    def try_keep_only(self, key: bytes, dataset: str, keep, on_locked) -> bool:
+        """Replace an object's file, if no process holds it, by one holding only the blocks ``keep()`` names
+        (called under the exclusive lock, when no block is being written; none: the file goes); the rest give
+        their space back. ``on_locked()`` runs under the exclusive lock once the new file is written, before it
+        takes the old one's place (the index forgets the other blocks there); returning False keeps the old
+        file. A descriptor opened before reads on from the old file, whole for every block it knew, and
+        :meth:`StoredObject.linked` tells it the file is no longer the cache's. Returns whether it was done."""
+
+    @abc.abstractmethod
     def disk_usage(self) -> tuple[int, int]:
         """(total, free) bytes of the filesystem holding the store."""

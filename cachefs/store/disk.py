@@ -200,6 +200,50 @@ class DiskStore(BlockStore):
         finally:
             os.close(fd)
 
+    def try_keep_only(self, key: bytes, dataset: str, keep, on_locked) -> bool:
+        # Blocks are never punched out of a file in place: a process with the file open and no lock (its cache of
+        # descriptors, a kernel passthrough open) would read the hole as zeros. The kept blocks are copied to a
+        # new file that is renamed over the old one, which then lives on, whole, for whoever has it open.
+        path = self.object_path(key, dataset)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        tmp = f"{path}.keep.{os.getpid()}"
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            blocks = sorted(keep())  # (under the lock: no block is being written)
+            if not blocks:
+                if not on_locked():
+                    return False
+                os.unlink(path)
+                return True
+            size = os.fstat(fd).st_size
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(out, size)
+                bs = self.block_size
+                for idx in blocks:
+                    lo = idx * bs
+                    n = min(bs, size - lo)
+                    if n > 0 and os.pwrite(out, os.pread(fd, n, lo), lo) != n:
+                        raise OSError(errno.EIO, "short write")
+            except OSError as exc:
+                os.close(out)
+                os.unlink(tmp)
+                raise _disk_error(exc, tmp) from None
+            os.close(out)
+            if not on_locked():
+                os.unlink(tmp)
+                return False
+            os.replace(tmp, path)
+            return True
+        finally:
+            os.close(fd)
+
     def disk_usage(self) -> tuple[int, int]:
         st = os.statvfs(self.root)
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize

@@ -202,6 +202,31 @@ class BlockStoreConformance:
         assert os.stat(obj.path).st_blocks < before
         obj.close()
 
+    def test_keeping_some_blocks_gives_the_others_space_back_and_old_readers_read_on(self, store):
+        bs = store.block_size
+        data = os.urandom(bs * 4 + 10)
+        obj, sums = self._write_all(store, data)
+        assert obj.hold() is True
+        assert store.try_keep_only(self.KEY, "ds", lambda: [0, 4], lambda: True) is False  # held: left alone
+        obj.unhold()
+        before = os.stat(obj.path).st_blocks
+        assert store.try_keep_only(self.KEY, "ds", lambda: [0, 4], lambda: False) is False  # vetoed: left alone
+        assert os.stat(obj.path).st_blocks == before
+        assert store.try_keep_only(self.KEY, "ds", lambda: [0, 4], lambda: True) is True
+        assert obj.linked() is False and obj.hold() is False  # the old file is no longer the cache's ...
+        assert obj.read(0, len(data), sums) == data  # ... and still whole for whoever had it open
+        obj.close()
+        kept = store.open(self.KEY, "ds", len(data))
+        assert os.stat(kept.path).st_blocks < before
+        assert kept.read(0, bs, {0: sums[0]}) == data[:bs]
+        assert kept.read(4 * bs, len(data), {4: sums[4]}) == data[4 * bs:]
+        with pytest.raises(CorruptBlockError):
+            kept.read(bs, 2 * bs, {1: sums[1]})  # not kept: a hole, which never passes as the block
+        kept.close()
+        assert not [n for n in os.listdir(os.path.dirname(kept.path)) if ".keep." in n]
+        assert store.try_keep_only(self.KEY, "ds", list, lambda: True) is True  # nothing to keep: the file goes
+        assert not os.path.exists(kept.path)
+
     def test_remove_can_be_vetoed(self, store):
         obj, _ = self._write_all(store, b"x" * 10)
         obj.close()

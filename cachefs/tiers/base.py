@@ -46,6 +46,8 @@ class Tier(abc.ABC):
     name: str
     #: Whether what this tier serves is stored on this node (a cache group's peers may keep it for us instead).
     kept: bool = True
+    #: Whether what it serves, when stored, is guest data: another group member owns it, so it is evicted first.
+    guest: bool = False
 
     @abc.abstractmethod
     async def fetch(self, want: Want) -> bytes | bytearray | None:

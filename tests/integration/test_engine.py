@@ -345,3 +345,115 @@ def test_a_reader_moving_through_blocks_gets_every_byte_and_a_corrupt_block_is_s
         f.close()
 
     run(engine, scenario, src)
+
+
+class GuestTier:
+    """Serves some blocks and small files as a cache group's peer would (guest data: another member owns it),
+    reading them from the origin itself; the rest falls through to the origin tier as the node's own."""
+
+    name, kept, guest = "peer", True, True
+
+    def __init__(self, src, block_size: int) -> None:
+        self.src, self.block_size = src, block_size
+
+    def takes(self, path: str, start: int) -> bool:
+        return (start // self.block_size) % 2 == 1 if path.startswith("big") else int(path[5:7]) % 2 == 1
+
+    async def fetch(self, want):
+        if not self.takes(want.entry.path, want.start):
+            return None
+        return await self.src.read(want.ds.ref.url + "/" + want.entry.path, want.entry.version, want.start,
+                                   want.start + want.length)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_guest_data_is_evicted_first_and_the_blocks_a_node_owns_stay(config, s3):
+    """A node keeps what it read from its group's peers as guest data: odd blocks of the large files and every
+    other small file come from a peer here. When the cache must make room, guest packs and guest blocks go
+    first (guest blocks out of files that keep their own blocks), before anything of its own."""
+    bs = config.cache.block_size
+    files = {f"big/{i}.bin": os.urandom(6 * bs) for i in range(3)}
+    files.update({f"small{i:02d}.txt": os.urandom(3000 + i) for i in range(40)})
+    engine, src, url = small_cache(config, s3, "guests", files, capacity="4MB")
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        guest = GuestTier(src, bs)
+        engine.blocks.chain.tiers.insert(0, guest)
+        engine.packs.chain.tiers.insert(0, guest)
+        for path, data in files.items():
+            e = ds.file(path)
+            assert await engine.read(ds, e, 0, e.size) == data
+        await engine.packs.pending.flush()
+        blocks, packs = engine.index.guests()
+        assert sorted(blocks) == sorted(engine.object_key(ds, ds.file(f"big/{i}.bin")) for i in range(3))
+        assert all(idxs == [1, 3, 5] for idxs in map(sorted, blocks.values()))
+        assert packs  # the peer's small files went to packs of their own
+        total, _ = engine.index.totals()
+        guest_bytes = 3 * 3 * bs + sum(len(d) for p, d in files.items() if p.startswith("small") and int(p[5:7]) % 2)
+        engine.close()  # release handles, as readers closing their files would
+        freed = await asyncio.to_thread(engine.evictor.make_room, engine.capacity - total + guest_bytes // 2)
+        assert 0 < freed
+        # Room for half the guest bytes: found among guests alone, everything the node owns stays.
+        blocks_after, packs_after = engine.index.guests()
+        assert sum(map(len, blocks_after.values())) + len(packs_after) < sum(map(len, blocks.values())) + len(packs)
+        owned_small = [p for p in files if p.startswith("small") and int(p[5:7]) % 2 == 0]
+
+        def owned_all_there() -> bool:
+            return all({0, 2, 4} <= set(engine.index.blocks_of(engine.object_key(ds, ds.file(f"big/{i}.bin"))))
+                       for i in range(3)) and all(engine.packs.has(engine.object_key(ds, ds.file(p)))
+                                                  for p in owned_small)
+
+        assert owned_all_there()
+        assert engine.index.totals()[0] <= total - freed
+        # Room for more than all guests: they all go, and only then some of the node's own data.
+        freed2 = await asyncio.to_thread(engine.evictor.make_room, engine.capacity - total + guest_bytes + bs)
+        assert freed + freed2 >= guest_bytes
+        assert engine.index.guests() == ({}, [])
+        assert not owned_all_there()
+        engine.blocks.chain.tiers.remove(guest)
+        engine.packs.chain.tiers.remove(guest)
+        for path, data in files.items():  # and everything reads back right
+            e = ds.file(path)
+            assert await engine.read(ds, e, 0, e.size) == data
+
+    run(engine, scenario, src)
+
+
+def test_guest_data_never_makes_room_by_evicting_what_the_node_owns(config, s3):
+    """A cache filled with the node's own data to near its high watermark takes no guest data: guests get only
+    room under the watermark, made by evicting other guests; they are served all the same."""
+    bs = config.cache.block_size
+    own = {f"big/{i}.bin": os.urandom(4 * bs) for i in range(3)}  # 768 KiB of a 1 MB cache: under 95 %
+    guests = {f"big/g{i}.bin": os.urandom(4 * bs) for i in range(3)}
+    engine, src, url = small_cache(config, s3, "noroom", {**own, **guests}, capacity="1MB")
+
+    class AllGuest(GuestTier):
+        def takes(self, path: str, start: int) -> bool:
+            return "/g" in path
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        for path, data in own.items():
+            e = ds.file(path)
+            assert await engine.read(ds, e, 0, e.size) == data
+        tier = AllGuest(src, bs)
+        engine.blocks.chain.tiers.insert(0, tier)
+        held = [engine.open(ds, ds.file(path)) for path in guests]  # readers have them open: not evictable
+        try:
+            for path, data in guests.items():
+                e = ds.file(path)
+                assert await engine.read(ds, e, 0, e.size, ReadStream()) == data  # served
+        finally:
+            for f in held:
+                f.close()
+        for path in own:  # all of the node's own blocks are still here
+            okey = engine.object_key(ds, ds.file(path))
+            assert sorted(engine.index.blocks_of(okey)) == [0, 1, 2, 3]
+        blocks, _ = engine.index.guests()
+        assert sum(map(len, blocks.values())) * bs <= engine.capacity * 0.95 - 3 * 4 * bs  # only what fit under
+        engine.blocks.chain.tiers.remove(tier)
+
+    run(engine, scenario, src)
