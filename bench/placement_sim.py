@@ -16,7 +16,13 @@ pods; whatever a pod reads is then cached on its node (LRU by dataset). Policies
                  delay scheduling (a job that could run now, but only on nodes holding clearly less of its
                  data than the best ones, waits up to ``locality_wait`` for those to have room).
 
-Reported: fraction of bytes read from the pod's own node, bytes pulled from object storage, mean and p95
+With ``--sharded``, every leaf is a cache group as cachefs runs it (docs/CLUSTER.md): the group holds each byte
+of a dataset once, spread evenly over its members' disks (LRU by dataset over the group's total capacity), and a
+pod reads what its group holds from the owning member: 1/members of it from its own disk, the rest from peers.
+Nodes then publish their own share and their group's fraction (docs/LABELS.md), which the extender scores.
+
+Reported: fraction of bytes read from the pod's own node, and from the node or its cache group (what beats
+object storage), bytes pulled from object storage, mean and p95
 gang wait, partial-gang deadlocks (no job running, partial gangs holding GPUs, nothing placeable; broken by
 releasing the newest partial gang, as a permit timeout would), GPUs stranded on fragmented nodes (time-mean
 of free GPUs on partly used nodes while an 8-GPU job is held up for want of whole free nodes), and gangs
@@ -75,6 +81,11 @@ class Node:
             self.cache.popitem(last=False)
 
 
+class ShardedGroup(Node):
+    """A leaf as one cache group: ``cache`` is what the group holds (each byte once), ``capacity`` the members'
+    disks together; each member holds an equal share of every dataset."""
+
+
 @dataclass
 class Job:
     id: int
@@ -108,6 +119,11 @@ class Result:
     @property
     def local_fraction(self) -> float:
         return self.local_bytes / self.total if self.total else 0.0
+
+    @property
+    def group_fraction(self) -> float:
+        """Bytes read from the pod's node or its cache group."""
+        return (self.local_bytes + self.peer_bytes) / self.total if self.total else 0.0
 
 
 def make_world(n_nodes: int, n_jobs: int, seed: int, cache_tib: float = 15.0, n_datasets: int = 60,
@@ -146,8 +162,19 @@ def make_world(n_nodes: int, n_jobs: int, seed: int, cache_tib: float = 15.0, n_
 
 class Simulation:
     def __init__(self, policy: str, nodes: list[Node], sizes: dict[str, int], jobs: list[Job], seed: int,
-                 locality_wait: float = LOCALITY_WAIT, locality_slack: float = LOCALITY_SLACK) -> None:
+                 locality_wait: float = LOCALITY_WAIT, locality_slack: float = LOCALITY_SLACK,
+                 sharded: bool = False) -> None:
         self.policy, self.sizes = policy, sizes
+        self.groups: dict[str, ShardedGroup] = {}
+        if sharded:  # the warm start's copies become the group's: each leaf holds the most any member held
+            for n in nodes:
+                g = self.groups.setdefault(n.leaf, ShardedGroup(n.leaf, "", n.leaf, 0))
+                g.capacity += n.capacity
+            for n in nodes:
+                g = self.groups[n.leaf]
+                for ds, b in n.cache.items():
+                    g.cache[ds] = max(g.cache.get(ds, 0), b)
+            self.members = {leaf: sum(n.leaf == leaf for n in nodes) for leaf in self.groups}
         self.locality_wait, self.locality_slack = locality_wait, locality_slack
         self.nodes = {n.name: n for n in nodes}
         self.jobs = jobs
@@ -162,8 +189,8 @@ class Simulation:
     def state(self, n: Node) -> NodeState:
         s = self._states.get(n.name)
         if s is None:
-            fr = {ds: b / self.sizes[ds] for ds, b in n.cache.items()}
-            view = NodeCacheView(n.name, fr, dict(n.cache), n.leaf)
+            fr = {ds: b / self.sizes[ds] for ds, b in self.held(n).items()}
+            view = NodeCacheView(n.name, fr, dict(self.held(n)), n.leaf)
             s = NodeState(n.name, view, {"clique": n.clique, "leaf": n.leaf}, GPUS, n.free)
             self._states[n.name] = s
         elif s.gpu_free != n.free:
@@ -171,8 +198,18 @@ class Simulation:
             self._states[n.name] = s
         return s
 
+    def held(self, n: Node) -> dict[str, int]:
+        """What node ``n`` holds on its own disk, per dataset."""
+        if not self.groups:
+            return n.cache
+        g = self.groups[n.leaf]
+        k = self.members[n.leaf]
+        return {ds: b // k for ds, b in g.cache.items()}
+
     def touch(self, n: Node) -> None:
         self.version += 1
+        if self.groups:  # every member's share changed
+            self._states = {name: s for name, s in self._states.items() if self.nodes[name].leaf != n.leaf}
         self._states.pop(n.name, None)
 
     # -- placement --------------------------------------------------------------------------------------
@@ -184,7 +221,7 @@ class Simulation:
             best = max(n.free for n in feasible)
             return self.rng.choice([n.name for n in feasible if n.free == best])
         if self.policy == "fluid":
-            holders = [n for n in feasible if n.cache.get(job.dataset)]
+            holders = [n for n in feasible if self.held(n).get(job.dataset)]
             pool = holders or feasible
             best = max(n.free for n in pool)
             return self.rng.choice([n.name for n in pool if n.free == best])
@@ -257,6 +294,9 @@ class Simulation:
     def account(self, job: Job) -> None:
         size = self.sizes[job.dataset]
         shard = size // job.pods
+        if self.groups:
+            self.account_sharded(job, size, shard)
+            return
         for name in job.placed:
             n = self.nodes[name]
             local = min(shard, int(shard * n.cache.get(job.dataset, 0) / size))
@@ -267,6 +307,18 @@ class Simulation:
             self.result.peer_bytes += peer
             self.result.origin_bytes += shard - local - peer
             n.add(job.dataset, shard, size)
+            self.touch(n)
+
+    def account_sharded(self, job: Job, size: int, shard: int) -> None:
+        for name in job.placed:
+            n = self.nodes[name]
+            g = self.groups[n.leaf]
+            from_group = min(shard, int(shard * g.cache.get(job.dataset, 0) / size))
+            local = from_group // self.members[n.leaf]
+            self.result.local_bytes += local
+            self.result.peer_bytes += from_group - local
+            self.result.origin_bytes += shard - from_group
+            g.add(job.dataset, shard, size)  # its owners fetched what the group lacked, once
             self.touch(n)
 
     def run(self) -> Result:
@@ -360,12 +412,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 def table(results: list[Result]) -> str:
-    head = (f"{'policy':<12} {'local':>7} {'origin TB':>10} {'peer TB':>8} {'wait mean h':>12} {'wait p95 h':>11} "
+    head = (f"{'policy':<12} {'local':>7} {'+group':>7} {'origin TB':>10} {'peer TB':>8} {'wait mean h':>12} {'wait p95 h':>11} "
             f"{'deadlocks':>10} {'idle partial GPU-h':>19} {'stranded GPUs':>14} {'multi-leaf gangs':>17}")
     lines = [head, "-" * len(head)]
     for r in results:
         stranded = r.stranded_area / r.span if r.span else 0.0
-        lines.append(f"{r.policy:<12} {r.local_fraction:>7.3f} {r.origin_bytes / TB:>10.1f} {r.peer_bytes / TB:>8.1f} "
+        lines.append(f"{r.policy:<12} {r.local_fraction:>7.3f} {r.group_fraction:>7.3f} "
+                     f"{r.origin_bytes / TB:>10.1f} {r.peer_bytes / TB:>8.1f} "
                      f"{statistics.fmean(r.waits) if r.waits else 0:>12.2f} {pct(r.waits, 0.95):>11.2f} "
                      f"{r.deadlocks:>10} {r.partial_gpu_hours:>19.0f} {stranded:>14.1f} "
                      f"{f'{r.multi_leaf}/{r.gangs}':>17}")
@@ -379,6 +432,9 @@ def report(results: list[Result]) -> tuple[float, float, float, int]:
     vs_a = c.local_fraction / max(a.local_fraction, 1e-9)
     vs_b = c.local_fraction / max(b.local_fraction, 1e-9)
     print(f"local fraction: cachefs/default = {vs_a:.2f}× (target ≥ 1.5), cachefs/fluid = {vs_b:.3f}× (target ≥ 1.0)")
+    ga = c.group_fraction / max(a.group_fraction, 1e-9)
+    gb = c.group_fraction / max(b.group_fraction, 1e-9)
+    print(f"node-or-group fraction: cachefs/default = {ga:.2f}×, cachefs/fluid = {gb:.3f}×")
     frag = [r.stranded_area / r.span if r.span else 0.0 for r in (a, ag, c)]
     print(f"stranded GPUs: cachefs {frag[2]:.1f} vs default {frag[0]:.1f} / default+gang {frag[1]:.1f}; "
           f"deadlocks: cachefs {c.deadlocks}, default {a.deadlocks}, fluid {b.deadlocks}")
@@ -391,12 +447,14 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1500)
     ap.add_argument("--seeds", default="7", help="comma-separated seeds; one table each, then a summary")
     ap.add_argument("--locality-wait", type=float, default=LOCALITY_WAIT, help="hours (0: no delay scheduling)")
+    ap.add_argument("--sharded", action="store_true", help="leaves are cache groups sharding each dataset")
     args = ap.parse_args()
     rows = []
     for seed in (int(x) for x in args.seeds.split(",")):
         results = [Simulation(p, *make_world(args.nodes, args.jobs, seed), seed=seed,
-                              locality_wait=args.locality_wait).run() for p in POLICIES]
-        print(f"placement simulation: {args.nodes} nodes × {GPUS} GPUs, {args.jobs} jobs, seed {seed}")
+                              locality_wait=args.locality_wait, sharded=args.sharded).run() for p in POLICIES]
+        caches = "leaves are sharded cache groups" if args.sharded else "each node caches alone"
+        print(f"placement simulation: {args.nodes} nodes × {GPUS} GPUs, {args.jobs} jobs, seed {seed}; {caches}")
         print(table(results))
         rows.append((seed, *report(results)))
         print(flush=True)

@@ -23,4 +23,5 @@ async def publish_labels(ctx) -> None:
     from .publisher import Publisher
     from .summary import IndexSummary
 
-    await Publisher(ctx.kube, ctx.node, IndexSummary(ctx.config, ctx.group), min_interval=MIN_INTERVAL).run(INTERVAL)
+    summary = IndexSummary(ctx.config, ctx.group, node=ctx.node, group_datasets=ctx.group_datasets)
+    await Publisher(ctx.kube, ctx.node, summary, min_interval=MIN_INTERVAL).run(INTERVAL)

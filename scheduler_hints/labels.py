@@ -6,6 +6,10 @@ Per node and dataset
                 most 20 times per dataset.
     annotation  ``ds.cachefs.io/<dataset id>`` — JSON with the exact figures: ``url``, ``cachedBytes``,
                 ``totalBytes``, ``manifestVersion``, ``updatedAt`` (RFC 3339).
+    label       ``group.cachefs.io/<dataset id>: "<bucket>"`` — on a node in a cache group, the fraction of the
+                dataset its group holds (the members' cached bytes added up: a group keeps each byte once,
+                docs/CLUSTER.md), in the same buckets: what a pod on this node reads from its node or a peer
+                instead of object storage. Plain node affinity can use it (``Gt``) without the extender.
 Per node
     label       ``cachefs.io/cache-group: <group>`` — the node's cache group (rack, cell), when configured;
     label       ``cachefs.io/free-gib: "<n>"`` — free cache space, whole GiB (coarse on purpose);
@@ -31,6 +35,7 @@ __all__ = [
     "BUCKET_STEP",
     "DATASET_PREFIX",
     "FREE_LABEL",
+    "GROUP_DATASET_PREFIX",
     "GROUP_LABEL",
     "NODE_ANNOTATION",
     "DatasetCache",
@@ -41,12 +46,15 @@ __all__ = [
     "dataset_key",
     "desired_metadata",
     "fraction_bucket",
+    "group_dataset_key",
+    "group_totals",
     "read_node",
     "validate_label_key",
     "validate_label_value",
 ]
 
 DATASET_PREFIX = "ds.cachefs.io"
+GROUP_DATASET_PREFIX = "group.cachefs.io"
 GROUP_LABEL = "cachefs.io/cache-group"
 FREE_LABEL = "cachefs.io/free-gib"
 NODE_ANNOTATION = "cachefs.io/cache"
@@ -83,6 +91,24 @@ def dataset_key(ds_id: str) -> str:
     if not _DATASET_ID.match(ds_id):
         raise LabelError(f"dataset id {ds_id!r}: expected 16 lowercase hex digits")
     return f"{DATASET_PREFIX}/{ds_id}"
+
+
+def group_dataset_key(ds_id: str) -> str:
+    """The label key of the fraction of one dataset a node's cache group holds."""
+    return f"{GROUP_DATASET_PREFIX}/{dataset_key(ds_id).split('/', 1)[1]}"
+
+
+def group_totals(members: dict[str, dict[str, tuple[int, int]]]) -> tuple[DatasetCache, ...]:
+    """What a cache group holds per dataset, from what each member holds ({node: {id: (cached, total)}}): the
+    cached bytes added up (at most the total, the largest any member reports)."""
+    cached: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for per in members.values():
+        for ds_id, (c, t) in per.items():
+            cached[ds_id] = cached.get(ds_id, 0) + max(0, c)
+            total[ds_id] = max(total.get(ds_id, 0), t)
+    return tuple(DatasetCache("", d, min(cached[d], total[d]) if total[d] else cached[d], total[d])
+                 for d in sorted(cached))
 
 
 def fraction_bucket(cached: int, total: int, step: int = BUCKET_STEP) -> int:
@@ -126,6 +152,8 @@ class NodeCacheSummary:
     capacity_bytes: int
     used_bytes: int
     cache_group: str | None = None
+    #: What the node's cache group holds per dataset (empty outside a group or without its members' figures).
+    group_datasets: tuple[DatasetCache, ...] = ()
 
 
 def _rfc3339(ts: float) -> str:
@@ -156,6 +184,13 @@ def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] 
         }, separators=(",", ":"), sort_keys=True)
     if summary.cache_group:
         labels[GROUP_LABEL] = validate_label_value(summary.cache_group)
+        for d in summary.group_datasets:
+            if d.cached_bytes <= 0:
+                continue
+            key = group_dataset_key(d.id)
+            prev = previous_labels.get(key)
+            prev_bucket = int(prev) if prev is not None and prev.isdigit() else None
+            labels[key] = str(bucket_with_hysteresis(d.cached_bytes, d.total_bytes, prev_bucket))
     labels[FREE_LABEL] = str(max(0, summary.free_bytes) // 2**30)
     annotations[NODE_ANNOTATION] = json.dumps({
         "freeBytes": summary.free_bytes, "capacityBytes": summary.capacity_bytes, "usedBytes": summary.used_bytes,
@@ -168,7 +203,8 @@ def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] 
 
 
 def is_ours(key: str) -> bool:
-    return key.startswith(DATASET_PREFIX + "/") or key in (GROUP_LABEL, FREE_LABEL, NODE_ANNOTATION)
+    return (key.startswith((DATASET_PREFIX + "/", GROUP_DATASET_PREFIX + "/"))
+            or key in (GROUP_LABEL, FREE_LABEL, NODE_ANNOTATION))
 
 
 @dataclass(frozen=True)
@@ -180,6 +216,8 @@ class NodeCacheView:
     cached_bytes: dict[str, int] = field(default_factory=dict)
     cache_group: str | None = None
     free_bytes: int | None = None
+    #: The fraction of each dataset the node's cache group holds, as the node published it.
+    group_fractions: dict[str, float] = field(default_factory=dict)
 
 
 def read_node(name: str, labels: dict[str, str] | None, annotations: dict[str, str] | None) -> NodeCacheView:
@@ -188,9 +226,12 @@ def read_node(name: str, labels: dict[str, str] | None, annotations: dict[str, s
     labels, annotations = labels or {}, annotations or {}
     fractions: dict[str, float] = {}
     cached: dict[str, int] = {}
+    group: dict[str, float] = {}
     for key, value in labels.items():
         if key.startswith(DATASET_PREFIX + "/") and value.isdigit():
             fractions[key.split("/", 1)[1]] = min(100, int(value)) / 100
+        elif key.startswith(GROUP_DATASET_PREFIX + "/") and value.isdigit():
+            group[key.split("/", 1)[1]] = min(100, int(value)) / 100
     for key, value in annotations.items():
         if not key.startswith(DATASET_PREFIX + "/"):
             continue
@@ -207,4 +248,4 @@ def read_node(name: str, labels: dict[str, str] | None, annotations: dict[str, s
         free = int(json.loads(annotations.get(NODE_ANNOTATION, "{}")).get("freeBytes"))
     except (ValueError, TypeError, AttributeError):
         free = None
-    return NodeCacheView(name, fractions, cached, labels.get(GROUP_LABEL), free)
+    return NodeCacheView(name, fractions, cached, labels.get(GROUP_LABEL), free, group)

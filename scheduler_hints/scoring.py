@@ -83,19 +83,26 @@ class NodeState:
 
 
 def group_fractions(nodes: Sequence[NodeState]) -> dict[str, dict[str, float]]:
-    """Per cache group and dataset, the fraction of the dataset the group holds: the sum of its members'
-    fractions, at most 1. A group shards a dataset over its members' disks (docs/CLUSTER.md: each keeps what it
-    owns), so what its nodes hold adds up; where members also keep copies (``cluster.keep_guest``) the sum
-    overcounts, which the cap at 1 bounds."""
-    out: dict[str, dict[str, float]] = {}
+    """Per cache group and dataset, the fraction of the dataset the group holds: what its members published
+    (``group.cachefs.io/<id>``, docs/LABELS.md), or, where none did, the sum of the members' own fractions, at
+    most 1. A group shards a dataset over its members' disks (docs/CLUSTER.md: each keeps what it owns), so what
+    its nodes hold adds up; where members also keep copies (``cluster.keep_guest``) the sum overcounts, which the
+    cap at 1 bounds."""
+    summed: dict[str, dict[str, float]] = {}
+    published: dict[str, dict[str, float]] = {}
     for n in nodes:
         g = n.cache.cache_group
         if not g:
             continue
-        per = out.setdefault(g, {})
+        per = summed.setdefault(g, {})
         for ds, frac in n.cache.fractions.items():
             per[ds] = min(1.0, per.get(ds, 0.0) + frac)
-    return out
+        pub = published.setdefault(g, {})
+        for ds, frac in n.cache.group_fractions.items():
+            pub[ds] = max(pub.get(ds, 0.0), frac)
+    for g, pub in published.items():
+        summed[g].update(pub)
+    return summed
 
 
 def locality(needs: PodNeeds, node: NodeState,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 
-from .labels import DatasetCache, NodeCacheSummary
+from .labels import DatasetCache, NodeCacheSummary, group_totals
 
 __all__ = ["IndexSummary", "StaticSummary", "SummarySource"]
 
@@ -19,9 +19,14 @@ class SummarySource(abc.ABC):
 class IndexSummary(SummarySource):
     """Reads the node's cachefs index (the same figures ``cachefs status --json`` prints)."""
 
-    def __init__(self, config, cache_group: str | None = None) -> None:
+    def __init__(self, config, cache_group: str | None = None, *, node: str = "", group_datasets=None) -> None:
+        """``group_datasets()``: what the group's members hold ({node: {dataset id: (cached, total)}}, from their
+        Node annotations); with it the summary carries the group's figures too, this node's taken from its index
+        (fresher than its own annotation)."""
         self._config = config
         self._group = cache_group
+        self._self = node
+        self._group_datasets = group_datasets
         self._node = None
 
     def summary(self) -> NodeCacheSummary:
@@ -37,7 +42,12 @@ class IndexSummary(SummarySource):
         datasets = tuple(DatasetCache(d["url"], d["id"], d["cached_bytes"], d["total_bytes"], d["manifest_version"])
                          for d in rep["datasets"])
         free = max(0, min(rep["capacity_bytes"] - rep["used_bytes"], rep["disk_free_bytes"] - rep["min_free_bytes"]))
-        return NodeCacheSummary(datasets, free, rep["capacity_bytes"], rep["used_bytes"], self._group)
+        group = ()
+        if self._group and self._group_datasets is not None:
+            members = self._group_datasets()
+            members[self._self] = {d.id: (d.cached_bytes, d.total_bytes) for d in datasets}
+            group = group_totals(members)
+        return NodeCacheSummary(datasets, free, rep["capacity_bytes"], rep["used_bytes"], self._group, group)
 
 
 class StaticSummary(SummarySource):

@@ -16,7 +16,9 @@ members last (their requests fail fast, and the next candidate answers).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import statistics
 import time
 from collections.abc import Callable, Mapping
 
@@ -132,6 +134,30 @@ class MemberTable:
 
 
 GROUP_LABEL = "cachefs.io/cache-group"
+#: Node annotations the label publisher (scheduler_hints.labels, docs/LABELS.md) writes: the node's cache
+#: (``capacityBytes``: its placement weight) and, per dataset, what the node holds (``cachedBytes``, ``totalBytes``).
+CACHE_ANNOTATION = "cachefs.io/cache"
+DATASET_ANNOTATION_PREFIX = "ds.cachefs.io/"
+_GIB = 1 << 30
+
+
+def _node_cache(annotations: Mapping[str, str]) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(capacity in bytes, 0 if unknown; {dataset id: (cached, total)}) from a Node's annotations; what does not
+    parse is left out."""
+    try:
+        capacity = max(0, int(json.loads(annotations.get(CACHE_ANNOTATION, "{}")).get("capacityBytes", 0)))
+    except (ValueError, TypeError, AttributeError):
+        capacity = 0
+    datasets = {}
+    for key, value in annotations.items():
+        if key.startswith(DATASET_ANNOTATION_PREFIX):
+            try:
+                d = json.loads(value)
+                datasets[key[len(DATASET_ANNOTATION_PREFIX):]] = (max(0, int(d["cachedBytes"])),
+                                                                  max(0, int(d["totalBytes"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return capacity, datasets
 
 
 class EndpointSliceWatch:
@@ -139,7 +165,10 @@ class EndpointSliceWatch:
 
     With ``group``, only endpoints on nodes labelled ``cachefs.io/cache-group=<group>`` are members: one Service
     over every node pod of the DaemonSet, and the group each node belongs to read from its Node's labels (a
-    second watch, of this group's nodes only)."""
+    second watch, of this group's nodes only). That watch also brings what each member's label publisher
+    annotated: its cache capacity, which weighs it in placement (in GiB; a member not annotated yet weighs the
+    group's median, so in a group of equal disks nothing moves when its annotation arrives), and what it holds of
+    each dataset (:meth:`group_datasets`)."""
 
     #: Name of the Service port members serve the peer protocol on.
     PORT_NAME = "peer"
@@ -150,6 +179,8 @@ class EndpointSliceWatch:
         self.weight, self.group = weight, group
         self._slices: dict[str, dict[str, Member]] = {}
         self._group_nodes: set[str] = set()
+        self._capacity: dict[str, int] = {}  # group node → cache capacity (bytes), from its annotation
+        self._datasets: dict[str, dict[str, tuple[int, int]]] = {}  # group node → dataset id → (cached, total)
         self._slices_listed, self._nodes_listed = False, not group
         self.synced = asyncio.Event()
 
@@ -175,6 +206,19 @@ class EndpointSliceWatch:
             out[name] = Member(name, f"{host}:{port}", self.weight(name))
         return out
 
+    def _weighed(self, members: dict[str, Member]) -> dict[str, Member]:
+        if not self._capacity:
+            return members
+        known = {n: max(1, c // _GIB) for n, c in self._capacity.items() if c > 0}
+        if not known:
+            return members
+        default = float(statistics.median(known.values()))
+        return {n: Member(n, m.address, float(known.get(n, default))) for n, m in members.items()}
+
+    def group_datasets(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Per member (active ones), what its annotations say it holds: {node: {dataset id: (cached, total)}}."""
+        return {n: dict(d) for n, d in self._datasets.items() if self.table.active(n)}
+
     def _apply(self) -> None:
         if not (self._slices_listed and self._nodes_listed):
             return
@@ -182,7 +226,7 @@ class EndpointSliceWatch:
         for members in self._slices.values():
             present.update(members)
         if self.group:
-            present = {n: m for n, m in present.items() if n in self._group_nodes}
+            present = self._weighed({n: m for n, m in present.items() if n in self._group_nodes})
         self.table.update(present)
         self.synced.set()
 
@@ -200,13 +244,18 @@ class EndpointSliceWatch:
         meta = obj.get("metadata") or {}
         name, labels = meta.get("name", ""), meta.get("labels") or {}
         before = name in self._group_nodes
+        weighed_before = self._capacity.get(name, 0)
         if kind == "SYNC":
             self._nodes_listed = True
         elif kind == "DELETED" or labels.get(GROUP_LABEL) != self.group:
             self._group_nodes.discard(name)
+            self._capacity.pop(name, None)
+            self._datasets.pop(name, None)
         else:
             self._group_nodes.add(name)
-        if kind == "SYNC" or before != (name in self._group_nodes):  # (a relist repeats every node)
+            self._capacity[name], self._datasets[name] = _node_cache(meta.get("annotations") or {})
+        # (a relist repeats every node; dataset figures change placement in nothing)
+        if kind == "SYNC" or before != (name in self._group_nodes) or weighed_before != self._capacity.get(name, 0):
             self._apply()
 
     async def run(self) -> None:

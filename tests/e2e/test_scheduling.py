@@ -193,6 +193,29 @@ def test_pod_lands_where_its_pvc_dataset_is_cached_and_schedules_with_extender_d
         k8s.start_extender()
 
 
+def test_a_pod_goes_to_the_cache_group_holding_its_dataset_over_a_node_holding_more_itself(k8s):
+    """Group a's two nodes hold 25 % of the dataset each, and publish that their group holds 95 % (the other
+    members' shares: docs/LABELS.md); node b holds 35 % alone. Reading from a peer beats the origin, so the pods
+    go to group a. (Adding up only a's two labelled nodes, 50 %, would have sent them to b.)"""
+    sel = {"e2e": "group"}
+    for name, own, group, rack in (("grp-a1", 250, 950, "rack-ga"), ("grp-a2", 250, 950, "rack-ga"),
+                                   ("grp-b1", 350, 350, "rack-gb")):
+        make_node(k8s, name, labels=sel)
+        labels, annotations = desired_metadata(NodeCacheSummary(
+            (DatasetCache(URL, DS, own * 2**30, 1000 * 2**30, 1),), 0, 0, 0, rack,
+            group_datasets=(DatasetCache("", DS, group * 2**30, 1000 * 2**30),)))
+        assert labels[f"group.cachefs.io/{DS}"] == str(group // 10)
+        k8s.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": labels, "annotations": annotations}},
+                    content_type="application/merge-patch+json")
+    time.sleep(1)  # let the extender's node watch see the labels
+    for i in range(2):
+        k8s.apply(make_pod(f"grp-{i}", selector=sel, annotations={"cachefs.io/datasets": URL}))
+    for i in range(2):
+        assert wait_for(lambda i=i: node_of(k8s, f"grp-{i}"), 60, f"grp-{i} bound") in ("grp-a1", "grp-a2")
+    for i in range(2):
+        delete_pod(k8s, f"grp-{i}")
+
+
 GANG_NODES = {f"gpu-{i}": ("c1" if i < 3 else "c2", "leaf-1" if i < 3 else "leaf-2") for i in range(7)}
 
 

@@ -20,3 +20,22 @@ def test_small_cluster_all_policies():
     assert results["default"].deadlocks > 0  # the bursts do deadlock per-pod placement
     assert ours.local_fraction > results["default"].local_fraction
     assert "cachefs" in table(list(results.values()))
+
+
+def test_sharded_groups_read_most_bytes_from_the_group_and_ours_keeps_jobs_in_the_group_holding_their_data():
+    results = {}
+    for policy in ("default", "cachefs"):
+        nodes, sizes, jobs = make_world(64, 160, seed=3)
+        sim = Simulation(policy, nodes, sizes, jobs, seed=3, sharded=True)
+        results[policy] = sim.run()
+        assert len(results[policy].waits) == len(jobs)
+        assert results[policy].total == sum(sizes[j.dataset] // j.pods * j.pods for j in jobs)
+        for g in sim.groups.values():  # a group holds each byte once, within its members' disks together
+            assert sum(g.cache.values()) <= g.capacity
+            assert all(0 <= b <= sizes[ds] for ds, b in g.cache.items())
+        # a node's own view is its share of what its group holds
+        n = nodes[0]
+        assert sim.held(n) == {ds: b // sim.members[n.leaf] for ds, b in sim.groups[n.leaf].cache.items()}
+    ours, default = results["cachefs"], results["default"]
+    assert ours.peer_bytes > ours.local_bytes > 0  # most of what the group holds is on the other members
+    assert ours.group_fraction > default.group_fraction
