@@ -18,8 +18,9 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["CacheConfig", "ClusterConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig", "default_cache_dir",
-           "default_log_dir", "default_metrics_dir", "load_config", "parse_listen", "parse_size", "prepare_cache_dir"]
+__all__ = ["MAX_REPLICAS", "CacheConfig", "ClusterConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig",
+           "default_cache_dir", "default_log_dir", "default_metrics_dir", "hot_bytes_per_s", "load_config",
+           "parse_listen", "parse_replicas", "parse_size", "prepare_cache_dir"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -186,10 +187,38 @@ class ClusterConfig:
     drain_grace: float = 600.0
     #: A peer that has not answered within this many seconds gets company: the next candidate is asked too.
     hedge_after: float = 0.25
-    #: Store what this node reads from peers (blocks and small files) on its disk too. Off (the default), a node's
-    #: disk holds what it owns, so the group's disks add up to one cache; on, data replicates to where it is read,
-    #: competing for room with what the node owns (it is not evicted first: docs/CLUSTER.md).
-    keep_guest: bool = False
+    #: Store what this node reads from peers (blocks and small files) on its disk too, as guest data: evicted
+    #: before anything the node owns, so hot data replicates to where it is read without crowding out the node's
+    #: share of the group's cache. Off, what peers send is kept in memory only (docs/CLUSTER.md).
+    keep_guest: bool = True
+    #: A directory served faster than this by one member is hot: its keys get ``hot_replicas`` more holders.
+    hot_requests_per_s: float = 1000.0
+    #: The same in bytes per second, e.g. ``200MB``; "" = a quarter of the speed of the node's fastest NIC.
+    hot_bytes_per_s: str = ""
+    #: Extra holders of a hot directory's keys (the next rendezvous candidates; 0 = never spread).
+    hot_replicas: int = 2
+    #: Sets known in advance to be hot, ``URL-PREFIX=N,…``: keys under a prefix always have N extra holders.
+    replicas: str = ""
+    #: TLS between members (files from a Secret, PEM): the group's certificate and key, which every member serves
+    #: and presents as a client, and the CA that signed it. All three, or none (plain HTTP).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+
+
+#: Most extra holders a key can have: placement keeps four candidates per slot (cluster.placement.RANK).
+MAX_REPLICAS = 3
+
+
+def parse_replicas(spec: str) -> list[tuple[str, int]]:
+    """``cluster.replicas``: ``URL-PREFIX=N,…`` → [(prefix, N)], longest prefix first."""
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        prefix, eq, n = part.rpartition("=")
+        if not eq or "://" not in prefix or not n.isdigit() or not 1 <= int(n) <= MAX_REPLICAS:
+            raise ConfigError(f"cluster.replicas: {part!r} is not URL-PREFIX=N with 1 <= N <= {MAX_REPLICAS}")
+        out.append((prefix.rstrip("/"), int(n)))
+    return sorted(out, key=lambda pn: -len(pn[0]))
 
 
 @dataclass(frozen=True)
@@ -258,6 +287,38 @@ class Config:
             raise ConfigError(f"cluster.service {k.service!r}: expected NAMESPACE/NAME")
         if k.drain_grace < 0 or k.hedge_after <= 0:
             raise ConfigError("need cluster.drain_grace >= 0 and cluster.hedge_after > 0")
+        if not k.hot_requests_per_s > 0:
+            raise ConfigError("cluster.hot_requests_per_s must be positive")
+        if k.hot_bytes_per_s and parse_size(k.hot_bytes_per_s, "cluster.hot_bytes_per_s") <= 0:
+            raise ConfigError("cluster.hot_bytes_per_s must be positive")
+        if not 0 <= k.hot_replicas <= MAX_REPLICAS:
+            raise ConfigError(f"cluster.hot_replicas must be between 0 and {MAX_REPLICAS}")
+        parse_replicas(k.replicas)
+        tls = (k.tls_cert, k.tls_key, k.tls_ca)
+        if any(tls) and not all(tls):
+            raise ConfigError("cluster.tls_cert, cluster.tls_key and cluster.tls_ca go together")
+
+
+def hot_bytes_per_s(cluster: ClusterConfig, net_dir: str = "/sys/class/net") -> int:
+    """``cluster.hot_bytes_per_s`` in bytes/s; unset, a quarter of the fastest NIC's speed (10 Gbit/s when no NIC
+    says: veth and some virtual NICs report none)."""
+    if cluster.hot_bytes_per_s:
+        return parse_size(cluster.hot_bytes_per_s, "cluster.hot_bytes_per_s")
+    best = 0
+    try:
+        names = os.listdir(net_dir)
+    except OSError:
+        names = []
+    for name in names:
+        if name == "lo":
+            continue
+        try:
+            with open(os.path.join(net_dir, name, "speed")) as f:
+                best = max(best, int(f.read().strip()))  # Mbit/s; -1 when unknown
+        except (OSError, ValueError):
+            continue
+    mbit = best if best > 0 else 10_000
+    return mbit * 1_000_000 // 8 // 4
 
 
 def parse_listen(value: str, flag: str) -> tuple[str, int]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from . import metrics
 from ._memory import bound_allocator
-from .config import Config, prepare_cache_dir, resolve_size
+from .config import Config, parse_replicas, prepare_cache_dir, resolve_size
 from .dataset import Dataset
 from .disk_jobs import DiskJobs
 from .errors import ConfigError
@@ -76,7 +76,7 @@ class Engine:
         self.objects = OpenObjects(self.index, self.store, c.block_size)
         pack_store = PackStore(c.dir)
         self.space = DiskSpace(self.index, self.store, capacity=self.capacity, min_free=self.min_free,
-                               high_watermark=c.high_watermark)
+                               high_watermark=c.high_watermark, low_watermark=c.low_watermark)
         self.evictor = Evictor(config, self.space, pack_store, self.objects, self.stats, self.disk)
         self.assemblies = PackAssemblies(pack_store, self.index, self.evictor, self.disk)
         self.tier_counts = TierCounts()
@@ -84,7 +84,7 @@ class Engine:
         self.mirror = MirrorTier(self.funnel, self.assemblies, self.index, self.stats)
         # Missing bytes: the cache group's members first (while the node is in one), then the mirror, the origin.
         self.group = GroupLink(c.dir, block_size=c.block_size, hedge_after=config.cluster.hedge_after,
-                               keep_guest=config.cluster.keep_guest)
+                               keep_guest=config.cluster.keep_guest, declared=parse_replicas(config.cluster.replicas))
         self.blocks = BlockPath(config, self.objects, TierChain([self.group.block_tier, origin], self.tier_counts),
                                 self.funnel, self.evictor, self.disk, self.stats)
         self.packs = PackPath(config, pack_store, self.index,
@@ -165,12 +165,11 @@ class Engine:
 
     # -- the cache group ------------------------------------------------------------------------------------
     def fetch_for_group(self) -> None:
-        """Stop asking the cache group for missing bytes: this process (the agent) is the one that fetches
-        them for the group, from the mirror and the origin; asking the group would ask itself."""
+        """This process (the agent) fetches missing bytes for the group, from the mirror and the origin, and
+        asks the group only as a replica of a hot key (from the key's owner); what it gets, it keeps."""
         self.group.serving = True
-        for chain, tier in ((self.blocks.chain, self.group.block_tier), (self.packs.chain, self.group.small_tier)):
-            if tier in chain.tiers:
-                chain.tiers.remove(tier)
+        for tier in (self.group.block_tier, self.group.small_tier):
+            tier.kept = True
 
     # -- files ----------------------------------------------------------------------------------------------
     def packed(self, entry: Entry) -> bool:

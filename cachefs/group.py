@@ -15,6 +15,7 @@ import os
 import time
 
 from .cluster.members_file import STALE_AFTER, GroupView, members_path, read_members
+from .cluster.tls import GroupTLS
 from .errors import CacheFSError
 from .manifest.shipping import pack_manifest, unpack_manifest
 from .tiers import PeerTier
@@ -36,7 +37,8 @@ def manifest_key(ds_id: str) -> bytes:
 class GroupLink:
     """Follows the members file of ``cache_dir``; :meth:`refresh` now and then (cheap: one stat)."""
 
-    def __init__(self, cache_dir: str, *, block_size: int, hedge_after: float = 0.25, keep_guest: bool = False) -> None:
+    def __init__(self, cache_dir: str, *, block_size: int, hedge_after: float = 0.25, keep_guest: bool = True,
+                 declared: list[tuple[str, int]] | None = None) -> None:
         self.cache_dir = cache_dir
         #: Whether this process is the node's agent, which fetches for the group rather than reading through it.
         self.serving = False
@@ -45,11 +47,12 @@ class GroupLink:
         self.table = None
         self.client = None
         self.view: GroupView | None = None
-        # What peers send is not stored unless ``keep_guest``: a node's disk holds what it owns, so the group's
-        # disks add up to one cache (readers keep it in memory for a while).
+        # What peers send is stored as guest data (evicted first) with ``keep_guest``; without, readers keep it in
+        # memory for a while and a node's disk holds only what it owns.
+        # ``declared``: the cluster.replicas prefixes (sets known to be hot, spread from the start).
         self.block_tier = PeerTier(self, kind="block", block_size=block_size, hedge_after=hedge_after,
-                                   kept=keep_guest)
-        self.small_tier = PeerTier(self, kind="small", hedge_after=hedge_after, kept=keep_guest)
+                                   kept=keep_guest, declared=declared)
+        self.small_tier = PeerTier(self, kind="small", hedge_after=hedge_after, kept=keep_guest, declared=declared)
         self._stamp: tuple[float, int] | None = None
         self.refresh()
 
@@ -81,7 +84,7 @@ class GroupLink:
             self.table, self.client = MemberTable("", grace=float("inf")), PeerClient("", None)
         self.view = view
         self.table.self_name = view.self_name
-        self.client.identify_as(view.self_name, view.secret_file or view.token_file or None)
+        self.client.identify_as(view.self_name, view.secret_file or view.token_file or None, GroupTLS.of(*view.tls))
         return self.table.replace(view.members, view.draining)
 
     async def manifest(self, ref: DatasetRef) -> list[Entry] | None:

@@ -66,3 +66,16 @@ class NodeCollector:
         for state, n in sorted(states.items()):
             mounts.add_metric([state], n)
         yield mounts
+        group = node.cluster()
+        if group is not None:
+            yield CounterMetricFamily("cachefs_peer_served_requests", "Blocks and small files this node's agent "
+                                      "served its cache group", value=group["served_requests"])
+            yield CounterMetricFamily("cachefs_peer_served_bytes", "Bytes this node's agent served its cache group",
+                                      value=group["served_bytes"])
+            yield GaugeMetricFamily("cachefs_hot_directories", "Directories this node serves that are hot "
+                                    "(spread over extra holders)", value=len(group["hot_keys"]))
+            replicas = GaugeMetricFamily("cachefs_hot_directory_replicas", "Extra holders of a hot directory's "
+                                         "keys, by dataset and directory", labels=["dataset", "directory"])
+            for k in group["hot_keys"][:32]:  # (bounded: the busiest only)
+                replicas.add_metric([str(k.get("dataset", "")), str(k.get("directory", ""))], k.get("replicas", 0))
+            yield replicas

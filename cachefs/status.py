@@ -7,7 +7,9 @@ exist is reported as such (:class:`~cachefs.errors.ObjectNotFoundError`), never 
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 from .config import Config, resolve_size
 from .errors import ObjectNotFoundError
@@ -15,7 +17,45 @@ from .index import Index
 from .metrics import node_totals
 from .mount_records import list_mounts
 
-__all__ = ["NodeSummary", "status_report"]
+__all__ = ["HEAT_STALE_AFTER", "NodeSummary", "cluster_report", "heat_path", "status_report", "write_heat"]
+
+#: The agent rewrites its heat file every few seconds; older than this, the agent is gone and it is ignored.
+HEAT_STALE_AFTER = 120.0
+
+
+def heat_path(cache_dir: str) -> str:
+    """What the node's agent served its group and its hot directories (written by the agent)."""
+    return os.path.join(cache_dir, "cluster", "heat.json")
+
+
+def write_heat(cache_dir: str, served_requests: int, served_bytes: int, hot: list[dict]) -> None:
+    """Write the heat file atomically (the agent, every few seconds)."""
+    path = heat_path(cache_dir)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"written_at": time.time(), "served_requests": served_requests, "served_bytes": served_bytes,
+                   "hot": hot}, f)
+    os.replace(tmp, path)
+
+
+def cluster_report(cache_dir: str) -> dict | None:
+    """The node's cache group as its agent last wrote it: group, members, what it served its peers and the hot
+    directories with their replica counts; None when no live agent wrote one."""
+    try:
+        with open(os.path.join(cache_dir, "cluster", "members.json")) as f:
+            members = json.load(f)
+        with open(heat_path(cache_dir)) as f:
+            heat = json.load(f)
+        if time.time() - float(heat["written_at"]) > HEAT_STALE_AFTER:
+            return None
+        return {"group": str(members["group"]), "node": str(members["self"]),
+                "members": len(members["members"]),
+                "draining": sorted(str(m["name"]) for m in members["members"] if m.get("draining")),
+                "served_requests": int(heat["served_requests"]), "served_bytes": int(heat["served_bytes"]),
+                "hot_keys": list(heat["hot"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class NodeSummary:
@@ -75,10 +115,20 @@ class NodeSummary:
             "hot_directories": [{**d, "url": urls.get(d["dataset"], "")} for d in
                                 self.index.hot_directories(self.config.engine.hot_dir_half_life)],
             "mounts": list_mounts(c.dir),
+            # The cache group, from what the node's agent wrote (None outside a group, or without an agent).
+            "cluster": self.cluster(urls),
             # From the metrics of this node's cachefs processes (docs/METRICS.md), when they share metrics.dir.
             "tier_bytes": {labels[0]: int(v) for labels, v in node_totals("cachefs_tier_bytes",
                                                                           self.config.metrics.dir).items()},
         }
+
+
+    def cluster(self, urls: dict[str, str] | None = None) -> dict | None:
+        rep = cluster_report(self.config.cache.dir)
+        if rep is not None and urls is not None:
+            for k in rep["hot_keys"]:
+                k["url"] = urls.get(k.get("dataset", ""), "")
+        return rep
 
 
 def status_report(config: Config) -> dict:

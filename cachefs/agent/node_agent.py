@@ -24,11 +24,14 @@ from importlib.metadata import entry_points
 from aiohttp import web
 
 from ..cluster.auth import SharedSecret, TokenReviewer
+from ..cluster.heat import HeatTracker
 from ..cluster.members_file import REWRITE_EVERY, GroupView, members_path, write_members
 from ..cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTable, parse_peers
-from ..config import Config, parse_listen
+from ..cluster.tls import GroupTLS
+from ..config import Config, hot_bytes_per_s, parse_listen
 from ..engine import Engine, get_engine
 from ..errors import ConfigError
+from ..status import write_heat
 from .peer_server import make_peer_app
 from .serving import GroupServing
 
@@ -40,7 +43,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class AgentContext:
     """What an agent task gets: the config, this node's name and group ("" outside every group), the engine and
-    the member table (None outside every group), and a Kubernetes client (None without the API)."""
+    the member table (None outside every group), a Kubernetes client (None without the API), and what the group's
+    members hold per dataset, as their Node annotations say ({node: {dataset id: (cached, total)}}; None without
+    the API)."""
 
     config: Config
     node: str
@@ -48,6 +53,7 @@ class AgentContext:
     engine: Engine | None
     table: MemberTable | None
     kube: object | None
+    group_datasets: Callable[[], dict[str, dict[str, tuple[int, int]]]] | None = None
 
 
 def node_name(config: Config) -> str:
@@ -102,19 +108,25 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
             raise ConfigError(f"cluster.peers names no member {node!r} (this node: cluster.node_name, NODE_NAME)")
         synced = asyncio.Event()
         synced.set()
+        group_datasets = None
     else:
         ns, _, svc = k.service.partition("/")
         watch = EndpointSliceWatch(kube, ns, svc, table, group=k.group)
         synced = watch.synced
+        group_datasets = watch.group_datasets
         tasks.append(asyncio.ensure_future(watch.run()))
     verifier = SharedSecret(k.secret_file) if k.secret_file else TokenReviewer(kube)
     serving = GroupServing(engine, k.serve.split(","))
-    app = make_peer_app(serving, table, verifier, weight=float(engine.capacity), ready=synced.is_set)
+    heat = HeatTracker(hot_requests=k.hot_requests_per_s, hot_bytes=hot_bytes_per_s(k), replicas=k.hot_replicas)
+    tls = GroupTLS.of(k.tls_cert, k.tls_key, k.tls_ca)
+    app = make_peer_app(serving, table, verifier, weight=float(engine.capacity), ready=synced.is_set, heat=heat,
+                        tls=tls is not None)
     host, port = parse_listen(k.listen, "cluster.listen")
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await web.TCPSite(runner, host, port, reuse_address=True,
+                          ssl_context=tls.server() if tls is not None else None).start()
     except OSError as exc:
         await runner.cleanup()
         raise ConfigError(f"cluster.listen {k.listen}: {exc.strerror}") from None
@@ -122,10 +134,12 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
         from ..metrics_server import serve_metrics
 
         serve_metrics(config, *parse_listen(metrics_listen, "--metrics-listen"))
-    tasks += _start_tasks(AgentContext(config, node, k.group, engine, table, kube))
+    tasks += _start_tasks(AgentContext(config, node, k.group, engine, table, kube, group_datasets))
     view = lambda: GroupView(k.group, node, table.members, frozenset(table.draining()),
-                             k.token_file if not k.secret_file else "", k.secret_file)
+                             k.token_file if not k.secret_file else "", k.secret_file,
+                             tls=(k.tls_cert, k.tls_key, k.tls_ca))
     tasks.append(asyncio.ensure_future(_keep_members_file(config.cache.dir, table, synced, view)))
+    tasks.append(asyncio.ensure_future(_keep_heat_file(config.cache.dir, heat)))
     stop = _stop_on_signals()
     log.info("cachefs agent %s of group %s: peer server on %s", node, k.group, k.listen)
     if ready_file:
@@ -199,3 +213,15 @@ async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio
             except OSError as exc:
                 log.warning("cache group: cannot write %s: %s", members_path(cache_dir), exc)
         await asyncio.sleep(0.5)
+
+
+async def _keep_heat_file(cache_dir: str, heat: HeatTracker, every: float = 2.0) -> None:
+    """Write what this member served and its hot directories where ``cachefs status`` and the node's metrics
+    read them (:func:`cachefs.status.write_heat`)."""
+    while True:
+        try:
+            await asyncio.to_thread(write_heat, cache_dir, heat.served_requests, heat.served_bytes,
+                                    [k.to_json() for k in heat.hot()])
+        except OSError as exc:
+            log.warning("cache group: cannot write what this member served: %s", exc)
+        await asyncio.sleep(every)

@@ -6,6 +6,9 @@
     once for the whole group first. With ``X-Cachefs-Xxh3``, the checksum recorded when the bytes were fetched.
 ``GET /v1/manifest/{dataset id}``
     the dataset's current manifest (:mod:`cachefs.manifest.shipping`), so a member lists the bucket only once.
+``?replica=1``
+    the reader chose this node as a replica of a hot key (:mod:`cachefs.tiers.peer`): any of the key's
+    candidates fetches it then, from the owner (never from the origin first), and keeps it.
 ``GET /v1/info``, ``/healthz``, ``/readyz``
     this member's name and weight; liveness; readiness (membership known).
 
@@ -14,6 +17,9 @@ version in a manifest of a dataset the node knows, never opened by a path from t
 other names lead nowhere (400 for names no manifest could hold, 404 for the rest). Only bytes the index records
 as present are sent: a hole in a cache file is never served as zeros. Every request must carry a member's token
 (:mod:`cachefs.cluster.auth`): 401 without a valid one, 403 for a node outside the group.
+
+Every answer is counted against its directory (:class:`~cachefs.cluster.heat.HeatTracker`); an answer of a
+hot directory says how many replicas its keys have (``X-Cachefs-Hot``), and readers spread over them.
 """
 
 from __future__ import annotations
@@ -25,21 +31,22 @@ from aiohttp import web
 
 from ..checksum import block_checksum
 from ..cluster.auth import Forbidden, Unauthorized
+from ..cluster.heat import HOT_HEADER, HeatTracker
 from ..cluster.membership import MemberTable
 from ..cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
+from ..cluster.placement import RANK
+from ..cluster.tls import has_group_certificate
 from ..errors import CacheFSError
 from ..manifest import valid_relpath
-from ..tiers.peer import DirectoryWindows, block_key
+from ..tiers.peer import ASKED_AS_REPLICA, OWNERS_THAT_FETCH, DirectoryWindows, block_key
 from ..types import object_key
 from .serving import GroupServing
 
-__all__ = ["OWNERS_THAT_FETCH", "make_peer_app"]
+__all__ = ["make_peer_app"]
 
 log = logging.getLogger(__name__)
 
 _DATASET = re.compile(r"[0-9a-f]{16}")
-#: A key's first candidates fetch it from the origin when asked (the owner, and the one hedging asks next).
-OWNERS_THAT_FETCH = 2
 #: The largest manifest a member may push (10 million files are ~1 GiB packed).
 MAX_MANIFEST = 2 << 30
 _MAX_VERSION = 1024
@@ -50,15 +57,18 @@ def _bad(why: str) -> web.Response:
 
 
 def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight: float = 1.0,
-                  ready=lambda: True) -> web.Application:
+                  ready=lambda: True, heat: HeatTracker | None = None, tls: bool = False) -> web.Application:
     """The peer server's application. ``verifier.identify(token, claimed member) -> Identity`` checks tokens;
-    ``ready()`` says whether membership is known (``/readyz``)."""
+    ``ready()`` says whether membership is known (``/readyz``); ``heat`` counts answers per directory; with
+    ``tls`` (served over the group's TLS) every ``/v1/`` request must come with the group's client certificate."""
     windows = DirectoryWindows()
 
     @web.middleware
     async def authenticate(request: web.Request, handler):
         if not request.path.startswith("/v1/"):
             return await handler(request)
+        if tls and not has_group_certificate(request.transport):
+            return web.json_response({"error": "no client certificate of the cache group"}, status=401)
         auth = request.headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         try:
@@ -93,16 +103,28 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
         return ds_id, url, path, version, int(raw)
 
     def _fetches(request: web.Request, key: bytes) -> bool:
-        """Whether to fetch what is not here: asked to (not a hedge), and this node is among the key's owners."""
-        return request.query.get("fetch", "1") != "0" and table.self_name in table.placement.owners(
-            key, OWNERS_THAT_FETCH)
+        """Whether to fetch what is not here: asked to (not a hedge), and this node is among the key's owners,
+        or among its candidates when asked as a replica."""
+        if request.query.get("fetch", "1") == "0":
+            return False
+        replica = request.query.get("replica", "0") == "1"
+        return table.self_name in table.placement.owners(key, RANK if replica else OWNERS_THAT_FETCH)
 
-    def _answer(answer: tuple[bytes, int] | None) -> web.Response:
+    def _answer(answer: tuple[bytes, int] | None, ds_id: str, path: str) -> web.Response:
         if answer is None:
             return web.json_response({"error": "not here"}, status=404)
         data, checksum = answer
-        return web.Response(body=data, headers={CHECKSUM_HEADER: f"{checksum:016x}"},
-                            content_type="application/octet-stream")
+        headers = {CHECKSUM_HEADER: f"{checksum:016x}"}
+        if heat is not None and (replicas := heat.note(ds_id, path.rpartition("/")[0], len(data))):
+            headers[HOT_HEADER] = str(replicas)
+        return web.Response(body=data, headers=headers, content_type="application/octet-stream")
+
+    async def _bytes(request: web.Request, ds, entry, idx: int | None, key: bytes) -> tuple[bytes, int] | None:
+        token = ASKED_AS_REPLICA.set(request.query.get("replica", "0") == "1")
+        try:
+            return await serving.bytes_for(ds, entry, idx, fetch=_fetches(request, key))
+        finally:
+            ASKED_AS_REPLICA.reset(token)
 
     async def _file(request: web.Request, *, block: bool):
         got = _args(request, block=block)
@@ -122,8 +144,8 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
         ds, entry, idx = got
         if serving.engine.packed(entry) or idx * serving.engine.block_size >= entry.size:
             return _bad("block: out of range (or a small file: ask /v1/small)")
-        fetch = _fetches(request, block_key(object_key(ds.ref.id, entry.path, entry.version), idx))
-        return _answer(await serving.bytes_for(ds, entry, idx, fetch=fetch))
+        key = block_key(object_key(ds.ref.id, entry.path, entry.version), idx)
+        return _answer(await _bytes(request, ds, entry, idx, key), ds.ref.id, entry.path)
 
     async def small(request: web.Request) -> web.Response:
         got = await _file(request, block=False)
@@ -132,8 +154,7 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
         ds, entry, _ = got
         if not serving.engine.packed(entry):
             return _bad("not a small file: ask /v1/block")
-        fetch = _fetches(request, windows.key(ds, entry.path))
-        return _answer(await serving.bytes_for(ds, entry, None, fetch=fetch))
+        return _answer(await _bytes(request, ds, entry, None, windows.key(ds, entry.path)), ds.ref.id, entry.path)
 
     async def manifest(request: web.Request) -> web.Response:
         ds_id, url = request.match_info["dataset"], request.query.get("url", "")

@@ -174,6 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--secret-file", dest="cluster_secret_file",
                    help="a secret shared by the group instead of ServiceAccount tokens (one host, tests)")
     g.add_argument("--token-file", dest="cluster_token_file", help="this node's projected ServiceAccount token")
+    g.add_argument("--tls-cert", dest="cluster_tls_cert", help="TLS between members: the group's certificate (PEM)")
+    g.add_argument("--tls-key", dest="cluster_tls_key", help="its private key (PEM)")
+    g.add_argument("--tls-ca", dest="cluster_tls_ca", help="the CA that signed it (PEM)")
     ag.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then $KUBECONFIG)")
     ag.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve the node's metrics here")
     ag.add_argument("--ready-file", help=argparse.SUPPRESS)  # internal (tests): written once membership is known

@@ -34,6 +34,8 @@ class GroupView:
     token_file: str = ""
     secret_file: str = ""
     written_at: float = 0.0
+    #: TLS between members: the group's certificate, key and CA files ("" each: plain HTTP).
+    tls: tuple[str, str, str] = ("", "", "")
 
 
 def members_path(cache_dir: str) -> str:
@@ -44,7 +46,7 @@ def write_members(cache_dir: str, view: GroupView) -> None:
     path = members_path(cache_dir)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     doc = {"group": view.group, "self": view.self_name, "written_at": time.time(),
-           "token_file": view.token_file, "secret_file": view.secret_file,
+           "token_file": view.token_file, "secret_file": view.secret_file, "tls": list(view.tls),
            "members": [{"name": m.name, "address": m.address, "weight": m.weight,
                         "draining": m.name in view.draining} for m in view.members.values()]}
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -64,7 +66,10 @@ def read_members(cache_dir: str, *, stale_after: float = STALE_AFTER) -> GroupVi
         members = {str(m["name"]): Member(str(m["name"]), str(m["address"]), float(m["weight"]))
                    for m in doc["members"]}
         draining = frozenset(str(m["name"]) for m in doc["members"] if m.get("draining"))
+        tls = tuple(str(x) for x in doc.get("tls") or ("", "", ""))
+        if len(tls) != 3:
+            return None
         return GroupView(str(doc["group"]), str(doc["self"]), members, draining, str(doc.get("token_file") or ""),
-                         str(doc.get("secret_file") or ""), written)
+                         str(doc.get("secret_file") or ""), written, tls)
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -16,6 +16,8 @@ import aiohttp
 from ..checksum import block_checksum
 from ..errors import CacheFSError
 from .auth import read_token
+from .heat import HOT_HEADER
+from .tls import GroupTLS
 
 __all__ = ["CHECKSUM_HEADER", "MEMBER_HEADER", "PeerClient", "PeerError"]
 
@@ -31,16 +33,27 @@ class PeerClient:
     """One connection pool to the group's peer servers, presenting this node's token."""
 
     def __init__(self, self_name: str, token_file: str | None, *, timeout: float = 10.0,
-                 connections_per_peer: int = 8) -> None:
+                 connections_per_peer: int = 8, tls: GroupTLS | None = None) -> None:
         self.self_name, self.token_file, self.timeout = self_name, token_file, timeout
+        self.tls = tls
         self._per_peer = connections_per_peer
         self._session: aiohttp.ClientSession | None = None
+        self._retired: list[aiohttp.ClientSession] = []
         self._token: tuple[float, str] = (0.0, "")
 
-    def identify_as(self, self_name: str, token_file: str | None) -> None:
-        """Present another name or token from now on (the agent's members file changed)."""
-        if (self_name, token_file) != (self.self_name, self.token_file):
+    def identify_as(self, self_name: str, token_file: str | None, tls: GroupTLS | None = None) -> None:
+        """Present another name, token or TLS certificate from now on (the agent's members file changed)."""
+        if (self_name, token_file, tls) != (self.self_name, self.token_file, self.tls):
             self.self_name, self.token_file, self._token = self_name, token_file, (0.0, "")
+            if tls != self.tls:
+                self.tls = tls
+                if self._session is not None:  # new connections with the new context; the old ones close at close()
+                    self._retired.append(self._session)
+                    self._session = None
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
     def _headers(self) -> dict[str, str]:
         h = {MEMBER_HEADER: self.self_name}
@@ -52,12 +65,14 @@ class PeerClient:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit_per_host=self._per_peer),
-                                                  timeout=aiohttp.ClientTimeout(total=self.timeout))
+            ssl_context = self.tls.client() if self.tls is not None else None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit_per_host=self._per_peer, ssl=ssl_context if ssl_context else True),
+                timeout=aiohttp.ClientTimeout(total=self.timeout))
         return self._session
 
     async def _get(self, address: str, path: str, params: dict[str, str], limit: int) -> tuple[int, bytes, dict]:
-        url = f"http://{address}{path}"
+        url = f"{self._scheme}://{address}{path}"
         try:
             async with self._client().get(url, params=params, headers=self._headers()) as resp:
                 if resp.content_length is not None and resp.content_length > limit:
@@ -74,12 +89,12 @@ class PeerClient:
             raise PeerError(f"peer {address}: {type(exc).__name__}: {exc}") from None
 
     async def _verified(self, address: str, path: str, params: dict[str, str], limit: int, *,
-                        length: int | None = None) -> bytes | None:
-        """The body of a GET, checked against the xxh3 the peer sends with it (and ``length``, when known); None
-        for a 404 (the peer does not hold it and does not fetch it)."""
+                        length: int | None = None) -> tuple[bytes | None, dict]:
+        """The body of a GET, checked against the xxh3 the peer sends with it (and ``length``, when known), and the
+        answer's headers; None for a 404 (the peer does not hold it and does not fetch it)."""
         status, body, headers = await self._get(address, path, params, limit)
         if status == 404:
-            return None
+            return None, headers
         if status != 200:
             raise PeerError(f"peer {address}: HTTP {status} {body[:200].decode(errors='replace')}")
         if length is not None and len(body) != length:
@@ -90,33 +105,46 @@ class PeerClient:
             raise PeerError(f"peer {address}: no checksum with {path}") from None
         if block_checksum(body) != expected:
             raise PeerError(f"peer {address}: {path} failed its checksum")
-        return body
+        return body, headers
+
+    @staticmethod
+    def _hot(headers: dict) -> int:
+        raw = headers.get(HOT_HEADER, "0")
+        return int(raw) if raw.isdigit() and len(raw) < 3 else 0
+
+    async def _file(self, address: str, kind: str, ds_id: str, params: dict[str, str], length: int, *,
+                    fetch: bool, replica: bool) -> tuple[bytes | None, int]:
+        params["fetch"] = "1" if fetch else "0"
+        if replica:
+            params["replica"] = "1"
+        body, headers = await self._verified(address, f"/v1/{kind}/{ds_id}", params, length, length=length)
+        return body, self._hot(headers)
 
     async def block(self, address: str, ds_id: str, url: str, path: str, version: str, idx: int,
-                    length: int, *, fetch: bool = True) -> bytes | None:
+                    length: int, *, fetch: bool = True, replica: bool = False) -> tuple[bytes | None, int]:
         """Block ``idx`` (``length`` bytes) of ``path`` at ``version`` of dataset ``ds_id`` (at ``url``), verified;
-        None if the peer does not hold it and does not fetch it (``fetch`` False, or it is not an owner)."""
-        return await self._verified(address, f"/v1/block/{ds_id}", {"url": url, "path": path, "version": version,
-                                                                     "block": str(idx), "fetch": "1" if fetch else "0"},
-                                    length, length=length)
+        None if the peer does not hold it and does not fetch it (``fetch`` False, or it is not an owner). With the
+        replicas the peer says the block's directory has (0: it is not hot). ``replica``: the peer is asked as a
+        replica of a hot key (it fetches from the owner, not the origin)."""
+        return await self._file(address, "block", ds_id, {"url": url, "path": path, "version": version,
+                                                          "block": str(idx)}, length, fetch=fetch, replica=replica)
 
     async def small(self, address: str, ds_id: str, url: str, path: str, version: str,
-                    length: int, *, fetch: bool = True) -> bytes | None:
-        """The whole small file ``path`` at ``version``, verified; None if the peer does not hold it and does not
-        fetch it."""
-        return await self._verified(address, f"/v1/small/{ds_id}", {"url": url, "path": path, "version": version,
-                                                                     "fetch": "1" if fetch else "0"}, length, length=length)
+                    length: int, *, fetch: bool = True, replica: bool = False) -> tuple[bytes | None, int]:
+        """The whole small file ``path`` at ``version``, verified, as :meth:`block`."""
+        return await self._file(address, "small", ds_id, {"url": url, "path": path, "version": version}, length,
+                                fetch=fetch, replica=replica)
 
     async def manifest(self, address: str, ds_id: str, *, url: str = "", limit: int = 1 << 30) -> bytes | None:
         """The current manifest of dataset ``ds_id`` (at ``url``) as the peer holds it, or takes it if it serves
         that dataset to the group (see peer_server), verified."""
-        return await self._verified(address, f"/v1/manifest/{ds_id}", {"url": url} if url else {}, limit)
+        return (await self._verified(address, f"/v1/manifest/{ds_id}", {"url": url} if url else {}, limit))[0]
 
     async def push_manifest(self, address: str, ds_id: str, url: str, raw: bytes) -> bool:
         """Hand a member the manifest this node just took of dataset ``ds_id`` (``cachefs refresh``); whether it
         took it (a member that does not know the dataset declines)."""
         try:
-            async with self._client().post(f"http://{address}/v1/manifest/{ds_id}", params={"url": url}, data=raw,
+            async with self._client().post(f"{self._scheme}://{address}/v1/manifest/{ds_id}", params={"url": url}, data=raw,
                                            headers={**self._headers(),
                                                     CHECKSUM_HEADER: f"{block_checksum(raw):016x}"}) as resp:
                 await resp.read()
@@ -125,5 +153,7 @@ class PeerClient:
             raise PeerError(f"peer {address}: {type(exc).__name__}: {exc}") from None
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in [*self._retired, self._session]:
+            if session is not None:
+                await session.close()
+        self._retired.clear()

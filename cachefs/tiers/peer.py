@@ -14,6 +14,14 @@ A slow, dead or wrong peer is not the reader's problem:
 * then the tier gives up and the chain moves on (mirror, origin), counted as a fallback with its reason.
 
 Draining members (gone from the API, within their grace period) are asked last.
+
+**Hot directories.** A member that serves a directory faster than one node should (:mod:`cachefs.cluster.heat`)
+says so in its answers: the directory's keys get ``r`` more holders, the next rendezvous candidates. Readers
+then spread over the ``r + 1`` holders by the power of two choices (two holders at random, the one with fewer of
+this process's requests in flight), and a holder that is not the owner is asked as a *replica*: its agent fetches
+the key from the owner (the owner alone fetches from the origin) and keeps it. Directories known in advance to
+be hot are declared (``cluster.replicas``). A reader forgets a directory is hot when its owner answers without
+saying so, or :data:`HOT_TTL` seconds after the owner last said it.
 """
 
 from __future__ import annotations
@@ -21,18 +29,30 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import random
 import time
 from collections import OrderedDict
+from contextvars import ContextVar
 
 from ..dataset import Dataset
 from ..errors import CacheFSError
 from .base import Tier, Want
 
-__all__ = ["BREAKER_FAILURES", "SMALL_WINDOW", "Breaker", "DirectoryWindows", "PeerTier", "block_key", "small_key"]
+__all__ = ["ASKED_AS_REPLICA", "BREAKER_FAILURES", "HOT_TTL", "OWNERS_THAT_FETCH", "SMALL_WINDOW", "Breaker",
+           "DirectoryWindows", "PeerTier", "block_key", "small_key"]
 
 log = logging.getLogger(__name__)
 
 BREAKER_FAILURES = 3
+#: A key's first candidates fetch it from the origin when asked (the owner, and the one asked when it fails).
+OWNERS_THAT_FETCH = 2
+#: Seconds a reader keeps spreading a hot directory after its owner last said it is hot.
+HOT_TTL = 10.0
+#: Set while the agent answers a reader that chose this node as a replica of a hot key: what is missing is asked
+#: of the key's owners (one origin fetch per group), never straight from the origin first.
+ASKED_AS_REPLICA: ContextVar[bool] = ContextVar("asked_as_replica", default=False)
+
+
 
 
 def block_key(okey: bytes, idx: int) -> bytes:
@@ -95,28 +115,65 @@ class Breaker:
 
 class PeerTier(Tier):
     """``group`` has ``table`` (a cluster.MemberTable) and ``client`` (a cluster.PeerClient), both None while
-    this node is in no group: then the tier has nothing (and the numpy and aiohttp behind them are not loaded)."""
+    this node is in no group: then the tier has nothing (and the numpy and aiohttp behind them are not loaded).
+    ``group.serving`` is True in the agent: it asks peers only as a replica of a hot key (:data:`ASKED_AS_REPLICA`).
+    ``declared`` are the ``cluster.replicas`` prefixes with their replica counts, longest first."""
 
     name = "peer"
+    guest = True
 
     def __init__(self, group, *, kind: str, block_size: int = 0, hedge_after: float = 0.25,
-                 candidates: int = 2, kept: bool = True) -> None:
+                 candidates: int = 2, kept: bool = True, declared: list[tuple[str, int]] | None = None,
+                 clock=time.monotonic) -> None:
         if kind not in ("block", "small") or (kind == "block" and block_size <= 0):
             raise ValueError(f"a peer tier of {kind!r} (block size {block_size})")
         self.group, self.kind, self.block_size, self.kept = group, kind, block_size, kept
         self.hedge_after, self.candidates = hedge_after, candidates
-        self.breaker = Breaker()
+        self.declared = declared or []
+        self.clock = clock
+        self.breaker = Breaker(clock)
         self.windows = DirectoryWindows()
-        #: Requests that hedging sent to a second candidate.
+        #: Hot directories, (dataset id, directory) → (replicas, until when), as their holders said.
+        self.hot: dict[tuple[str, str], tuple[int, float]] = {}
+        #: This process's requests in flight per member (the power of two choices picks the less busy).
+        self.in_flight: dict[str, int] = {}
+        #: Requests that hedging sent to a second candidate; requests sent to a replica rather than the owner.
         self.hedged = 0
+        self.spread = 0
 
-    def _order(self, key: bytes) -> list[str]:
+    def replicas(self, want: Want) -> int:
+        """Extra holders of ``want``'s directory: declared (``cluster.replicas``) or announced by its holders."""
+        ds, path = want.ds, want.entry.path
+        directory = path.rpartition("/")[0]
+        r = 0
+        if self.declared:
+            url = f"{ds.ref.url}/{path}"
+            r = next((n for prefix, n in self.declared if url == prefix or url.startswith(prefix + "/")), 0)
+        said = self.hot.get((ds.ref.id, directory))
+        if said is not None:
+            if said[1] > self.clock():
+                r = max(r, said[0])
+            else:
+                del self.hot[ds.ref.id, directory]
+        return r
+
+    def _order(self, key: bytes, holders: int) -> list[str]:
+        """The key's candidates to ask, best first: the first ``holders`` by the power of two choices, then the
+        rest in rank order; draining members last."""
         table = self.group.table
         names = [n for n in table.placement.owners(key) if self.breaker.closed(n)]
-        return [n for n in names if table.active(n)] + [n for n in names if not table.active(n)]
+        names = [n for n in names if table.active(n)] + [n for n in names if not table.active(n)]
+        if holders > 1 and len(names) > 1:
+            pool = names[:holders]
+            a, b = random.sample(pool, 2) if len(pool) > 1 else (pool[0], pool[0])
+            pick = a if self.in_flight.get(a, 0) <= self.in_flight.get(b, 0) else b
+            names.remove(pick)
+            names.insert(0, pick)
+        return names
 
     async def fetch(self, want: Want) -> bytes | None:
-        if self.group.table is None:
+        table = self.group.table
+        if table is None:
             return None
         if self.kind == "block":
             if want.start % self.block_size:
@@ -126,31 +183,57 @@ class PeerTier(Tier):
             if not want.whole:
                 return None
             key = self.windows.key(want.ds, want.entry.path)
-        order = self._order(key)[: self.candidates]
+        if self.group.serving:
+            return await self._as_replica(key, want)
+        order = self._order(key, 1 + self.replicas(want))[: self.candidates]
         if not order:
             return None
-        return await self._hedged(order, want)
+        return await self._hedged(order, want, owner=table.placement.owner(key))
 
-    async def _ask(self, name: str, want: Want, fetch: bool) -> bytes | None:
+    async def _as_replica(self, key: bytes, want: Want) -> bytes | None:
+        """In the agent, asked as a replica: the key from the members ranked before this one among those that
+        fetch from the origin (the owner first). Otherwise nothing: the agent fetches for the group itself."""
+        table = self.group.table
+        if not ASKED_AS_REPLICA.get():
+            return None
+        ranked = table.placement.owners(key)
+        if table.self_name not in ranked:
+            return None
+        before = ranked[: min(ranked.index(table.self_name), OWNERS_THAT_FETCH)]
+        order = [n for n in before if self.breaker.closed(n) and table.active(n)]
+        return await self._hedged(order, want, owner=ranked[0]) if order else None
+
+    async def _ask(self, name: str, want: Want, fetch: bool, owner: str | None) -> bytes | None:
         member = self.group.table.member(name)
         client = self.group.client
         if member is None or client is None:
             return None
         ds, e = want.ds, want.entry
+        replica = name != owner and not self.group.serving
+        self.spread += replica
+        self.in_flight[name] = self.in_flight.get(name, 0) + 1
         try:
             if self.kind == "block":
-                got = await client.block(member.address, ds.ref.id, ds.ref.url, e.path, e.version,
-                                              want.start // self.block_size, want.length, fetch=fetch)
+                got, hot = await client.block(member.address, ds.ref.id, ds.ref.url, e.path, e.version,
+                                              want.start // self.block_size, want.length, fetch=fetch,
+                                              replica=replica)
             else:
-                got = await client.small(member.address, ds.ref.id, ds.ref.url, e.path, e.version, want.length,
-                                              fetch=fetch)
+                got, hot = await client.small(member.address, ds.ref.id, ds.ref.url, e.path, e.version,
+                                              want.length, fetch=fetch, replica=replica)
         except CacheFSError:  # (the client's PeerError)
             self.breaker.failure(name)
             raise
+        finally:
+            self.in_flight[name] -= 1
         self.breaker.success(name)
+        where = (ds.ref.id, e.path.rpartition("/")[0])
+        if hot:
+            self.hot[where] = (hot, self.clock() + HOT_TTL)
+        elif name == owner:  # the owner no longer counts it hot
+            self.hot.pop(where, None)
         return got
 
-    async def _hedged(self, order: list[str], want: Want) -> bytes | None:
+    async def _hedged(self, order: list[str], want: Want, *, owner: str | None) -> bytes | None:
         """Ask ``order[0]``; if it is slow, ask the next one too, but only for bytes it already holds (a hedge
         must not cost a second origin fetch); if one fails, the next one is asked and may fetch."""
         tasks: dict[asyncio.Task, str] = {}
@@ -159,7 +242,7 @@ class PeerTier(Tier):
 
         def start_next(fetch: bool) -> None:
             name = pending_names.pop(0)
-            tasks[asyncio.ensure_future(self._ask(name, want, fetch))] = name
+            tasks[asyncio.ensure_future(self._ask(name, want, fetch, owner))] = name
 
         start_next(True)
         try:

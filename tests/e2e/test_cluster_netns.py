@@ -240,10 +240,82 @@ def test_a_group_reads_each_byte_once_from_the_origin_and_rides_out_kills_joins_
 
     # The agent also publishes its node's cache-locality labels (the label publisher runs as its task).
     from cachefs.types import dataset_id
-    from scheduler_hints.labels import dataset_key
+    from scheduler_hints.labels import dataset_key, group_dataset_key
 
-    key = dataset_key(dataset_id("s3://data/ds"))
-    deadline = time.monotonic() + 90
-    while key not in (c.k8s.request("GET", "/api/v1/nodes/e1")["metadata"].get("labels") or {}):
-        assert time.monotonic() < deadline, "the agent on e1 published no label for the dataset it caches"
+    # ... its own fraction and, from the other members' annotations (its group's Node watch), its group's: the
+    # group holds the whole dataset, each node a share of it.
+    key, group_key = dataset_key(dataset_id("s3://data/ds")), group_dataset_key(dataset_id("s3://data/ds"))
+    deadline = time.monotonic() + 120
+    while True:
+        labels = c.k8s.request("GET", "/api/v1/nodes/e1")["metadata"].get("labels") or {}
+        if key in labels and labels.get(group_key) == "100":
+            break
+        assert time.monotonic() < deadline, f"the agent on e1 did not publish its and its group's fractions: {labels}"
         time.sleep(1)
+    assert int(labels[key]) < 100
+
+
+HOT_READER = r"""
+import hashlib, json, sys
+import fsspec
+url, cache_dir, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url)
+paths = sorted(fs.find(url + "/small/d0"))
+out = {}
+for _ in range(rounds):
+    for path in paths:
+        with fs.open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        assert out.setdefault(path, digest) == digest, path
+print(json.dumps({p[len(url.split("://", 1)[1]) + 1:]: d for p, d in out.items()}))
+"""
+
+
+def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_less(cluster):
+    """Every node reads one directory of small files over and over (readers that keep nothing: every read asks
+    the group). Past the hot threshold its owner says so, readers spread over it and two replicas, the replicas
+    take the files from the owner: the owner's share of the requests falls, the origin still sees one GET each."""
+    from cachefs.status import cluster_report
+    from cachefs.tiers.peer import small_key
+    from cachefs.types import dataset_id
+
+    c = cluster
+    # (readers keep 8 KiB of what peers send in memory: less than the directory, so every round asks again)
+    c.env.update({"CACHEFS_CLUSTER_HOT_REQUESTS_PER_S": "2", "CACHEFS_CLUSTER_KEEP_GUEST": "0",
+                  "CACHEFS_ENGINE_MEMORY_BUDGET": str(64 * 1024)})
+    for node in c.lab.nodes:
+        c.start(node)
+    c.wait_members("e1", {n: False for n in c.lab.nodes}, "four members")
+    c.server.requests(reset=True)
+    ranked = Placement([Weighted(n) for n in c.lab.nodes]).owners(small_key(dataset_id("s3://data/ds"),
+                                                                            "small/d0/x", 0), 3)
+
+    def served() -> dict[str, int]:
+        time.sleep(2.5)  # (agents write what they served every 2 s)
+        return {n: cluster_report(c.cache(n))["served_requests"] for n in c.lab.nodes}
+
+    def read(rounds: int) -> None:
+        procs = [c.lab.popen(n, [sys.executable, "-c", HOT_READER, "s3://data/ds", c.cache(n), str(rounds)],
+                             env=c.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for n in c.lab.nodes]
+        want = {p: hashlib.sha256(b).hexdigest() for p, b in c.files.items() if p.startswith("small/d0/")}
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+            assert json.loads(out) == want  # every byte equal to the origin's
+
+    before = served()
+    read(1)
+    mid = served()
+    read(8)
+    after = served()
+    first = {n: mid[n] - before[n] for n in c.lab.nodes}
+    later = {n: after[n] - mid[n] for n in c.lab.nodes}
+    owner = ranked[0]
+    print(f"owner {owner}, replicas {ranked[1:]}: first pass {first}, eight more {later}")
+    assert later[owner] / sum(later.values()) < 0.6, later  # about 1/3 spread; all of it were it not hot
+    assert all(later[n] > 0.15 * sum(later.values()) for n in ranked[1:]), later
+    asked = gets(c)
+    assert len([k for k in asked if "/small/d0/" in k]) == 15 and max(asked.values()) == 1, asked
+    hot = cluster_report(c.cache(owner))["hot_keys"]
+    assert [(k["directory"], k["replicas"]) for k in hot] == [("small/d0", 2)], hot

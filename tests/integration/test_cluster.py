@@ -7,6 +7,7 @@ The multi-node tests with network namespaces and membership from a real API serv
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import signal
@@ -64,6 +65,7 @@ class Group:
         self.ports = {n: _free_port() for n in names}
         self.env = {**os.environ, **s3_env, **ENV}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.agent_args: list[str] = []
 
     def cache(self, name: str) -> str:
         return str(self.tmp / f"cache-{name}")
@@ -79,7 +81,8 @@ class Group:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "cachefs.cli.main", "agent", "--cache-dir", self.cache(name), "--group",
                  "g1", "--node", name, "--listen", f"127.0.0.1:{self.ports[name]}", "--peers", self.peers(members),
-                 "--serve", bucket_prefix, "--secret-file", str(self.secret), "--ready-file", str(ready), "-v"],
+                 "--serve", bucket_prefix, "--secret-file", str(self.secret), "--ready-file", str(ready), "-v",
+                 *self.agent_args],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not ready.exists():
@@ -322,26 +325,37 @@ def stored_block_bytes(cache_dir: str) -> int:
     return total
 
 
-def test_blocks_are_stored_once_in_the_group_unless_guests_are_kept(group):
-    """By default a node keeps the blocks it owns and not those it read from peers, so the group's disks hold one
-    copy of a large file between them; with cluster.keep_guest, readers keep what they read too."""
+def test_blocks_are_owned_once_in_the_group_and_readers_keep_the_rest_as_guests(group):
+    """A node's agent keeps the blocks the node owns; with cluster.keep_guest off, readers keep nothing of what
+    peers sent, so the group's disks hold one copy of a large file between them. With it on (the default),
+    readers keep those blocks too, recorded as guest data (evicted first): only the owned ones are not guests."""
+    env = {**group.env, "CACHEFS_CLUSTER_KEEP_GUEST": "0"}
     for n in group.names:
-        assert finish(group.read_all(n)) == expected(group.files)
+        proc = subprocess.Popen([sys.executable, "-c", READER, group.url, group.cache(n)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert finish(proc) == expected(group.files)
     big = sum(len(b) for p, b in group.files.items() if p.startswith("big/"))
     per_node = [stored_block_bytes(group.cache(n)) for n in group.names]
     assert big <= sum(per_node) < big + 3 * 3 * 4096, per_node  # one copy (plus the last blocks' page rounding)
     assert all(0 < s < big for s in per_node), per_node  # each holds its share, none the whole
+    from cachefs.index import Index
+
+    guests, _ = Index(group.cache("n1")).guests()
+    assert not guests  # the agent's own blocks: none of them a guest
     guest_cache = str(group.tmp / "cache-guest-reader")
-    env = {**group.env, "CACHEFS_CLUSTER_KEEP_GUEST": "1"}
     os.makedirs(os.path.join(guest_cache, "cluster"))
     with open(os.path.join(group.cache("n1"), "cluster", "members.json")) as f:  # a reader on n1's node
         members = f.read()
     with open(os.path.join(guest_cache, "cluster", "members.json"), "w") as f:
         f.write(members)
-    proc = subprocess.Popen([sys.executable, "-c", READER, group.url, guest_cache], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", READER, group.url, guest_cache], env=group.env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert finish(proc) == expected(group.files)
     assert stored_block_bytes(guest_cache) >= big
+    index = Index(guest_cache)
+    guests, guest_packs = index.guests()
+    blocks = sum(len(index.blocks_of(okey)) for okey, _ in index.objects())
+    assert 0 < sum(map(len, guests.values())) <= blocks and guest_packs  # what peers sent is recorded as guests
 
 
 def test_a_refresh_on_one_node_is_taken_by_the_group(group):
@@ -359,3 +373,141 @@ def test_a_refresh_on_one_node_is_taken_by_the_group(group):
     for n in ("n2", "n3"):
         assert finish(group.read_all(n)) == want
     assert group.server.requests()["lists"] - lists == listed_by_refresh  # n2 and n3 listed nothing
+
+
+HOT_READER = r"""
+import hashlib, json, sys
+import fsspec
+url, cache_dir, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url)
+paths = sorted(fs.find(url + "/hot"))
+out = {}
+for _ in range(rounds):
+    for path in paths:
+        with fs.open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        assert out.setdefault(path, digest) == digest, path
+print(json.dumps({p[len(url.split("://", 1)[1]) + 1:]: d for p, d in out.items()}))
+"""
+
+
+def served(g: Group) -> dict[str, int]:
+    from cachefs.status import cluster_report
+
+    time.sleep(2.5)  # (the agents write what they served every 2 s)
+    return {n: cluster_report(g.cache(n))["served_requests"] for n in g.names}
+
+
+def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_less(tmp_path, s3):
+    """One directory of small files (one placement window: one owner) read over and over by four nodes. Once it
+    passes the hot threshold, its owner says so and readers spread over it and two replicas (the power of two
+    choices); the replicas fetch from the owner, so the origin still sees one GET per file."""
+    server, client, bucket = s3
+    files = {f"hot/{i:03d}.bin": os.urandom(12_000 + i) for i in range(100)}
+    put_tree(client, bucket, "ds", files)
+    g = Group(tmp_path, server.env(), ["n1", "n2", "n3", "n4"], f"s3://{bucket}/ds")
+    g.server, g.bucket = server, bucket
+    g.env.update({"CACHEFS_CLUSTER_HOT_REQUESTS_PER_S": "20", "CACHEFS_CLUSTER_HOT_REPLICAS": "2",
+                  # readers store nothing and keep 1 MiB of what peers send in memory: less than the directory,
+                  # so every round asks the group again
+                  "CACHEFS_CLUSTER_KEEP_GUEST": "0", "CACHEFS_ENGINE_MEMORY_BUDGET": str(8 << 20)})
+    try:
+        for n in g.names:
+            g.start(n)
+        server.requests(reset=True)
+
+        def read(rounds: int) -> None:
+            procs = [subprocess.Popen([sys.executable, "-c", HOT_READER, g.url, g.cache(n), str(rounds)],
+                                      env=g.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for n in g.names]
+            for p in procs:
+                assert finish(p) == expected(files)  # every byte equal to the origin's
+
+        from cachefs.cluster.placement import Placement, Weighted
+        from cachefs.tiers.peer import small_key
+
+        ranked = Placement([Weighted(n) for n in g.names]).owners(small_key(dataset_id(g.url), "hot/x", 0), 3)
+        owner = ranked[0]
+        before = served(g)
+        read(1)  # cold, and not hot yet at first: the owner serves nearly all
+        first = {n: v - before[n] for n, v in served(g).items()}
+        read(10)
+        after = {n: v - before[n] - first[n] for n, v in served(g).items()}
+        assert first[owner] / sum(first.values()) > 0.6, first
+        share = after[owner] / sum(after.values())
+        assert share < 0.6, (share, after)  # about 0.45 (it also serves the replicas once); 1.0 unspread
+        assert all(after[n] > 0.15 * sum(after.values()) for n in ranked[1:]), (ranked, after)
+        print(f"owner {owner}: first pass {first}, ten more {after} (owner's share {share:.2f})")
+        gets = dataset_gets(g)
+        assert len(gets) == 100 and max(gets.values()) == 1, gets  # replicas fetched from the owner
+        # status --json on the owner's node shows the hot directory and its replicas; so do its metrics.
+        out = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--json", "--cache-dir",
+                              g.cache(owner)], env=g.env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        hot = json.loads(out.stdout)["cluster"]["hot_keys"]
+        assert [(k["directory"], k["replicas"], k["url"]) for k in hot] == [("hot", 2, g.url)], hot
+        from cachefs.config import load_config
+        from cachefs.node_metrics import NodeCollector
+
+        collector = NodeCollector(load_config(env={}, overrides={"cache_dir": g.cache(owner)}))
+        metrics = {s.name: s for fam in collector.collect() for s in fam.samples}
+        assert metrics["cachefs_hot_directories"].value == 1
+        assert metrics["cachefs_hot_directory_replicas"].labels == {"dataset": dataset_id(g.url), "directory": "hot"}
+        assert metrics["cachefs_hot_directory_replicas"].value == 2
+    finally:
+        g.stop()
+
+
+def test_members_talk_tls_from_a_secret_and_refuse_plain_http_and_strangers(tmp_path, s3):
+    """With the group's certificate, key and CA (from a Secret), members serve and ask over TLS with client
+    certificates: readers get every byte right through it; plain HTTP, a client without the group's certificate
+    and one with another CA's are refused; kubelet's probes (no certificate) still get /healthz."""
+    import ssl
+
+    from tests.integration.test_extender_lockdown import make_pki
+
+    server, client, bucket = s3
+    files = make_files()
+    put_tree(client, bucket, "ds", files)
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    g = Group(tmp_path, server.env(), ["n1", "n2"], f"s3://{bucket}/ds")
+    g.server, g.bucket = server, bucket
+    g.agent_args = ["--tls-cert", str(pki / "server.crt"), "--tls-key", str(pki / "server.key"),
+                    "--tls-ca", str(pki / "ca.crt")]
+    try:
+        for n in g.names:
+            g.start(n)
+        server.requests(reset=True)
+        for proc in [g.read_all(n) for n in g.names]:
+            assert finish(proc) == expected(files)
+        gets = dataset_gets(g)
+        assert max(gets.values()) == 1, gets  # the group still fetched each block once: over TLS
+        with open(os.path.join(g.cache("n1"), "cluster", "members.json")) as f:
+            assert json.load(f)["tls"][2] == str(pki / "ca.crt")  # readers learn it from the members file
+        port = g.ports["n2"]
+        ds_path = f"/v1/info?x={dataset_id(g.url)}"
+        # plain HTTP to the TLS port: no answer
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{ds_path}", timeout=10)
+
+        def https(path: str, cert: str | None) -> int:
+            ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+            ctx.check_hostname = False
+            if cert:
+                ctx.load_cert_chain(str(pki / f"{cert}.crt"), str(pki / f"{cert}.key"))
+            req = urllib.request.Request(f"https://127.0.0.1:{port}{path}",
+                                         headers={"Authorization": "Bearer group-secret-1", MEMBER_HEADER: "n1"})
+            try:
+                with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert https(ds_path, "server") == 200  # the group's certificate and a member's secret
+        assert https(ds_path, None) == 401  # no client certificate: refused though the secret is right
+        assert https("/healthz", None) == 200  # (kubelet's probe)
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            https(ds_path, "stranger")  # another CA's certificate: the handshake fails
+    finally:
+        g.stop()

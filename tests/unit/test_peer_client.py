@@ -51,7 +51,7 @@ def test_a_block_that_arrives_in_pieces_is_read_whole_and_checked(body, checksum
             await runner.cleanup()
 
     if ok:
-        assert asyncio.run(go()) == DATA
+        assert asyncio.run(go()) == (DATA, 0)
     else:
         with pytest.raises(PeerError):
             asyncio.run(go())
