@@ -80,6 +80,7 @@ class NodeSummary:
         disk_total, disk_free = self.disk()
         datasets = []
         urls = {}
+        guests = self.index.guest_bytes_by_dataset()
         for rec in self.index.datasets():
             urls[rec.id] = rec.url
             m = rec.manifest()
@@ -95,6 +96,8 @@ class NodeSummary:
                 "skipped_names": m.skipped if m else 0,
                 "total_bytes": size,
                 "cached_bytes": st.cached_bytes,
+                # Of which guest data: copies of what other members of the node's cache group own (evicted first).
+                "guest_bytes": min(st.cached_bytes, guests.get(rec.id, 0)),
                 "cached_fraction": round(min(1.0, st.cached_bytes / size), 4) if size else 1.0,
                 # Hits: bytes read that were on this node before the read asked for them (an earlier read or
                 # a prefetch brought them). Misses: bytes fetched for a read, read-ahead for it included.

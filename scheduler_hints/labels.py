@@ -99,8 +99,9 @@ def group_dataset_key(ds_id: str) -> str:
 
 
 def group_totals(members: dict[str, dict[str, tuple[int, int]]]) -> tuple[DatasetCache, ...]:
-    """What a cache group holds per dataset, from what each member holds ({node: {id: (cached, total)}}): the
-    cached bytes added up (at most the total, the largest any member reports)."""
+    """What a cache group holds per dataset, from what each member owns ({node: {id: (owned, total)}}, owned:
+    cached less guest copies): added up, as members own disjoint shares (at most the total, the largest any
+    member reports)."""
     cached: dict[str, int] = {}
     total: dict[str, int] = {}
     for per in members.values():
@@ -143,6 +144,8 @@ class DatasetCache:
     cached_bytes: int
     total_bytes: int
     manifest_version: int = 0
+    #: Of the cached bytes, guest data: copies of what other members of its cache group own.
+    guest_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,7 @@ def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] 
         prev_bucket = int(prev) if prev is not None and prev.isdigit() else None
         labels[key] = str(bucket_with_hysteresis(d.cached_bytes, d.total_bytes, prev_bucket))
         annotations[key] = json.dumps({
-            "url": d.url, "cachedBytes": d.cached_bytes, "totalBytes": d.total_bytes,
+            "url": d.url, "cachedBytes": d.cached_bytes, "totalBytes": d.total_bytes, "guestBytes": d.guest_bytes,
             "manifestVersion": d.manifest_version, "updatedAt": _rfc3339(now),
         }, separators=(",", ":"), sort_keys=True)
     if summary.cache_group:

@@ -39,13 +39,13 @@ class IndexSummary(SummarySource):
             except ObjectNotFoundError:  # nothing cached on this node yet: nothing to advertise
                 return NodeCacheSummary((), 0, 0, 0, self._group)
         rep = self._node.report()
-        datasets = tuple(DatasetCache(d["url"], d["id"], d["cached_bytes"], d["total_bytes"], d["manifest_version"])
-                         for d in rep["datasets"])
+        datasets = tuple(DatasetCache(d["url"], d["id"], d["cached_bytes"], d["total_bytes"], d["manifest_version"],
+                                      d.get("guest_bytes", 0)) for d in rep["datasets"])
         free = max(0, min(rep["capacity_bytes"] - rep["used_bytes"], rep["disk_free_bytes"] - rep["min_free_bytes"]))
         group = ()
         if self._group and self._group_datasets is not None:
             members = self._group_datasets()
-            members[self._self] = {d.id: (d.cached_bytes, d.total_bytes) for d in datasets}
+            members[self._self] = {d.id: (d.cached_bytes - d.guest_bytes, d.total_bytes) for d in datasets}
             group = group_totals(members)
         return NodeCacheSummary(datasets, free, rep["capacity_bytes"], rep["used_bytes"], self._group, group)
 

@@ -142,8 +142,8 @@ _GIB = 1 << 30
 
 
 def _node_cache(annotations: Mapping[str, str]) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(capacity in bytes, 0 if unknown; {dataset id: (cached, total)}) from a Node's annotations; what does not
-    parse is left out."""
+    """(capacity in bytes, 0 if unknown; {dataset id: (owned, total)}) from a Node's annotations, owned being the
+    cached bytes less guest copies of what other members own; what does not parse is left out."""
     try:
         capacity = max(0, int(json.loads(annotations.get(CACHE_ANNOTATION, "{}")).get("capacityBytes", 0)))
     except (ValueError, TypeError, AttributeError):
@@ -153,8 +153,8 @@ def _node_cache(annotations: Mapping[str, str]) -> tuple[int, dict[str, tuple[in
         if key.startswith(DATASET_ANNOTATION_PREFIX):
             try:
                 d = json.loads(value)
-                datasets[key[len(DATASET_ANNOTATION_PREFIX):]] = (max(0, int(d["cachedBytes"])),
-                                                                  max(0, int(d["totalBytes"])))
+                owned = int(d["cachedBytes"]) - int(d.get("guestBytes") or 0)
+                datasets[key[len(DATASET_ANNOTATION_PREFIX):]] = (max(0, owned), max(0, int(d["totalBytes"])))
             except (ValueError, KeyError, TypeError):
                 continue
     return capacity, datasets
@@ -216,7 +216,7 @@ class EndpointSliceWatch:
         return {n: Member(n, m.address, float(known.get(n, default))) for n, m in members.items()}
 
     def group_datasets(self) -> dict[str, dict[str, tuple[int, int]]]:
-        """Per member (active ones), what its annotations say it holds: {node: {dataset id: (cached, total)}}."""
+        """Per member (active ones), what its annotations say it owns: {node: {dataset id: (owned, total)}}."""
         return {n: dict(d) for n, d in self._datasets.items() if self.table.active(n)}
 
     def _apply(self) -> None:

@@ -245,18 +245,31 @@ class Index:
                     packs.append(k)
         return blocks, packs
 
-    def guest_bytes(self) -> int:
-        """Bytes of guest data cached (blocks and whole packs)."""
-        total = 0
+    def guest_bytes(self, dataset: str | None = None) -> int:
+        """Bytes of guest data cached (blocks and whole packs), of one dataset or all."""
+        return sum(self.guest_bytes_by_dataset().values()) if dataset is None else \
+            self.guest_bytes_by_dataset().get(dataset, 0)
+
+    def guest_bytes_by_dataset(self) -> dict[str, int]:
+        """Bytes of guest data per dataset id."""
+        out: dict[str, int] = {}
+        datasets: dict[bytes, str] = {}  # object key → its dataset id
         with self.env.begin() as txn:
             for k in txn.cursor(db=self._guests).iternext(values=False):
                 if len(k) == 20:
                     raw = txn.get(k, db=self._blocks)
-                    total += BLOCK.unpack(raw)[1] if raw is not None else 0
+                    okey = bytes(k[:16])
+                    ds = datasets.get(okey)
+                    if ds is None:
+                        obj = txn.get(okey, db=self._objects)
+                        ds = datasets[okey] = ObjectRecord.unpack(obj).dataset if obj is not None else ""
+                    n = BLOCK.unpack(raw)[1] if raw is not None else 0
                 else:
                     raw = txn.get(k, db=self._packs)
-                    total += PackRecord.unpack(bytes(k), raw).size if raw is not None else 0
-        return total
+                    ds = bytes(k[:16]).decode()
+                    n = PackRecord.unpack(bytes(k), raw).live_bytes if raw is not None else 0
+                out[ds] = out.get(ds, 0) + n
+        return out
 
     def evict_guest_blocks(self, okey: bytes, idxs: list[int]) -> int:
         """Forget guest blocks of an object whose file was rewritten without them (eviction); the object's

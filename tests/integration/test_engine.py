@@ -393,6 +393,7 @@ def test_guest_data_is_evicted_first_and_the_blocks_a_node_owns_stay(config, s3)
         assert packs  # the peer's small files went to packs of their own
         total, _ = engine.index.totals()
         guest_bytes = 3 * 3 * bs + sum(len(d) for p, d in files.items() if p.startswith("small") and int(p[5:7]) % 2)
+        assert engine.index.guest_bytes_by_dataset() == {ds.ref.id: guest_bytes}  # (what status and labels show)
         engine.close()  # release handles, as readers closing their files would
         freed = await asyncio.to_thread(engine.evictor.make_room, engine.capacity - total + guest_bytes // 2)
         assert 0 < freed

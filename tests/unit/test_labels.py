@@ -62,7 +62,7 @@ def test_desired_metadata_and_read_back_round_trip():
     labels, annotations = desired_metadata(summary, now=0)
     assert labels == {dataset_key(a): "90", GROUP_LABEL: "rack-1", FREE_LABEL: "5"}
     assert json.loads(annotations[dataset_key(a)]) == {
-        "url": "s3://b/a", "cachedBytes": 900, "totalBytes": 1000, "manifestVersion": 3,
+        "url": "s3://b/a", "cachedBytes": 900, "totalBytes": 1000, "guestBytes": 0, "manifestVersion": 3,
         "updatedAt": "1970-01-01T00:00:00Z"}
     assert json.loads(annotations[NODE_ANNOTATION])["freeBytes"] == 5 * 2**30 + 7
     view = read_node("n1", labels, annotations)
@@ -124,8 +124,8 @@ def test_members_weigh_their_annotated_cache_capacity():
 
     def node(name: str, capacity: int | None, datasets: dict | None = None) -> dict:
         ann = {} if capacity is None else {NODE_ANNOTATION: json.dumps({"capacityBytes": capacity})}
-        for ds_id, (c, t) in (datasets or {}).items():
-            ann[dataset_key(ds_id)] = json.dumps({"cachedBytes": c, "totalBytes": t})
+        for ds_id, (c, t) in (datasets or {}).items():  # (each also holds 5 bytes of guest copies)
+            ann[dataset_key(ds_id)] = json.dumps({"cachedBytes": c + 5, "guestBytes": 5, "totalBytes": t})
         return {"metadata": {"name": name, "labels": {GROUP_LABEL: "g"}, "annotations": ann}}
 
     a = dataset_id("s3://b/a")
