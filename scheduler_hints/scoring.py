@@ -60,9 +60,10 @@ class Weights:
     #: them, so they are filled tightest first (hole fit 1), which frees whole nodes soonest at no cost in data.
     hole_data_spread: float = 0.1
     topology: float = 0.8
-    #: Node labels naming topology levels, innermost first (NVLink domain, leaf switch, rack …).
+    #: Node labels naming topology levels, innermost first (NVLink domain, leaf switch, rack …). The cache group
+    #: is the outermost: a gang that fits in the group holding its data is kept inside it (docs/LABELS.md).
     topology_levels: tuple[str, ...] = ("nvidia.com/gpu.clique", "network.topology.nvidia.com/block",
-                                        "topology.kubernetes.io/rack")
+                                        "topology.kubernetes.io/rack", "cachefs.io/cache-group")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from ..cluster.auth import SharedSecret, TokenReviewer
 from ..cluster.heat import HeatTracker
-from ..cluster.members_file import REWRITE_EVERY, GroupView, members_path, write_members
+from ..cluster.members_file import REWRITE_EVERY, GroupView, members_path, placement_path, write_members
 from ..cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTable, parse_peers
 from ..cluster.tls import GroupTLS
 from ..config import Config, hot_bytes_per_s, parse_listen
@@ -208,6 +208,8 @@ async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio
         table.expire()
         if table.generation != written or loop.time() - since >= REWRITE_EVERY:
             try:
+                if table.generation != written:  # (the table first: a reader that sees the members finds it)
+                    await asyncio.to_thread(table.placement.save, placement_path(cache_dir))
                 await asyncio.to_thread(write_members, cache_dir, view())
                 written, since = table.generation, loop.time()
             except OSError as exc:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from .members import Member
 
-__all__ = ["REWRITE_EVERY", "STALE_AFTER", "GroupView", "members_path", "read_members", "write_members"]
+__all__ = ["REWRITE_EVERY", "STALE_AFTER", "GroupView", "members_path", "placement_path", "read_members",
+           "write_members"]
 
 REWRITE_EVERY = 30.0
 STALE_AFTER = 120.0
@@ -40,6 +41,11 @@ class GroupView:
 
 def members_path(cache_dir: str) -> str:
     return os.path.join(cache_dir, "cluster", "members.json")
+
+
+def placement_path(cache_dir: str) -> str:
+    """The agent's placement table for its members (readers load it rather than build it)."""
+    return os.path.join(cache_dir, "cluster", "placement.npz")
 
 
 def write_members(cache_dir: str, view: GroupView) -> None:

@@ -89,22 +89,26 @@ class MemberTable:
             self.generation += 1
         return changed
 
-    def _first_view(self, members: Mapping[str, Member], draining) -> bool:
+    def _first_view(self, members: Mapping[str, Member], draining, made=None) -> bool:
         """An empty table's first members: one table made at once (a join is incremental, and N of them cost N
-        passes over the slots: ~6 ms each at 5,000 members, bench/placement_bench.py, half a minute for all)."""
+        passes over the slots: ~6 ms each at 5,000 members, bench/placement_bench.py, half a minute for all), or
+        taken as ``made`` hands it over."""
         if self._members or not members:
             return False
         now = self.clock()
         self._members = dict(members)
         self._draining = {n: now for n in draining if n in members}
-        self.placement = Placement([Weighted(n, m.weight) for n, m in members.items()])
+        weighted = [Weighted(n, m.weight) for n, m in members.items()]
+        self.placement = (made(weighted) if made is not None else None) or Placement(weighted)
         self.generation += 1
         return True
 
-    def replace(self, members: Mapping[str, Member], draining: frozenset[str] | set[str]) -> bool:
+    def replace(self, members: Mapping[str, Member], draining: frozenset[str] | set[str], *,
+                made: Callable[[list[Weighted]], Placement | None] | None = None) -> bool:
         """Take the members and draining set another process decided (the agent's members file): placement
-        follows, incrementally. Returns whether anything changed."""
-        if self._first_view(members, draining):
+        follows, incrementally; ``made(members)``, on the first view, may hand over a table the agent made for
+        them. Returns whether anything changed."""
+        if self._first_view(members, draining, made):
             return True
         now, placement, changed = self.clock(), self.placement, False
         for name in [n for n in self._members if n not in members]:

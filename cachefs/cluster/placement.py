@@ -17,6 +17,7 @@ capacity class as a whole stays within 1 % (``python -m bench.placement_bench``)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -117,6 +118,33 @@ class Placement:
     def slot_owners(self) -> np.ndarray:
         """The owner of every slot, as member names' indices (for tests and status)."""
         return self._who[:, 0].copy()
+
+    # -- handing the table to another process --------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Write the table (atomically) for the node's other processes: a reader in a group of thousands of
+        members then loads it instead of building it (10 s at 5,000 members)."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, names=np.array(self.names, dtype=str), weights=self._weights, who=self._who,
+                     score=self._score)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, members: Sequence[Weighted]) -> Placement | None:
+        """The table at ``path`` if it was made for exactly ``members`` (names and weights), else None."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                names = [str(n) for n in z["names"]]
+                weights, who, score = z["weights"], z["who"], z["score"]
+        except (OSError, ValueError, KeyError):
+            return None
+        want = {m.name: max(m.weight, 1e-9) for m in members}
+        if len(names) != len(want) or any(want.get(n) != float(w) for n, w in zip(names, weights, strict=True)):
+            return None
+        if who.shape != (SLOTS, RANK) or score.shape != (SLOTS, RANK) or who.max(initial=-1) >= len(names):
+            return None
+        by_name = {m.name: m for m in members}
+        return cls([by_name[n] for n in names], _table=(who.astype(np.int32), score.astype(np.float64)))
 
     # -- changes --------------------------------------------------------------------------------------------
     def joined(self, member: Weighted) -> Placement:

@@ -8,6 +8,7 @@ added is killed instead (a weaker model: it misses processes reparented to init)
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -85,4 +86,14 @@ class Container:
         if self.path and os.path.isdir(self.path):
             if self.members():
                 self.kill()
-            os.rmdir(self.path)
+            # An empty cgroup.procs does not mean the kernel is done: killed tasks still being reaped keep the
+            # cgroup populated, and rmdir says EBUSY until they are gone (a flake seen in make test).
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    os.rmdir(self.path)
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise
+                time.sleep(0.05)

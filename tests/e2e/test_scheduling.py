@@ -198,18 +198,20 @@ def test_a_pod_goes_to_the_cache_group_holding_its_dataset_over_a_node_holding_m
     members' shares: docs/LABELS.md); node b holds 35 % alone. Reading from a peer beats the origin, so the pods
     go to group a. (Adding up only a's two labelled nodes, 50 %, would have sent them to b.)"""
     sel = {"e2e": "group"}
+    url = "s3://e2e-bucket/group-sharded"  # (a dataset no other test's nodes hold: nothing to wait for elsewhere)
+    ds = dataset_id(url)
     for name, own, group, rack in (("grp-a1", 250, 950, "rack-ga"), ("grp-a2", 250, 950, "rack-ga"),
                                    ("grp-b1", 350, 350, "rack-gb")):
         make_node(k8s, name, labels=sel)
         labels, annotations = desired_metadata(NodeCacheSummary(
-            (DatasetCache(URL, DS, own * 2**30, 1000 * 2**30, 1),), 0, 0, 0, rack,
-            group_datasets=(DatasetCache("", DS, group * 2**30, 1000 * 2**30),)))
-        assert labels[f"group.cachefs.io/{DS}"] == str(group // 10)
+            (DatasetCache(url, ds, own * 2**30, 1000 * 2**30, 1),), 0, 0, 0, rack,
+            group_datasets=(DatasetCache("", ds, group * 2**30, 1000 * 2**30),)))
+        assert labels[f"group.cachefs.io/{ds}"] == str(group // 10)
         k8s.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": labels, "annotations": annotations}},
                     content_type="application/merge-patch+json")
     time.sleep(1)  # let the extender's node watch see the labels
     for i in range(2):
-        k8s.apply(make_pod(f"grp-{i}", selector=sel, annotations={"cachefs.io/datasets": URL}))
+        k8s.apply(make_pod(f"grp-{i}", selector=sel, annotations={"cachefs.io/datasets": url}))
     for i in range(2):
         assert wait_for(lambda i=i: node_of(k8s, f"grp-{i}"), 60, f"grp-{i} bound") in ("grp-a1", "grp-a2")
     for i in range(2):

@@ -82,3 +82,32 @@ def test_small_files_are_placed_by_windows_of_their_directory():
     placement = Placement([Weighted(f"n{i}") for i in range(4)])
     owners = {placement.owner(k) for k in set(keys)}
     assert len(owners) == 4  # the one directory is served by every member
+
+
+def test_the_agents_table_is_handed_to_readers_only_for_the_same_members(tmp_path):
+    """The agent writes its table; a reader whose members file names the same members and weights loads it
+    instead of building it (seconds at thousands of members); anything else, or a damaged file, is not used."""
+    import numpy as np
+
+    from cachefs.cluster.membership import MemberTable, parse_peers
+
+    members = [Weighted(f"n{i}", 1.0 + (i % 3)) for i in range(300)]
+    made = Placement(members)
+    path = str(tmp_path / "placement.npz")
+    made.save(path)
+    loaded = Placement.load(path, list(reversed(members)))  # (order does not matter, names and weights do)
+    assert loaded is not None
+    assert (np.array(loaded.names)[loaded.slot_owners()] == np.array(made.names)[made.slot_owners()]).all()
+    assert Placement.load(path, members[:-1]) is None
+    assert Placement.load(path, [*members[:-1], Weighted("n299", 9.0)]) is None
+    assert Placement.load(str(tmp_path / "none.npz"), members) is None
+    (tmp_path / "bad.npz").write_bytes(b"not a table")
+    assert Placement.load(str(tmp_path / "bad.npz"), members) is None
+    # A reader's first view takes it.
+    table = MemberTable("")
+    spec = ",".join(f"{m.name}=10.0.0.{i % 250}:1@{m.weight}" for i, m in enumerate(members))
+    handed = Placement.load(path, members)
+    table.replace(parse_peers(spec), frozenset(), made=lambda ms: handed if Placement.load(path, ms) else None)
+    assert table.placement is handed
+    assert (np.array(table.placement.names)[table.placement.slot_owners()]
+            == np.array(made.names)[made.slot_owners()]).all()

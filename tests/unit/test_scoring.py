@@ -333,3 +333,21 @@ def test_a_group_that_shards_a_dataset_counts_as_holding_all_of_it():
     assert locality(needs, newcomer, groups) == pytest.approx(Weights().domain)
     assert locality(needs, outsider, groups) == 0.0
     assert locality(needs, members[0], groups) > locality(needs, newcomer, groups) > locality(needs, outsider, groups)
+
+
+def test_a_gang_stays_inside_the_cache_group_holding_its_data_when_the_gpus_allow():
+    """Two cache groups with room for the whole gang; group a shards the dataset (each member half of it). The
+    first member picks group a (the cache group is the outermost topology level), the next ones stay there."""
+    g = "cachefs.io/cache-group"
+    assert Weights().topology_levels[-1] == g
+    a = [node(f"a{i}", {A: 0.5}, group="rack-a", labels={g: "rack-a"}, alloc=8, free=8) for i in range(2)]
+    b = [node(f"b{i}", {}, group="rack-b", labels={g: "rack-b"}, alloc=8, free=8) for i in range(3)]
+    cluster = [*a, *b]
+    needs = PodNeeds({A: 100}, 8)
+    w = Weights()
+    groups = group_fractions(cluster)
+    loc = locality_scorer(needs, groups, w)
+    first = score_nodes(needs, cluster, loc, w, gang_size=2, cluster=cluster)
+    assert min(first[:2]) > max(first[2:]), first
+    then = score_nodes(needs, [a[1], *b], loc, w, gang_size=2, placed=[a[0]])  # (a0 taken by the first)
+    assert then[0] > max(then[1:]), then
