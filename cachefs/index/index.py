@@ -4,12 +4,10 @@ crash never leaves a half-updated record (each update is one transaction)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 
 import lmdb
 
@@ -23,6 +21,9 @@ from .records import (
     FORMAT_VERSION,
     PACKED,
     TOTALS,
+    DatasetRecord,
+    DatasetStats,
+    ManifestInfo,
     ObjectRecord,
     PackRecord,
     pack_key,
@@ -30,47 +31,6 @@ from .records import (
 from .reserve import IndexReserve, reserve_size
 
 __all__ = ["DatasetRecord", "DatasetStats", "Index", "ManifestInfo"]
-
-
-@dataclass
-class ManifestInfo:
-    version: int
-    created: float
-    files: int
-    bytes: int
-    skipped: int = 0
-    #: The largest file's size (None: a manifest written before this was recorded).
-    largest: int | None = None
-
-
-@dataclass
-class DatasetRecord:
-    """What the node knows about a dataset: its URL and manifest versions (the newest is ``current``)."""
-
-    id: str
-    url: str
-    current: int = 0
-    manifests: list[ManifestInfo] = field(default_factory=list)
-
-    def manifest(self, version: int | None = None) -> ManifestInfo | None:
-        want = self.current if version is None else version
-        return next((m for m in self.manifests if m.version == want), None)
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> DatasetRecord:
-        d = json.loads(bytes(raw))
-        d["manifests"] = [ManifestInfo(**m) for m in d.get("manifests", [])]
-        return cls(**d)
-
-
-@dataclass(frozen=True)
-class DatasetStats:
-    cached_bytes: int
-    hit_bytes: int
-    miss_bytes: int
 
 
 def _bkey(okey: bytes, idx: int) -> bytes:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
-__all__ = ["BLOCK", "DIR_HEAT", "DS_STATS", "EVICTED", "FORMAT_VERSION", "PACKED", "TOTALS", "ObjectRecord",
-           "PackRecord"]
+__all__ = ["BLOCK", "DIR_HEAT", "DS_STATS", "EVICTED", "FORMAT_VERSION", "PACKED", "TOTALS", "DatasetRecord",
+           "DatasetStats", "ManifestInfo", "ObjectRecord", "PackRecord"]
 
 #: Bump when any record layout or the data-file layout changes; an index of another version is refused.
 FORMAT_VERSION = 2
@@ -80,3 +81,44 @@ class PackRecord:
 def pack_key(dataset: str, pack_id: int) -> bytes:
     """packs: key = dataset id (16 ASCII) + pack id (u64 BE); pack_members: that key + member object key."""
     return dataset.encode() + pack_id.to_bytes(8, "big")
+
+
+@dataclass
+class ManifestInfo:
+    version: int
+    created: float
+    files: int
+    bytes: int
+    skipped: int = 0
+    #: The largest file's size (None: a manifest written before this was recorded).
+    largest: int | None = None
+
+
+@dataclass
+class DatasetRecord:
+    """What the node knows about a dataset: its URL and manifest versions (the newest is ``current``)."""
+
+    id: str
+    url: str
+    current: int = 0
+    manifests: list[ManifestInfo] = field(default_factory=list)
+
+    def manifest(self, version: int | None = None) -> ManifestInfo | None:
+        want = self.current if version is None else version
+        return next((m for m in self.manifests if m.version == want), None)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> DatasetRecord:
+        d = json.loads(bytes(raw))
+        d["manifests"] = [ManifestInfo(**m) for m in d.get("manifests", [])]
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class DatasetStats:
+    cached_bytes: int
+    hit_bytes: int
+    miss_bytes: int
