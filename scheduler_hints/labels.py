@@ -163,6 +163,12 @@ def _rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _bucket_label(d: DatasetCache, previous: str | None) -> str:
+    """The label value of ``d``'s cached fraction, kept at ``previous`` within the hysteresis margin."""
+    prev_bucket = int(previous) if previous is not None and previous.isdigit() else None
+    return str(bucket_with_hysteresis(d.cached_bytes, d.total_bytes, prev_bucket))
+
+
 def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] | None = None,
                      now: float | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """The cachefs labels and annotations a node holding ``summary`` publishes.
@@ -178,9 +184,7 @@ def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] 
         if d.cached_bytes <= 0:
             continue
         key = dataset_key(d.id)
-        prev = previous_labels.get(key)
-        prev_bucket = int(prev) if prev is not None and prev.isdigit() else None
-        labels[key] = str(bucket_with_hysteresis(d.cached_bytes, d.total_bytes, prev_bucket))
+        labels[key] = _bucket_label(d, previous_labels.get(key))
         annotations[key] = json.dumps({
             "url": d.url, "cachedBytes": d.cached_bytes, "totalBytes": d.total_bytes, "guestBytes": d.guest_bytes,
             "manifestVersion": d.manifest_version, "updatedAt": _rfc3339(now),
@@ -191,9 +195,7 @@ def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] 
             if d.cached_bytes <= 0:
                 continue
             key = group_dataset_key(d.id)
-            prev = previous_labels.get(key)
-            prev_bucket = int(prev) if prev is not None and prev.isdigit() else None
-            labels[key] = str(bucket_with_hysteresis(d.cached_bytes, d.total_bytes, prev_bucket))
+            labels[key] = _bucket_label(d, previous_labels.get(key))
     labels[FREE_LABEL] = str(max(0, summary.free_bytes) // 2**30)
     annotations[NODE_ANNOTATION] = json.dumps({
         "freeBytes": summary.free_bytes, "capacityBytes": summary.capacity_bytes, "usedBytes": summary.used_bytes,

@@ -219,11 +219,16 @@ async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio
 
 async def _keep_heat_file(cache_dir: str, heat: HeatTracker, every: float = 2.0) -> None:
     """Write what this member served and its hot directories where ``cachefs status`` and the node's metrics
-    read them (:func:`cachefs.status.write_heat`)."""
+    read them (:func:`cachefs.status.write_heat`): within ``every`` seconds of a change, and every REWRITE_EVERY
+    seconds while nothing changes (its age tells readers of the file that the agent is alive)."""
+    loop = asyncio.get_running_loop()
+    written, since = None, 0.0
     while True:
-        try:
-            await asyncio.to_thread(write_heat, cache_dir, heat.served_requests, heat.served_bytes,
-                                    [k.to_json() for k in heat.hot()])
-        except OSError as exc:
-            log.warning("cache group: cannot write what this member served: %s", exc)
+        doc = (heat.served_requests, heat.served_bytes, [k.to_json() for k in heat.hot()])
+        if doc != written or loop.time() - since >= REWRITE_EVERY:
+            try:
+                await asyncio.to_thread(write_heat, cache_dir, *doc)
+                written, since = doc, loop.time()
+            except OSError as exc:
+                log.warning("cache group: cannot write what this member served: %s", exc)
         await asyncio.sleep(every)

@@ -89,14 +89,19 @@ class HeatTracker:
         self._decayed(h, now)
         h.requests += 1.0
         h.bytes += nbytes
-        spread = 1 + h.hot
-        req, byt = h.requests / self.tau * spread, h.bytes / self.tau * spread
         if not h.hot:
+            req, byt = h.requests / self.tau, h.bytes / self.tau
             if self.replicas and (req > self.hot_requests or byt > self.hot_bytes):
                 h.hot = self.replicas
-        elif req < self.cool_ratio * self.hot_requests and byt < self.cool_ratio * self.hot_bytes:
+        elif self._cooled(h):
             h.hot = 0
         return h.hot
+
+    def _cooled(self, h: _Heat) -> bool:
+        """Whether a hot key's group-wide rate (this member's share × the holders) fell under the cool threshold."""
+        spread = 1 + h.hot
+        return (h.requests / self.tau * spread < self.cool_ratio * self.hot_requests
+                and h.bytes / self.tau * spread < self.cool_ratio * self.hot_bytes)
 
     def replicas_of(self, dataset: str, directory: str) -> int:
         h = self._keys.get((dataset, directory))
@@ -110,11 +115,11 @@ class HeatTracker:
             if not h.hot:
                 continue
             self._decayed(h, now)
-            spread = 1 + h.hot
-            req, byt = h.requests / self.tau, h.bytes / self.tau
-            if req * spread < self.cool_ratio * self.hot_requests and byt * spread < self.cool_ratio * self.hot_bytes:
+            if self._cooled(h):
                 h.hot = 0
                 continue
+            spread = 1 + h.hot
+            req, byt = h.requests / self.tau, h.bytes / self.tau
             out.append(HotKey(ds, d, h.hot, req, byt, req * spread, byt * spread))
         return sorted(out, key=lambda k: -k.group_bytes_per_s)
 

@@ -205,10 +205,9 @@ class Index:
                     packs.append(k)
         return blocks, packs
 
-    def guest_bytes(self, dataset: str | None = None) -> int:
-        """Bytes of guest data cached (blocks and whole packs), of one dataset or all."""
-        return sum(self.guest_bytes_by_dataset().values()) if dataset is None else \
-            self.guest_bytes_by_dataset().get(dataset, 0)
+    def guest_bytes(self) -> int:
+        """Bytes of guest data cached (blocks and whole packs)."""
+        return sum(self.guest_bytes_by_dataset().values())
 
     def guest_bytes_by_dataset(self) -> dict[str, int]:
         """Bytes of guest data per dataset id."""

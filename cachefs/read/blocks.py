@@ -265,13 +265,14 @@ class BlockPath:
                 return data, False, True
             if tier.guest and self.objects.has(ob, idx):
                 return data, True, True  # (this node's agent owns it and stored it as it answered)
-            stored = await self._store(ob, idx, data, block_checksum(data), guest=tier.guest)
+            checksum = block_checksum(data)
+            stored = await self._store(ob, idx, data, checksum, guest=tier.guest)
             if not stored and ob.stale and not self.closing:
                 # Its file was evicted or rewritten (guest blocks out) while the block was on its way: the block
                 # goes into the object's file as it is now, not into the memory of one process.
                 fresh = self.objects.acquire(ds.ref.id, entry, ob.key)
                 try:
-                    stored = await self._store(fresh, idx, data, block_checksum(data), guest=tier.guest)
+                    stored = await self._store(fresh, idx, data, checksum, guest=tier.guest)
                 finally:
                     self.objects.release(fresh)
         return data, stored, tier.guest  # (a guest a full disk could not take is no error: its owner keeps it)

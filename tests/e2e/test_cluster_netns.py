@@ -261,22 +261,6 @@ def test_a_group_reads_each_byte_once_from_the_origin_and_rides_out_kills_joins_
     assert 0 < figures["cachedBytes"] - figures["guestBytes"] < figures["totalBytes"], figures  # owns a share
 
 
-HOT_READER = r"""
-import hashlib, json, sys
-import fsspec
-url, cache_dir, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url)
-paths = sorted(fs.find(url + "/small/d0"))
-out = {}
-for _ in range(rounds):
-    for path in paths:
-        with fs.open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        assert out.setdefault(path, digest) == digest, path
-print(json.dumps({p[len(url.split("://", 1)[1]) + 1:]: d for p, d in out.items()}))
-"""
-
-
 def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_less(cluster):
     """Every node reads one directory of small files over and over (readers that keep nothing: every read asks
     the group). Past the hot threshold its owner says so, readers spread over it and two replicas, the replicas
@@ -284,6 +268,7 @@ def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_
     from cachefs.status import cluster_report
     from cachefs.tiers.peer import small_key
     from cachefs.types import dataset_id
+    from tests.integration.test_cluster import HOT_READER
 
     c = cluster
     # (readers store nothing, and each round is a new reader process: every round asks the group again)
@@ -302,7 +287,7 @@ def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_
     def read(rounds: int) -> None:
         want = {p: hashlib.sha256(b).hexdigest() for p, b in c.files.items() if p.startswith("small/d0/")}
         for _ in range(rounds):
-            procs = [c.lab.popen(n, [sys.executable, "-c", HOT_READER, "s3://data/ds", c.cache(n), "1"],
+            procs = [c.lab.popen(n, [sys.executable, "-c", HOT_READER, "s3://data/ds", c.cache(n), "small/d0", "1"],
                                  env=c.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                      for n in c.lab.nodes]
             for p in procs:

@@ -375,12 +375,13 @@ def test_a_refresh_on_one_node_is_taken_by_the_group(group):
     assert group.server.requests()["lists"] - lists == listed_by_refresh  # n2 and n3 listed nothing
 
 
+#: Reads every file of one directory of the dataset ``rounds`` times over; prints their digests (the e2e tier too).
 HOT_READER = r"""
 import hashlib, json, sys
 import fsspec
-url, cache_dir, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+url, cache_dir, directory, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url)
-paths = sorted(fs.find(url + "/hot"))
+paths = sorted(fs.find(url + "/" + directory))
 out = {}
 for _ in range(rounds):
     for path in paths:
@@ -417,7 +418,7 @@ def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_
         server.requests(reset=True)
 
         def read(rounds: int) -> None:
-            procs = [subprocess.Popen([sys.executable, "-c", HOT_READER, g.url, g.cache(n), str(rounds)],
+            procs = [subprocess.Popen([sys.executable, "-c", HOT_READER, g.url, g.cache(n), "hot", str(rounds)],
                                       env=g.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                      for n in g.names]
             for p in procs:
