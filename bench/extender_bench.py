@@ -25,7 +25,7 @@ from functools import partial
 
 from aiohttp import web
 
-from cachefs.types import dataset_id
+from cachefs.base.types import dataset_id
 from scheduler_hints.extender import Extender, make_app, tune_gc
 from scheduler_hints.labels import dataset_key
 

@@ -48,7 +48,7 @@ def main() -> None:
 
 def run(args, server, work: str, capped: bool) -> None:
     from cachefs.fuse.mount import unmount
-    from cachefs.mount_records import list_mounts
+    from cachefs.index.mounts import list_mounts
 
     os.environ.update(server.env())
     client = server.client()

@@ -142,7 +142,7 @@ def cachefs_mount(url: str, mnt: str, cache: str, *extra: str) -> Mount:
 
 
 def daemon_pid(cache: str, mnt: str) -> int:
-    from cachefs.mount_records import list_mounts
+    from cachefs.index.mounts import list_mounts
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -218,10 +218,10 @@ def main() -> None:
 def run(args, server, work: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from cachefs._aio import run_sync
-    from cachefs.config import load_config
+    from cachefs.base.aio import run_sync
+    from cachefs.base.config import load_config
     from cachefs.engine import Engine, ReadStream
-    from cachefs.mount_records import list_mounts
+    from cachefs.index.mounts import list_mounts
 
     creds = server.env()
     os.environ.update(creds)

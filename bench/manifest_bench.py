@@ -16,11 +16,11 @@ import shutil
 import tempfile
 import time
 
-from cachefs.config import load_config
+from cachefs.base.config import load_config
+from cachefs.base.types import Entry
 from cachefs.engine import Engine
 from cachefs.index import Index
 from cachefs.manifest import ManifestStore, ManifestWriter
-from cachefs.types import Entry
 
 
 def main() -> None:

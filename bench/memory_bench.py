@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 
-from cachefs.config import parse_size
+from cachefs.base.config import parse_size
 
 
 def rss_mib() -> float:

@@ -131,12 +131,12 @@ def tiny_row(args, client, work: str, kib: int) -> None:
     """One row of part 2: files of ``kib`` KiB packed by a prefetch, then read and written both ways."""
     import lmdb
 
-    from cachefs.checksum import block_checksum
-    from cachefs.config import load_config
+    from cachefs.base.checksum import block_checksum
+    from cachefs.base.config import load_config
+    from cachefs.base.types import dataset_id
     from cachefs.engine import Engine
     from cachefs.index.index import Index
     from cachefs.store.packs import Member, PackStore
-    from cachefs.types import dataset_id
 
     size = kib * KIB
     count = min(args.max_files, max(1000, args.mib * 1024 // kib))

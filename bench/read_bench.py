@@ -201,7 +201,7 @@ def run(args, server, work: str, capped: bool) -> None:
     # bare GETs of the same objects through the same (retrying) source, 128 in flight, nothing stored
     import asyncio
 
-    from cachefs._aio import run_sync
+    from cachefs.base.aio import run_sync
     from cachefs.jobs import warm as warm_up
 
     fs = fs_for("cachefs", os.path.join(work, "prefetch"))

@@ -8,12 +8,12 @@ The engine composes the parts and is the one door the front ends (FUSE, fsspec, 
   (:mod:`cachefs.read.blocks`), small ones packed (:mod:`cachefs.read.packs`) — and hands back an
   :class:`~cachefs.read.OpenFile`;
 * what misses goes through the tier chains (:mod:`cachefs.tiers`) within the origin funnel's limits
-  (:mod:`cachefs.funnel`); writes within the disk's room (:mod:`cachefs.space`); eviction
-  (:mod:`cachefs.eviction`) and access statistics (:mod:`cachefs.read_stats`) run in the background.
+  (:mod:`cachefs.node.funnel`); writes within the disk's room (:mod:`cachefs.node.space`); eviction
+  (:mod:`cachefs.node.eviction`) and access statistics (:mod:`cachefs.node.read_stats`) run in the background.
 
 Two doors, one path: the async methods run on the cachefs event loop. Sync callers (fsspec files, FUSE handlers)
 call ``read_local`` first, which serves what is on this node from the calling thread, and fall back to ``read``
-through :func:`cachefs._aio.run_sync` on a miss.
+through :func:`cachefs.base.aio.run_sync` on a miss.
 """
 
 from __future__ import annotations
@@ -24,28 +24,28 @@ import logging
 import threading
 from typing import Any
 
-from . import metrics
-from ._memory import bound_allocator
-from .config import Config, parse_replicas, prepare_cache_dir, resolve_size
-from .dataset import Dataset
-from .disk_jobs import DiskJobs
-from .errors import ConfigError
-from .eviction import Evictor
-from .funnel import OriginFunnel
-from .group import GroupLink
-from .index import DatasetRecord, Index
-from .manifest import ManifestStore, take_snapshot
-from .manifest.shipping import ReceivedListing
-from .open_objects import OpenObjects
-from .pack_assembly import PackAssemblies
-from .read import BlockFile, BlockPath, OpenFile, PackedFile, PackPath, ReadStream
-from .read_stats import ReadStats
-from .sources import Source, open_origin
-from .space import DiskSpace
-from .store import DiskStore
-from .store.packs import WOULD_WAIT, PackStore
-from .tiers import MirrorTier, OriginTier, TierChain, TierCounts
-from .types import DatasetRef, Entry, object_key
+from cachefs.base import metrics
+from cachefs.base.config import Config, parse_replicas, prepare_cache_dir, resolve_size
+from cachefs.base.errors import ConfigError
+from cachefs.base.memory import bound_allocator
+from cachefs.base.types import DatasetRef, Entry, object_key
+from cachefs.group import GroupLink
+from cachefs.index import DatasetRecord, Index
+from cachefs.manifest import ManifestStore, take_snapshot
+from cachefs.manifest.dataset import Dataset
+from cachefs.manifest.shipping import ReceivedListing
+from cachefs.node.disk_jobs import DiskJobs
+from cachefs.node.eviction import Evictor
+from cachefs.node.funnel import OriginFunnel
+from cachefs.node.open_objects import OpenObjects
+from cachefs.node.pack_assembly import PackAssemblies
+from cachefs.node.read_stats import ReadStats
+from cachefs.node.space import DiskSpace
+from cachefs.read import BlockFile, BlockPath, OpenFile, PackedFile, PackPath, ReadStream
+from cachefs.sources import Source, open_origin
+from cachefs.store import DiskStore
+from cachefs.store.packs import WOULD_WAIT, PackStore
+from cachefs.tiers import MirrorTier, OriginTier, TierChain, TierCounts
 
 __all__ = ["WOULD_WAIT", "Dataset", "Engine", "OpenFile", "ReadStream", "get_engine"]
 
@@ -98,12 +98,12 @@ class Engine:
         atexit.register(self._at_exit)
 
     def _at_exit(self) -> None:
-        from . import _aio
+        from cachefs.base import aio
 
-        loop = _aio.get_loop() if self._sources or self.group.client is not None else None
+        loop = aio.get_loop() if self._sources or self.group.client is not None else None
         if loop is not None and loop.is_running():
             try:
-                _aio.run_sync(self.aclose(), timeout=5)
+                aio.run_sync(self.aclose(), timeout=5)
                 return
             except Exception:  # noqa: BLE001 - best effort at interpreter exit
                 pass

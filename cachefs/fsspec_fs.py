@@ -21,11 +21,11 @@ from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
-from ._aio import run_sync
-from .config import load_config
-from .engine import Dataset, Engine, ReadStream, get_engine
-from .errors import InvalidURLError, ReadOnlyError
-from .types import Entry, canonical_url
+from cachefs.base.aio import run_sync
+from cachefs.base.config import load_config
+from cachefs.base.errors import InvalidURLError, ReadOnlyError
+from cachefs.base.types import Entry, canonical_url
+from cachefs.engine import Dataset, Engine, ReadStream, get_engine
 
 try:  # fsspec >= 2025.10 marks chaining-aware filesystems with this base class
     from fsspec.implementations.chained import ChainedFileSystem as _Base

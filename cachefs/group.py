@@ -14,12 +14,12 @@ import logging
 import os
 import time
 
-from .cluster.members_file import STALE_AFTER, GroupView, members_path, placement_path, read_members
-from .cluster.tls import GroupTLS
-from .errors import CacheFSError
-from .manifest.shipping import pack_manifest, unpack_manifest
-from .tiers import PeerTier
-from .types import DatasetRef, Entry
+from cachefs.base.errors import CacheFSError
+from cachefs.base.types import DatasetRef, Entry
+from cachefs.cluster.members_file import STALE_AFTER, GroupView, members_path, placement_path, read_members
+from cachefs.cluster.tls import GroupTLS
+from cachefs.manifest.shipping import pack_manifest, unpack_manifest
+from cachefs.tiers import PeerTier
 
 __all__ = ["GroupLink", "manifest_key"]
 
@@ -78,8 +78,8 @@ class GroupLink:
             self.view = None
             return self.table.replace({}, frozenset()) if self.table is not None else False
         if self.table is None:
-            from .cluster.membership import MemberTable
-            from .cluster.peer_client import PeerClient
+            from cachefs.cluster.membership import MemberTable
+            from cachefs.cluster.peer_client import PeerClient
 
             self.table, self.client = MemberTable("", grace=float("inf")), PeerClient("", None)
         self.view = view
@@ -89,7 +89,7 @@ class GroupLink:
 
     def _agents_table(self, members):
         """The table the agent wrote for exactly these members, if it did (a group of thousands: seconds saved)."""
-        from .cluster.placement import Placement
+        from cachefs.cluster.placement import Placement
 
         return Placement.load(placement_path(self.cache_dir), members)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from cachefs.errors import ConfigError
+from cachefs.base.errors import ConfigError
 
 __all__ = ["ApiError", "KubeClient", "KubeConfig", "Reflector", "load_kube_config"]
 

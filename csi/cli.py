@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from cachefs.config import Config
-from cachefs.errors import ConfigError
+from cachefs.base.config import Config
+from cachefs.base.errors import ConfigError
 
 __all__ = ["add_commands", "csi", "csi_mounter"]
 
@@ -44,7 +44,7 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
 
 
 async def csi(args: argparse.Namespace, config: Config) -> int:
-    from .server import serve
+    from csi.server import serve
 
     if args.session_idle_timeout < 0:
         raise ConfigError("--session-idle-timeout must be 0 or more seconds")
@@ -59,8 +59,8 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
 
 
 async def csi_mounter(args: argparse.Namespace, config: Config) -> int:
-    from .mounter import serve_mounter
-    from .server import socket_path
+    from csi.mounter import serve_mounter
+    from csi.server import socket_path
 
     state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
     _serve_metrics(args, config)
@@ -70,7 +70,7 @@ async def csi_mounter(args: argparse.Namespace, config: Config) -> int:
 
 def _serve_metrics(args: argparse.Namespace, config: Config) -> None:
     if args.metrics_listen:
-        from cachefs.config import parse_listen
-        from cachefs.metrics_server import serve_metrics
+        from cachefs.base.config import parse_listen
+        from cachefs.status.server import serve_metrics
 
         serve_metrics(config, *parse_listen(args.metrics_listen, "--metrics-listen"))

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import grpc
 
 from cachefs import __version__
-from cachefs.errors import (
+from cachefs.base.errors import (
     AccessDeniedError,
     CacheFSError,
     CacheFullError,
@@ -33,13 +33,12 @@ from cachefs.errors import (
     ObjectNotFoundError,
     OriginUnavailableError,
 )
-from cachefs.metrics import CSI_CALLS, safely
-
-from .gen import csi_pb2 as pb
-from .gen import csi_pb2_grpc as rpc
-from .mounter import MounterUnavailable
-from .sessions import SessionManager
-from .volume import KUBE_ADDED, DatasetVolume, VolumeError, credentials_env
+from cachefs.base.metrics import CSI_CALLS, safely
+from csi.gen import csi_pb2 as pb
+from csi.gen import csi_pb2_grpc as rpc
+from csi.mounter import MounterUnavailable
+from csi.sessions import SessionManager
+from csi.volume import KUBE_ADDED, DatasetVolume, VolumeError, credentials_env
 
 __all__ = ["DRIVER_NAME", "TOPOLOGY_KEY", "ControllerService", "IdentityService", "NodeService"]
 

@@ -33,11 +33,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cachefs import errors as _errors
-from cachefs.config import default_log_dir
-from cachefs.errors import CacheFSError, ConfigError
+from cachefs.base import errors as _errors
+from cachefs.base.config import default_log_dir
+from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.fuse.holder import start_holder
-from cachefs.mount_records import mount_file
+from cachefs.index.mounts import mount_file
 
 __all__ = ["LocalMounter", "MountRequest", "Mounter", "MounterUnavailable", "RemoteMounter", "serve_mounter"]
 

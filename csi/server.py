@@ -18,12 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cachefs.errors import ConfigError
-
-from .driver import ControllerService, IdentityService, NodeService
-from .gen import csi_pb2_grpc as rpc
-from .mounter import RemoteMounter
-from .sessions import SessionManager
+from cachefs.base.errors import ConfigError
+from csi.driver import ControllerService, IdentityService, NodeService
+from csi.gen import csi_pb2_grpc as rpc
+from csi.mounter import RemoteMounter
+from csi.sessions import SessionManager
 
 __all__ = ["serve"]
 

@@ -20,11 +20,10 @@ import os
 import threading
 import time
 
-from cachefs.errors import CacheFSError
+from cachefs.base.errors import CacheFSError
 from cachefs.fuse.mount import bind_mount, is_fuse_mount, is_mount_point, is_stale_mount, other_mounts_of, unmount
-
-from .mounter import LocalMounter, Mounter, MountRequest
-from .volume import DatasetVolume
+from csi.mounter import LocalMounter, Mounter, MountRequest
+from csi.volume import DatasetVolume
 
 __all__ = ["SessionManager"]
 

@@ -20,8 +20,8 @@ async def publish_labels(ctx) -> None:
     if ctx.kube is None:
         log.info("no Kubernetes API: node labels are not published")
         return
-    from .publisher import Publisher
-    from .summary import IndexSummary
+    from scheduler_hints.publisher import Publisher
+    from scheduler_hints.summary import IndexSummary
 
     summary = IndexSummary(ctx.config, ctx.group, node=ctx.node, group_datasets=ctx.group_datasets)
     await Publisher(ctx.kube, ctx.node, summary, min_interval=MIN_INTERVAL).run(INTERVAL)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from cachefs.base.config import Config
+from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.cli.output import print_json
-from cachefs.config import Config
-from cachefs.errors import CacheFSError, ConfigError
 
 __all__ = ["add_commands", "extender_tls", "labels", "publish_labels", "scheduler_extender"]
 
@@ -53,10 +53,9 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
 
 
 async def labels(args: argparse.Namespace, config: Config) -> int:
-    from cachefs.config import parse_size
-    from cachefs.types import DatasetRef, dataset_id
-
-    from .labels import DatasetCache, LabelError, NodeCacheSummary, desired_metadata
+    from cachefs.base.config import parse_size
+    from cachefs.base.types import DatasetRef, dataset_id
+    from scheduler_hints.labels import DatasetCache, LabelError, NodeCacheSummary, desired_metadata
 
     cached, total = parse_size(args.cached, "--cached"), parse_size(args.total, "--total")
     ds = DatasetCache(DatasetRef.from_url(args.url).url, dataset_id(args.url), cached, total)
@@ -70,9 +69,9 @@ async def labels(args: argparse.Namespace, config: Config) -> int:
 
 
 async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
-    from .config import load_extender_config
-    from .extender import Extender, serve
-    from .gang import GangManager
+    from scheduler_hints.config import load_extender_config
+    from scheduler_hints.extender import Extender, serve
+    from scheduler_hints.gang import GangManager
 
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -82,7 +81,7 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
     if args.metrics_listen:
         from prometheus_client import start_http_server
 
-        from cachefs.config import parse_listen
+        from cachefs.base.config import parse_listen
 
         metrics_host, metrics_port = parse_listen(args.metrics_listen, "--metrics-listen")
         start_http_server(metrics_port, addr=metrics_host)
@@ -93,8 +92,7 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
         await serve(ext, host.strip("[]"), int(port), ssl_context, int(cfg.max_request_bytes))
         return 0
     from cachefs.kube import KubeClient, load_kube_config
-
-    from .watch import ClusterWatch, KubeBinder
+    from scheduler_hints.watch import ClusterWatch, KubeBinder
 
     client = KubeClient(load_kube_config(args.kubeconfig))
     ext.binder = KubeBinder(client)
@@ -143,10 +141,9 @@ async def publish_labels(args: argparse.Namespace, config: Config) -> int:
     import os
 
     from cachefs.kube import ApiError, KubeClient, load_kube_config
-
-    from .labels import validate_label_value
-    from .publisher import Publisher, rbac_hint
-    from .summary import IndexSummary
+    from scheduler_hints.labels import validate_label_value
+    from scheduler_hints.publisher import Publisher, rbac_hint
+    from scheduler_hints.summary import IndexSummary
 
     node = args.node or os.environ.get("NODE_NAME")
     if not node:

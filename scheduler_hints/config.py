@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from cachefs.errors import ConfigError
-
-from .scoring import Weights
+from cachefs.base.errors import ConfigError
+from scheduler_hints.scoring import Weights
 
 __all__ = ["ExtenderConfig", "load_extender_config"]
 

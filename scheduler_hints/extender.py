@@ -27,13 +27,13 @@ from typing import Any
 
 from aiohttp import web
 
-from . import metrics
-from .gang import GangManager
-from .memo import replaced, room
-from .node_cache import NodeCache
-from .pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
-from .request_nodes import RequestNodes
-from .scoring import (
+from scheduler_hints import metrics
+from scheduler_hints.gang import GangManager
+from scheduler_hints.memo import replaced, room
+from scheduler_hints.node_cache import NodeCache
+from scheduler_hints.pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
+from scheduler_hints.request_nodes import RequestNodes
+from scheduler_hints.scoring import (
     NodeState,
     PodNeeds,
     Weights,
@@ -45,7 +45,7 @@ from .scoring import (
     short_hole_fit_of,
     whole_nodes_short,
 )
-from .wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
+from scheduler_hints.wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
 
 __all__ = ["MAX_BODY", "Binder", "Extender", "NodeCache", "RecordingBinder", "make_app"]
 

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .metrics import GANG_ADMISSIONS
-from .pods import GangRef
+from scheduler_hints.metrics import GANG_ADMISSIONS
+from scheduler_hints.pods import GangRef
 
 __all__ = ["GangManager"]
 

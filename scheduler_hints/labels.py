@@ -16,7 +16,7 @@ Per node
     annotation  ``cachefs.io/cache`` — JSON: ``freeBytes``, ``capacityBytes``, ``usedBytes``, ``updatedAt``.
 
 Names: the dataset id is 16 lowercase hex digits (a hash of the canonical dataset URL, see
-:func:`cachefs.types.dataset_id`), so every key is short and valid whatever the URL: a long or odd URL never
+:func:`cachefs.base.types.dataset_id`), so every key is short and valid whatever the URL: a long or odd URL never
 appears in a key or label value, only inside the annotation's JSON. Keys and values are checked against
 Kubernetes' rules (qualified names: a DNS-subdomain prefix of ≤ 253 characters and a name of ≤ 63
 characters; label values ≤ 63 characters of ``[A-Za-z0-9._-]`` starting and ending alphanumeric); a cache

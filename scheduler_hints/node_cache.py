@@ -8,8 +8,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .labels import DATASET_PREFIX, FREE_LABEL, read_node
-from .scoring import NodeState, domain_index, group_fractions
+from scheduler_hints.labels import DATASET_PREFIX, FREE_LABEL, read_node
+from scheduler_hints.scoring import NodeState, domain_index, group_fractions
 
 __all__ = ["OWN_LABEL_PREFIXES", "NodeCache"]
 

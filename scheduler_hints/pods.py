@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cachefs.errors import InvalidURLError
-from cachefs.types import dataset_id
+from cachefs.base.errors import InvalidURLError
+from cachefs.base.types import dataset_id
 
 __all__ = [
     "CSI_DRIVER",

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachefs.kube import ApiError, KubeClient
-
-from .labels import DATASET_PREFIX, NODE_ANNOTATION, desired_metadata, is_ours
-from .summary import SummarySource
+from scheduler_hints.labels import DATASET_PREFIX, NODE_ANNOTATION, desired_metadata, is_ours
+from scheduler_hints.summary import SummarySource
 
 __all__ = ["PublishResult", "Publisher", "metadata_patch", "rbac_hint"]
 

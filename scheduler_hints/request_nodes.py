@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .memo import room
-from .node_cache import NodeCache
-from .scoring import NodeState
-from .wire import NodeItems, NodeNames
+from scheduler_hints.memo import room
+from scheduler_hints.node_cache import NodeCache
+from scheduler_hints.scoring import NodeState
+from scheduler_hints.wire import NodeItems, NodeNames
 
 __all__ = ["RequestNodes"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .labels import NodeCacheView
-from .topology import DomainIndex, domain_free, domain_index, gang_domains
+from scheduler_hints.labels import NodeCacheView
+from scheduler_hints.topology import DomainIndex, domain_free, domain_index, gang_domains
 
 __all__ = [
     "MAX_SCORE",

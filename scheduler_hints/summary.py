@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 
-from .labels import DatasetCache, NodeCacheSummary, group_totals
+from scheduler_hints.labels import DatasetCache, NodeCacheSummary, group_totals
 
 __all__ = ["IndexSummary", "StaticSummary", "SummarySource"]
 
@@ -30,8 +30,8 @@ class IndexSummary(SummarySource):
         self._node = None
 
     def summary(self) -> NodeCacheSummary:
-        from cachefs.errors import ObjectNotFoundError
-        from cachefs.status import NodeSummary
+        from cachefs.base.errors import ObjectNotFoundError
+        from cachefs.status.summary import NodeSummary
 
         if self._node is None:
             try:

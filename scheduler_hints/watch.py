@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cachefs.kube import KubeClient, Reflector
-
-from .extender import Binder, Extender
-from .pods import CSI_DRIVER, URL_ATTRIBUTES, VolumeIndex, pod_gpus, pod_key
+from scheduler_hints.extender import Binder, Extender
+from scheduler_hints.pods import CSI_DRIVER, URL_ATTRIBUTES, VolumeIndex, pod_gpus, pod_key
 
 __all__ = ["ClusterWatch", "KubeBinder", "Reflector", "WatchedVolumes"]
 

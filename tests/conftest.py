@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from cachefs.config import load_config
+from cachefs.base.config import load_config
 from cachefs.testing.s3server import S3Server
 
 

@@ -23,17 +23,17 @@ from importlib.metadata import entry_points
 
 from aiohttp import web
 
-from ..cluster.auth import SharedSecret, TokenReviewer
-from ..cluster.heat import HeatTracker
-from ..cluster.members_file import REWRITE_EVERY, GroupView, members_path, placement_path, write_members
-from ..cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTable, parse_peers
-from ..cluster.tls import GroupTLS
-from ..config import Config, hot_bytes_per_s, parse_listen
-from ..engine import Engine, get_engine
-from ..errors import ConfigError
-from ..status import write_heat
-from .peer_server import make_peer_app
-from .serving import GroupServing
+from cachefs.agent.peer_server import make_peer_app
+from cachefs.agent.serving import GroupServing
+from cachefs.base.config import Config, hot_bytes_per_s, parse_listen
+from cachefs.base.errors import ConfigError
+from cachefs.cluster.auth import SharedSecret, TokenReviewer
+from cachefs.cluster.heat import HeatTracker
+from cachefs.cluster.members_file import REWRITE_EVERY, GroupView, members_path, placement_path, write_members
+from cachefs.cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTable, parse_peers
+from cachefs.cluster.tls import GroupTLS
+from cachefs.engine import Engine, get_engine
+from cachefs.status.summary import write_heat
 
 __all__ = ["AgentContext", "run_agent"]
 
@@ -76,7 +76,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
     node = node_name(config)
     kube = None
     if not k.peers or not k.secret_file:
-        from ..kube import KubeClient, load_kube_config
+        from cachefs.kube import KubeClient, load_kube_config
 
         kube = KubeClient(load_kube_config(kubeconfig))
     group = k.group or (await _group_of_node(kube, node) if kube is not None else "")
@@ -131,7 +131,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
         await runner.cleanup()
         raise ConfigError(f"cluster.listen {k.listen}: {exc.strerror}") from None
     if metrics_listen:
-        from ..metrics_server import serve_metrics
+        from cachefs.status.server import serve_metrics
 
         serve_metrics(config, *parse_listen(metrics_listen, "--metrics-listen"))
     tasks += _start_tasks(AgentContext(config, node, k.group, engine, table, kube, group_datasets))
@@ -188,7 +188,7 @@ async def _until_signalled() -> None:
 
 async def _group_of_node(kube, node: str) -> str:
     """The cache group of this node: its Node's ``cachefs.io/cache-group`` label ("" if none)."""
-    from ..kube import ApiError
+    from cachefs.kube import ApiError
 
     try:
         doc = await kube.get(f"/api/v1/nodes/{node}")
@@ -219,7 +219,7 @@ async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio
 
 async def _keep_heat_file(cache_dir: str, heat: HeatTracker, every: float = 2.0) -> None:
     """Write what this member served and its hot directories where ``cachefs status`` and the node's metrics
-    read them (:func:`cachefs.status.write_heat`): within ``every`` seconds of a change, and every REWRITE_EVERY
+    read them (:func:`cachefs.status.summary.write_heat`): within ``every`` seconds of a change, and every REWRITE_EVERY
     seconds while nothing changes (its age tells readers of the file that the agent is alive)."""
     loop = asyncio.get_running_loop()
     written, since = None, 0.0

@@ -29,18 +29,18 @@ import re
 
 from aiohttp import web
 
-from ..checksum import block_checksum
-from ..cluster.auth import Forbidden, Unauthorized
-from ..cluster.heat import HOT_HEADER, HeatTracker
-from ..cluster.membership import MemberTable
-from ..cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
-from ..cluster.placement import RANK
-from ..cluster.tls import has_group_certificate
-from ..errors import CacheFSError
-from ..manifest import valid_relpath
-from ..tiers.peer import ASKED_AS_REPLICA, OWNERS_THAT_FETCH, DirectoryWindows, block_key
-from ..types import object_key
-from .serving import GroupServing
+from cachefs.agent.serving import GroupServing
+from cachefs.base.checksum import block_checksum
+from cachefs.base.errors import CacheFSError
+from cachefs.base.types import object_key
+from cachefs.cluster.auth import Forbidden, Unauthorized
+from cachefs.cluster.heat import HOT_HEADER, HeatTracker
+from cachefs.cluster.membership import MemberTable
+from cachefs.cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
+from cachefs.cluster.placement import RANK
+from cachefs.cluster.tls import has_group_certificate
+from cachefs.manifest import valid_relpath
+from cachefs.tiers.peer import ASKED_AS_REPLICA, OWNERS_THAT_FETCH, DirectoryWindows, block_key
 
 __all__ = ["make_peer_app"]
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..checksum import block_checksum
-from ..dataset import Dataset
-from ..engine import Engine
-from ..manifest.shipping import pack_manifest, unpack_manifest
-from ..types import Entry, dataset_id
+from cachefs.base.checksum import block_checksum
+from cachefs.base.types import Entry, dataset_id
+from cachefs.engine import Engine
+from cachefs.manifest.dataset import Dataset
+from cachefs.manifest.shipping import pack_manifest, unpack_manifest
 
 __all__ = ["GroupServing"]
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import Config
-from ..engine import Engine
-from ..errors import ConfigError
-from ..jobs import warm
-from ..status import NodeSummary, status_report
-from ..types import DatasetRef
-from .output import print_json
-from .progress import ProgressPrinter, human_bytes
+from cachefs.base.config import Config
+from cachefs.base.errors import ConfigError
+from cachefs.base.types import DatasetRef
+from cachefs.cli.output import print_json
+from cachefs.cli.progress import ProgressPrinter, human_bytes
+from cachefs.engine import Engine
+from cachefs.jobs import warm
+from cachefs.status.summary import NodeSummary, status_report
 
 __all__ = ["demo", "evict", "metrics", "mount", "pack", "prefetch", "refresh", "status", "umount"]
 
@@ -108,14 +108,14 @@ async def refresh(args: argparse.Namespace, config: Config) -> int:
 
 
 async def demo(args: argparse.Namespace, config: Config) -> int:
-    from .demo import run_demo
+    from cachefs.cli.demo import run_demo
 
     return await run_demo(args, config)
 
 
 async def pack(args: argparse.Namespace, config: Config) -> int:
-    from ..jobs import write_mirror
-    from ..mirror import mirror_url_for
+    from cachefs.formats.mirror_index import mirror_url_for
+    from cachefs.jobs import write_mirror
 
     to = args.to or mirror_url_for(args.url)
     if to.rstrip("/") == args.url.rstrip("/") or to.startswith(args.url.rstrip("/") + "/"):
@@ -149,8 +149,8 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     import asyncio
     import os
 
-    from ..fuse import hold_mount, serve_mount
-    from ..fuse.holder import start_holder
+    from cachefs.fuse import hold_mount, serve_mount
+    from cachefs.fuse.holder import start_holder
 
     mnt = os.path.abspath(args.mountpoint)
     if args.workers < 1:
@@ -186,7 +186,7 @@ def mount_log_path(config: Config, mountpoint: str) -> str:
     silence it)."""
     import os
 
-    from ..mount_records import mount_file
+    from cachefs.index.mounts import mount_file
 
     return os.path.join(config.cache.log_dir, os.path.basename(mount_file("", mountpoint, ".log")))
 
@@ -195,8 +195,8 @@ def _check_mountpoint(config: Config, mnt: str) -> None:
     """An existing directory that no live cachefs mount occupies; never waits on a hung mount."""
     import os
 
-    from ..fuse.mount import is_fuse_mount, probe_mount
-    from ..mount_records import holder_state
+    from cachefs.fuse.mount import is_fuse_mount, probe_mount
+    from cachefs.index.mounts import holder_state
 
     if is_fuse_mount(mnt):
         held = holder_state(config.cache.dir, mnt)
@@ -237,7 +237,7 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
 async def umount(args: argparse.Namespace, config: Config) -> int:
     import os
 
-    from ..fuse.mount import is_fuse_mount, unmount
+    from cachefs.fuse.mount import is_fuse_mount, unmount
 
     mnt = os.path.abspath(args.mountpoint)
     if not is_fuse_mount(mnt):
@@ -249,8 +249,8 @@ async def umount(args: argparse.Namespace, config: Config) -> int:
 async def metrics(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
-    from ..config import parse_listen
-    from ..metrics_server import serve_metrics
+    from cachefs.base.config import parse_listen
+    from cachefs.status.server import serve_metrics
 
     host, port = parse_listen(args.listen, "--listen")
     serve_metrics(config, host, port)
@@ -261,7 +261,7 @@ async def metrics(args: argparse.Namespace, config: Config) -> int:
 
 
 async def agent(args: argparse.Namespace, config: Config) -> int:
-    from ..agent import run_agent
+    from cachefs.agent import run_agent
 
     return await run_agent(config, kubeconfig=args.kubeconfig, metrics_listen=args.metrics_listen,
                            ready_file=args.ready_file)

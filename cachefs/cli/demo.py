@@ -17,10 +17,10 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..config import Config, parse_size
-from ..engine import Engine
-from ..jobs import warm
-from .progress import ProgressPrinter, human_bytes
+from cachefs.base.config import Config, parse_size
+from cachefs.cli.progress import ProgressPrinter, human_bytes
+from cachefs.engine import Engine
+from cachefs.jobs import warm
 
 BUCKET = "cachefs-demo"
 PREFIX = "sample"
@@ -36,7 +36,7 @@ def generate(small_files: int, large_files: int, large_size: int, seed: int = 7)
 
 
 async def run_demo(args: argparse.Namespace, config: Config) -> int:
-    from ..testing.s3server import S3Server
+    from cachefs.testing.s3server import S3Server
 
     files = generate(args.small_files, args.large_files, parse_size(args.large_size, "--large-size"))
     total = sum(len(b) for b in files.values())

@@ -16,9 +16,9 @@ import sys
 from importlib.metadata import entry_points
 from typing import Any
 
-from .._collector import quiet_collector
-from ..config import Config, load_config
-from ..errors import (
+from cachefs.base.collector import quiet_collector
+from cachefs.base.config import Config, load_config
+from cachefs.base.errors import (
     CacheFSError,
     CacheFullError,
     ConfigError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..jobs import Progress
+from cachefs.jobs import Progress
 
 __all__ = ["ProgressPrinter", "human_bytes"]
 

@@ -21,7 +21,7 @@ import hmac
 import time
 from dataclasses import dataclass
 
-from ..kube import ApiError, KubeClient
+from cachefs.kube import ApiError, KubeClient
 
 __all__ = ["AUDIENCE", "NODE_ACCOUNT", "Forbidden", "Identity", "SharedSecret", "TokenReviewer", "Unauthorized", "read_token"]
 

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .members import Member
+from cachefs.cluster.members import Member
 
 __all__ = ["REWRITE_EVERY", "STALE_AFTER", "GroupView", "members_path", "placement_path", "read_members",
            "write_members"]

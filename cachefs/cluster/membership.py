@@ -22,9 +22,9 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 
-from ..kube import KubeClient, Reflector
-from .members import Member, parse_peers
-from .placement import Placement, Weighted
+from cachefs.cluster.members import Member, parse_peers
+from cachefs.cluster.placement import Placement, Weighted
+from cachefs.kube import KubeClient, Reflector
 
 __all__ = ["EndpointSliceWatch", "Member", "MemberTable", "parse_peers"]
 

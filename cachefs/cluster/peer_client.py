@@ -13,11 +13,11 @@ import time
 
 import aiohttp
 
-from ..checksum import block_checksum
-from ..errors import CacheFSError
-from .auth import read_token
-from .heat import HOT_HEADER
-from .tls import GroupTLS
+from cachefs.base.checksum import block_checksum
+from cachefs.base.errors import CacheFSError
+from cachefs.cluster.auth import read_token
+from cachefs.cluster.heat import HOT_HEADER
+from cachefs.cluster.tls import GroupTLS
 
 __all__ = ["CHECKSUM_HEADER", "MEMBER_HEADER", "PeerClient", "PeerError"]
 

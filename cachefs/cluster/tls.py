@@ -11,7 +11,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from cachefs.base.errors import ConfigError
 
 __all__ = ["GroupTLS", "has_group_certificate"]
 

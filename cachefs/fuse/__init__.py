@@ -13,16 +13,16 @@ import os
 import sys
 import threading
 
-from .._aio import get_loop, run_sync
-from .._collector import quiet_collector
-from ..config import Config
-from ..engine import get_engine
-from ..mount_records import forget_mount, mount_file, record_mount, record_pin
-from .fs import CacheFS
-from .holder import MountHolder, announce_failure, announce_ready, receive_fd, socket_path_for
-from .journal import MountJournal
-from .mount import is_stale_mount, unmount
-from .session import FuseSession
+from cachefs.base.aio import get_loop, run_sync
+from cachefs.base.collector import quiet_collector
+from cachefs.base.config import Config
+from cachefs.engine import get_engine
+from cachefs.fuse.fs import CacheFS
+from cachefs.fuse.holder import MountHolder, announce_failure, announce_ready, receive_fd, socket_path_for
+from cachefs.fuse.journal import MountJournal
+from cachefs.fuse.mount import is_stale_mount, unmount
+from cachefs.fuse.session import FuseSession
+from cachefs.index.mounts import forget_mount, mount_file, record_mount, record_pin
 
 __all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_mount", "unmount"]
 

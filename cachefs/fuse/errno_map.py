@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 
-from ..errors import (
+from cachefs.base.errors import (
     AccessDeniedError,
     CacheFSError,
     CacheFullError,

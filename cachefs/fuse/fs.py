@@ -23,9 +23,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..engine import WOULD_WAIT, Dataset, Engine, OpenFile
-from ..types import Entry
-from .journal import MountJournal
+from cachefs.base.types import Entry
+from cachefs.engine import WOULD_WAIT, Dataset, Engine, OpenFile
+from cachefs.fuse.journal import MountJournal
 
 __all__ = ["CacheFS", "Handle"]
 

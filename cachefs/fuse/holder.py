@@ -11,7 +11,7 @@ manifest on the node) must not leave readers waiting forever. Once no daemon has
 ENOTCONN), those the dead daemon had read included (it asks the kernel to resend them), while it keeps trying
 to start one with a growing delay; a daemon that comes up asks the holder to
 stop answering before it reads a request (:func:`announce_ready`). The holder's state (starting, serving,
-failing and why) is in the mount records (:mod:`cachefs.mount_records`) for ``cachefs status``.
+failing and why) is in the mount records (:mod:`cachefs.index.mounts`) for ``cachefs status``.
 
 The socket protocol: a client sends one JSON line, ``{"op": "attach"}`` (answered with the descriptor and
 ``{"mountpoint", "generation"}``), ``{"op": "ready"}`` or ``{"op": "failed", "reason": …}`` (answered
@@ -36,8 +36,8 @@ import subprocess
 import threading
 import time
 
-from .. import metrics
-from ..errors import (
+from cachefs.base import metrics
+from cachefs.base.errors import (
     CacheFSError,
     CacheFullError,
     ConfigError,
@@ -45,9 +45,9 @@ from ..errors import (
     ObjectNotFoundError,
     OriginUnavailableError,
 )
-from ..mount_records import forget_holder, holder_state, record_holder
-from . import wire
-from .mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
+from cachefs.fuse import wire
+from cachefs.fuse.mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
+from cachefs.index.mounts import forget_holder, holder_state, record_holder
 
 __all__ = ["MountHolder", "announce_failure", "announce_ready", "receive_fd", "socket_path_for", "start_holder"]
 
@@ -216,7 +216,7 @@ class MountHolder:
     ``daemon_argv`` is the command of the serving daemon; it is started with ``CACHEFS_FUSE_HOLDER`` set to
     the socket path and restarted whenever it dies while the file system is still mounted. It exits 0 once
     the file system is unmounted, and then the holder is done too. With ``cache_dir``, the holder's state is
-    recorded for ``cachefs status`` (see :mod:`cachefs.mount_records`).
+    recorded for ``cachefs status`` (see :mod:`cachefs.index.mounts`).
     """
 
     def __init__(self, mountpoint: str, socket_path: str, *, url: str = "", cache_dir: str | None = None,

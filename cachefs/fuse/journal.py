@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 
-from .._fallocate import allocate_ahead
+from cachefs.base.fallocate import allocate_ahead
 
 __all__ = ["JournalState", "MountJournal"]
 

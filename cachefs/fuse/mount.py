@@ -18,7 +18,7 @@ import socket
 import subprocess
 import threading
 
-from ..errors import CacheFSError
+from cachefs.base.errors import CacheFSError
 
 __all__ = ["bind_mount", "is_fuse_mount", "is_mount_point", "is_stale_mount", "mount_fuse", "open_and_mount",
            "open_fuse_device", "other_mounts_of", "probe_mount", "set_read_ahead", "unmount"]

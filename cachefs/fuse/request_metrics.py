@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from .. import metrics
-from .wire import Op
+from cachefs.base import metrics
+from cachefs.fuse.wire import Op
 
 __all__ = ["RequestMetrics"]
 

@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .._aio import get_loop
-from ..engine import WOULD_WAIT
-from . import wire
-from .errno_map import to_errno
-from .fs import CacheFS
-from .request_metrics import RequestMetrics
-from .wire import InitFlag, Op, OpenFlag
+from cachefs.base.aio import get_loop
+from cachefs.engine import WOULD_WAIT
+from cachefs.fuse import wire
+from cachefs.fuse.errno_map import to_errno
+from cachefs.fuse.fs import CacheFS
+from cachefs.fuse.request_metrics import RequestMetrics
+from cachefs.fuse.wire import InitFlag, Op, OpenFlag
 
 __all__ = ["FuseSession"]
 

@@ -13,7 +13,7 @@ import threading
 
 import lmdb
 
-from ..errors import CacheFSError, ConfigError
+from cachefs.base.errors import CacheFSError, ConfigError
 
 __all__ = ["DB_NAMES", "open_env"]
 

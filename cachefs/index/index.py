@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import lmdb
 
-from ..errors import CacheFSError, CacheFullError
-from .env import open_env
-from .records import (
+from cachefs.base.errors import CacheFSError, CacheFullError
+from cachefs.index.env import open_env
+from cachefs.index.records import (
     BLOCK,
     DIR_HEAT,
     DS_STATS,
@@ -28,7 +28,7 @@ from .records import (
     PackRecord,
     pack_key,
 )
-from .reserve import IndexReserve, reserve_size
+from cachefs.index.reserve import IndexReserve, reserve_size
 
 __all__ = ["DatasetRecord", "DatasetStats", "Index", "ManifestInfo"]
 

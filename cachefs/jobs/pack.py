@@ -1,4 +1,4 @@
-"""``cachefs pack``: write a dataset's packed mirror (the format is :mod:`cachefs.mirror`) next to it.
+"""``cachefs pack``: write a dataset's packed mirror (the format is :mod:`cachefs.formats.mirror_index`) next to it.
 
 The dataset's small files (at most ``cache.pack_threshold`` bytes) are read from the origin, not through (or
 into) the cache, grouped in path order into packs of about ``cache.pack_size``, written as pack objects plus an
@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..checksum import block_checksum
-from ..dataset import Dataset
-from ..engine import Engine
-from ..errors import CacheFSError
-from ..mirror import FORMAT, index_schema, load_mirror
-from ..store.packs import Member, serialize
-from ..types import Entry, object_key
+from cachefs.base.checksum import block_checksum
+from cachefs.base.errors import CacheFSError
+from cachefs.base.types import Entry, object_key
+from cachefs.engine import Engine
+from cachefs.formats.mirror_index import FORMAT, index_schema, load_mirror
+from cachefs.manifest.dataset import Dataset
+from cachefs.store.packs import Member, serialize
 
 __all__ = ["MirrorSummary", "write_mirror"]
 

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ..dataset import Dataset
-from ..engine import Engine
-from ..errors import CacheFSError, CacheFullError, CredentialsError, OriginUnavailableError
-from ..types import Entry
+from cachefs.base.errors import CacheFSError, CacheFullError, CredentialsError, OriginUnavailableError
+from cachefs.base.types import Entry
+from cachefs.engine import Engine
+from cachefs.manifest.dataset import Dataset
 
 __all__ = ["Progress", "select_files", "warm"]
 

@@ -7,12 +7,12 @@ import fcntl
 import logging
 import os
 
-from ..errors import ObjectNotFoundError
-from ..index import DatasetRecord, Index, ManifestInfo
-from ..mount_records import pinned_versions
-from ..sources import Source
-from ..types import DatasetRef
-from .store import ManifestStore, ManifestWriter
+from cachefs.base.errors import ObjectNotFoundError
+from cachefs.base.types import DatasetRef
+from cachefs.index import DatasetRecord, Index, ManifestInfo
+from cachefs.index.mounts import pinned_versions
+from cachefs.manifest.store import ManifestStore, ManifestWriter
+from cachefs.sources import Source
 
 __all__ = ["KEEP_VERSIONS", "take_snapshot"]
 

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from ..errors import CacheFSError
-from ..sources import Source
-from ..types import Entry
-from .store import ManifestStore
+from cachefs.base.errors import CacheFSError
+from cachefs.base.types import Entry
+from cachefs.manifest.store import ManifestStore
+from cachefs.sources import Source
 
 __all__ = ["FORMAT", "ReceivedListing", "pack_manifest", "unpack_manifest"]
 

@@ -13,9 +13,9 @@ import struct
 import time
 from collections.abc import Iterator
 
-from ..errors import ObjectNotFoundError
-from ..index import Index
-from ..types import Entry
+from cachefs.base.errors import ObjectNotFoundError
+from cachefs.base.types import Entry
+from cachefs.index import Index
 
 __all__ = ["ManifestStore", "ManifestWriter", "valid_relpath"]
 

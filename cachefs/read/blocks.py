@@ -6,12 +6,12 @@ at a time per block in this process (single-flight: a hundred readers of one col
 its bytes), written, and only then recorded in the index. Other processes see the record and read the file;
 they may occasionally fetch the same block too (harmless: same version, same bytes, same offset).
 
-A sequential reader gets read-ahead (:func:`~cachefs.planners.grow_window`), fetched in the background with
+A sequential reader gets read-ahead (:func:`~cachefs.prefetch.planners.grow_window`), fetched in the background with
 spare memory only, so read-ahead never starves demand reads. Sync callers (fsspec files, FUSE threads) read
 present blocks from their own thread (:meth:`BlockPath.read_local`) and start read-ahead on the event loop
 from there.
 
-A block the disk has no room for (:class:`~cachefs.space.DiskSpace`) is served all the same and kept in memory
+A block the disk has no room for (:class:`~cachefs.node.space.DiskSpace`) is served all the same and kept in memory
 for its readers (least recently used out, within :attr:`BlockPath.unstored_limit`): the kernel reads a 4 MiB
 block in 1 MiB pieces, and read-ahead runs ahead of the reader, so a reader streaming past a full disk gets
 the origin's speed.
@@ -24,22 +24,22 @@ import logging
 import os
 import time
 
-from ..bytes_lru import BytesLRU
-from ..checksum import block_checksum
-from ..config import Config
-from ..dataset import Dataset
-from ..disk_jobs import DiskJobs
-from ..errors import CacheFullError, CorruptBlockError
-from ..eviction import Evictor
-from ..flight import SingleFlight
-from ..funnel import OriginFunnel
-from ..open_objects import OpenObject, OpenObjects
-from ..planners import blocks_ahead, grow_window
-from ..read_stats import ReadStats
-from ..store.disk import PIECE
-from ..tiers import TierChain, Want
-from ..types import Entry, object_key
-from .stream import OpenFile, ReadStream
+from cachefs.base.checksum import block_checksum
+from cachefs.base.config import Config
+from cachefs.base.errors import CacheFullError, CorruptBlockError
+from cachefs.base.types import Entry, object_key
+from cachefs.manifest.dataset import Dataset
+from cachefs.node.bytes_lru import BytesLRU
+from cachefs.node.disk_jobs import DiskJobs
+from cachefs.node.eviction import Evictor
+from cachefs.node.flight import SingleFlight
+from cachefs.node.funnel import OriginFunnel
+from cachefs.node.open_objects import OpenObject, OpenObjects
+from cachefs.node.read_stats import ReadStats
+from cachefs.prefetch.planners import blocks_ahead, grow_window
+from cachefs.read.stream import OpenFile, ReadStream
+from cachefs.store.disk import PIECE
+from cachefs.tiers import TierChain, Want
 
 __all__ = ["BlockFile", "BlockPath"]
 

@@ -1,7 +1,7 @@
 """Pending packs: small files fetched from the origin wait in memory, readable by this process, until their
 dataset's pack is written (at ``cache.pack_size`` bytes, or one second after the last addition), crash-safely
 (:class:`~cachefs.store.packs.PackStore`); only then does the index point the members at it. At most two packs'
-worth of fetched bytes wait for the disk. What the disk has no room for (:class:`~cachefs.space.DiskSpace`) is
+worth of fetched bytes wait for the disk. What the disk has no room for (:class:`~cachefs.node.space.DiskSpace`) is
 dropped: those files were served, they are just not cached.
 """
 
@@ -11,11 +11,11 @@ import asyncio
 import logging
 import threading
 
-from ..disk_jobs import DiskJobs
-from ..errors import CacheFSError, CacheFullError
-from ..eviction import Evictor
-from ..index import Index
-from ..store.packs import Member, PackStore
+from cachefs.base.errors import CacheFSError, CacheFullError
+from cachefs.index import Index
+from cachefs.node.disk_jobs import DiskJobs
+from cachefs.node.eviction import Evictor
+from cachefs.store.packs import Member, PackStore
 
 __all__ = ["PendingPacks"]
 

@@ -4,17 +4,17 @@ Objects of at most ``cache.pack_threshold`` bytes take this path. A fetched obje
 once and joins its dataset's pending pack in memory (:mod:`.pack_writer`); only once that pack is written does
 the index point the members at it, so other processes find every member either nowhere (they fetch it too: same
 version, same bytes) or in a complete pack. Files a mirror window brought are
-installed by the mirror tier (:mod:`cachefs.pack_assembly`) and read from there.
+installed by the mirror tier (:mod:`cachefs.node.pack_assembly`) and read from there.
 
 Reads verify the member's xxh3 every time (a member is at most ``pack_threshold`` bytes, so that is cheaper
 than remembering what was verified); a mismatch drops the member from the index and it is fetched again.
 
 Pack read-ahead: a member is read with exactly one ``pread`` (the device's read-ahead is off for packs), but a
-pack that several reads hit within a few seconds is being swept (:func:`~cachefs.planners.sweep`) and is read
+pack that several reads hit within a few seconds is being swept (:func:`~cachefs.prefetch.planners.sweep`) and is read
 into the page cache whole, so its other members cost no disk request each.
 
 Directory read-ahead: after a miss on a small file, the next ``engine.dir_readahead`` small files of its
-directory (in listing order, :func:`~cachefs.planners.directory_ahead`) are fetched in the background with spare
+directory (in listing order, :func:`~cachefs.prefetch.planners.directory_ahead`) are fetched in the background with spare
 memory only.
 """
 
@@ -28,25 +28,25 @@ import threading
 import time
 from collections import OrderedDict
 
-from ..budget import Reservation
-from ..bytes_lru import BytesLRU
-from ..checksum import block_checksum
-from ..config import Config
-from ..dataset import Dataset
-from ..disk_jobs import DiskJobs
-from ..eviction import Evictor
-from ..flight import SingleFlight
-from ..funnel import OriginFunnel
-from ..index import Index
-from ..index.records import pack_key
-from ..pack_assembly import PackAssemblies
-from ..planners import directory_ahead, sweep
-from ..read_stats import ReadStats
-from ..store.packs import CORRUPT, WOULD_WAIT, Member, PackStore, read_member
-from ..tiers import TierChain, Want
-from ..types import Entry, object_key
-from .pack_writer import PendingPacks
-from .stream import OpenFile, ReadStream
+from cachefs.base.checksum import block_checksum
+from cachefs.base.config import Config
+from cachefs.base.types import Entry, object_key
+from cachefs.index import Index
+from cachefs.index.records import pack_key
+from cachefs.manifest.dataset import Dataset
+from cachefs.node.budget import Reservation
+from cachefs.node.bytes_lru import BytesLRU
+from cachefs.node.disk_jobs import DiskJobs
+from cachefs.node.eviction import Evictor
+from cachefs.node.flight import SingleFlight
+from cachefs.node.funnel import OriginFunnel
+from cachefs.node.pack_assembly import PackAssemblies
+from cachefs.node.read_stats import ReadStats
+from cachefs.prefetch.planners import directory_ahead, sweep
+from cachefs.read.pack_writer import PendingPacks
+from cachefs.read.stream import OpenFile, ReadStream
+from cachefs.store.packs import CORRUPT, WOULD_WAIT, Member, PackStore, read_member
+from cachefs.tiers import TierChain, Want
 
 __all__ = ["PackPath", "PackedFile"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import Config
-from ..errors import InvalidURLError
-from .base import RetryingSource, RetryPolicy, Source, with_retries
+from cachefs.base.config import Config
+from cachefs.base.errors import InvalidURLError
+from cachefs.sources.base import RetryingSource, RetryPolicy, Source, with_retries
 
 __all__ = ["RetryPolicy", "RetryingSource", "Source", "open_origin", "open_raw_origin", "with_retries"]
 
@@ -22,18 +22,18 @@ def open_raw_origin(url: str, config: Config, storage_options: dict[str, Any] | 
     """The bare origin source for a URL's scheme (one attempt per request; see :class:`RetryingSource`)."""
     scheme = url.split("://", 1)[0].lower()
     if scheme in ("s3", "s3a"):
-        from .s3 import S3Source
+        from cachefs.sources.s3 import S3Source
 
         return S3Source(config.origin, config.engine, storage_options)
     if scheme in ("file", "local"):
-        from .local import LocalSource
+        from cachefs.sources.local import LocalSource
 
         return LocalSource()
     import fsspec
 
     if scheme not in fsspec.available_protocols():
         raise InvalidURLError(f"{url!r}: unknown scheme {scheme!r} (s3://, gs://, file:// and other fsspec protocols work)")
-    from .generic import FsspecSource
+    from cachefs.sources.generic import FsspecSource
 
     try:
         return FsspecSource(scheme, config.origin, storage_options)

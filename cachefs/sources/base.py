@@ -2,8 +2,8 @@
 
 A :class:`Source` lists a dataset once (for its manifest) and serves ranged reads of one *version* of one
 object. A read must either return exactly the requested bytes of that version or raise: a
-:class:`~cachefs.errors.StaleObjectError` when the object has changed, another
-:class:`~cachefs.errors.CacheFSError` otherwise. Retrying transient failures is the source's job
+:class:`~cachefs.base.errors.StaleObjectError` when the object has changed, another
+:class:`~cachefs.base.errors.CacheFSError` otherwise. Retrying transient failures is the source's job
 (:class:`RetryingSource` wraps every origin), so the engine above sees one clean outcome per request.
 """
 
@@ -17,9 +17,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from ..errors import CacheFSError, TruncatedBodyError, translate_origin_error
-from ..metrics import ORIGIN_REQUESTS, ORIGIN_RETRIES, ORIGIN_SECONDS, result_of, safely
-from ..types import Entry
+from cachefs.base.errors import CacheFSError, TruncatedBodyError, translate_origin_error
+from cachefs.base.metrics import ORIGIN_REQUESTS, ORIGIN_RETRIES, ORIGIN_SECONDS, result_of, safely
+from cachefs.base.types import Entry
 
 __all__ = ["RetryPolicy", "RetryingSource", "Source", "with_retries"]
 
@@ -37,7 +37,7 @@ class Source(abc.ABC):
     def list_tree(self, root_url: str) -> AsyncIterator[list[Entry]]:
         """Yield batches of the *files* under ``root_url`` (paths relative to it, ``/``-separated).
 
-        Raises :class:`~cachefs.errors.ObjectNotFoundError` when the root does not exist at all.
+        Raises :class:`~cachefs.base.errors.ObjectNotFoundError` when the root does not exist at all.
         """
 
     @abc.abstractmethod

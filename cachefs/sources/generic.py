@@ -12,10 +12,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..config import OriginConfig
-from ..errors import StaleObjectError
-from ..types import Entry
-from .base import RetryPolicy, Source, with_retries
+from cachefs.base.config import OriginConfig
+from cachefs.base.errors import StaleObjectError
+from cachefs.base.types import Entry
+from cachefs.sources.base import RetryPolicy, Source, with_retries
 
 __all__ = ["FsspecSource"]
 

@@ -10,9 +10,9 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 
-from ..errors import ObjectNotFoundError, StaleObjectError, translate_origin_error
-from ..types import Entry
-from .base import Source
+from cachefs.base.errors import ObjectNotFoundError, StaleObjectError, translate_origin_error
+from cachefs.base.types import Entry
+from cachefs.sources.base import Source
 
 __all__ = ["LocalSource"]
 

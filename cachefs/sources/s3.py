@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-from ..config import EngineConfig, OriginConfig
-from ..errors import InvalidURLError, ObjectNotFoundError
-from ..types import Entry
-from .base import RetryPolicy, Source, with_retries
-from .s3_get import SignedGet
+from cachefs.base.config import EngineConfig, OriginConfig
+from cachefs.base.errors import InvalidURLError, ObjectNotFoundError
+from cachefs.base.types import Entry
+from cachefs.sources.base import RetryPolicy, Source, with_retries
+from cachefs.sources.s3_get import SignedGet
 
 __all__ = ["S3Source"]
 

@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import quote, unquote_plus, urlsplit
 from xml.etree import ElementTree
 
-from .http1 import Http1Pool, UnsupportedResponse
+from cachefs.sources.http1 import Http1Pool, UnsupportedResponse
 
 __all__ = ["BucketRoute", "SignedGet", "list_query", "parse_list_page", "route_from_list_request",
            "route_from_request", "sigv4_headers"]

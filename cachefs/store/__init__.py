@@ -1,6 +1,6 @@
 """The local store (NVMe tier)."""
 
-from .base import BlockStore, StoredObject
-from .disk import DiskObject, DiskStore
+from cachefs.store.base import BlockStore, StoredObject
+from cachefs.store.disk import DiskObject, DiskStore
 
 __all__ = ["BlockStore", "DiskObject", "DiskStore", "StoredObject"]

@@ -24,10 +24,10 @@ import errno
 import fcntl
 import os
 
-from .._fallocate import punch_hole
-from ..checksum import block_hasher
-from ..errors import CacheFSError, CacheFullError, CorruptBlockError
-from .base import BlockStore, StoredObject
+from cachefs.base.checksum import block_hasher
+from cachefs.base.errors import CacheFSError, CacheFullError, CorruptBlockError
+from cachefs.base.fallocate import punch_hole
+from cachefs.store.base import BlockStore, StoredObject
 
 __all__ = ["PIECE", "DiskObject", "DiskStore"]
 

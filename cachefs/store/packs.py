@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 
-from ..checksum import block_checksum
-from ..errors import CacheFSError, CacheFullError
+from cachefs.base.checksum import block_checksum
+from cachefs.base.errors import CacheFSError, CacheFullError
 
 __all__ = ["CORRUPT", "WOULD_WAIT", "Member", "PackStore", "WrittenPack", "read_member", "serialize"]
 
@@ -266,7 +266,7 @@ def serialize(members: list[Member]) -> tuple[memoryview, list[tuple[bytes, int,
 def _variable(type_, values: list[bytes]):
     """An Arrow utf8/binary array of ``values`` (32-bit offsets: a pack is far below 2 GiB). The values are
     copied into a buffer from Arrow's memory pool, which keeps its memory between packs: ``b"".join`` asked
-    malloc for tens of MiB, which with the engine's pinned mmap threshold (cachefs/_memory.py) was a fresh
+    malloc for tens of MiB, which with the engine's pinned mmap threshold (cachefs/base/memory.py) was a fresh
     mapping faulted in page by page, with the GIL held (serialising a 64 MiB pack: 90 → 40 ms)."""
     import pyarrow as pa
 

@@ -9,10 +9,10 @@ from typing import ClassVar
 
 import pytest
 
-from ..checksum import block_checksum
-from ..errors import CorruptBlockError, ObjectNotFoundError, StaleObjectError
-from ..sources import RetryingSource, RetryPolicy
-from ..store import BlockStore
+from cachefs.base.checksum import block_checksum
+from cachefs.base.errors import CorruptBlockError, ObjectNotFoundError, StaleObjectError
+from cachefs.sources import RetryingSource, RetryPolicy
+from cachefs.store import BlockStore
 
 
 def _run(source, scenario):

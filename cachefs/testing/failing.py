@@ -11,8 +11,8 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from ..sources import Source
-from ..types import Entry
+from cachefs.base.types import Entry
+from cachefs.sources import Source
 
 __all__ = ["FAULTS", "FailingSource"]
 

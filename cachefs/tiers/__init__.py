@@ -1,8 +1,8 @@
 """Where missing bytes come from: an ordered chain of tiers behind one interface (see :mod:`.base`)."""
 
-from .base import Tier, TierChain, TierCounts, Want
-from .mirror import MirrorTier
-from .origin import OriginTier
-from .peer import PeerTier
+from cachefs.tiers.base import Tier, TierChain, TierCounts, Want
+from cachefs.tiers.mirror import MirrorTier
+from cachefs.tiers.origin import OriginTier
+from cachefs.tiers.peer import PeerTier
 
 __all__ = ["MirrorTier", "OriginTier", "PeerTier", "Tier", "TierChain", "TierCounts", "Want"]

@@ -17,9 +17,9 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from ..dataset import Dataset
-from ..errors import CacheFSError
-from ..types import Entry
+from cachefs.base.errors import CacheFSError
+from cachefs.base.types import Entry
+from cachefs.manifest.dataset import Dataset
 
 __all__ = ["Tier", "TierChain", "TierCounts", "Want"]
 
@@ -52,7 +52,7 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     async def fetch(self, want: Want) -> bytes | bytearray | None:
         """Exactly ``want.length`` bytes, or None if this tier does not have them; raises
-        :class:`~cachefs.errors.CacheFSError` when it should have had them and failed."""
+        :class:`~cachefs.base.errors.CacheFSError` when it should have had them and failed."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and background work."""

@@ -1,9 +1,9 @@
-"""A dataset's packed mirror (:mod:`cachefs.mirror`) as a tier: small files as ranges of a few large packs.
+"""A dataset's packed mirror (:mod:`cachefs.formats.mirror_index`) as a tier: small files as ranges of a few large packs.
 
 A miss on a small file the mirror holds (under the version the reader's manifest names) fetches the window of
 about :data:`MIRROR_WINDOW` bytes that holds it, so its reader waits for one ranged GET; the other windows of
-that pack follow, and so does the next pack (:func:`~cachefs.planners.mirror_windows`). Every window is
-installed on this node as it is (:mod:`cachefs.pack_assembly`), so the files that came with it are local
+that pack follow, and so does the next pack (:func:`~cachefs.prefetch.planners.mirror_windows`). Every window is
+installed on this node as it is (:mod:`cachefs.node.pack_assembly`), so the files that came with it are local
 when their readers ask. Files the mirror does not have (larger ones, or changed at the source since it was
 written) are not this tier's: the next tier serves them.
 """
@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..checksum import block_checksum
-from ..dataset import Dataset
-from ..errors import CacheFSError
-from ..flight import SingleFlight
-from ..funnel import OriginFunnel
-from ..index import Index
-from ..mirror import MirrorIndex, load_mirror
-from ..pack_assembly import PackAssemblies
-from ..planners import mirror_windows, window_of
-from ..read_stats import ReadStats
-from .base import Tier, Want
+from cachefs.base.checksum import block_checksum
+from cachefs.base.errors import CacheFSError
+from cachefs.formats.mirror_index import MirrorIndex, load_mirror
+from cachefs.index import Index
+from cachefs.manifest.dataset import Dataset
+from cachefs.node.flight import SingleFlight
+from cachefs.node.funnel import OriginFunnel
+from cachefs.node.pack_assembly import PackAssemblies
+from cachefs.node.read_stats import ReadStats
+from cachefs.prefetch.planners import mirror_windows, window_of
+from cachefs.tiers.base import Tier, Want
 
 __all__ = ["MIRROR_WINDOW", "MirrorTier"]
 

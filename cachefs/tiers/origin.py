@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..funnel import OriginFunnel
-from .base import Tier, Want
+from cachefs.node.funnel import OriginFunnel
+from cachefs.tiers.base import Tier, Want
 
 __all__ = ["OriginTier"]
 

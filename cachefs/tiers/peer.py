@@ -34,9 +34,9 @@ import time
 from collections import OrderedDict
 from contextvars import ContextVar
 
-from ..dataset import Dataset
-from ..errors import CacheFSError
-from .base import Tier, Want
+from cachefs.base.errors import CacheFSError
+from cachefs.manifest.dataset import Dataset
+from cachefs.tiers.base import Tier, Want
 
 __all__ = ["ASKED_AS_REPLICA", "BREAKER_FAILURES", "HOT_TTL", "OWNERS_THAT_FETCH", "SMALL_WINDOW", "Breaker",
            "DirectoryWindows", "PeerTier", "block_key", "small_key"]

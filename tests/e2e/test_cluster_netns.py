@@ -243,7 +243,7 @@ def test_a_group_reads_each_byte_once_from_the_origin_and_rides_out_kills_joins_
         c.lab.delay("e3", 0)
 
     # The agent also publishes its node's cache-locality labels (the label publisher runs as its task).
-    from cachefs.types import dataset_id
+    from cachefs.base.types import dataset_id
     from scheduler_hints.labels import dataset_key, group_dataset_key
 
     # ... its own fraction and, from the other members' annotations (its group's Node watch), its group's: the
@@ -265,9 +265,9 @@ def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_
     """Every node reads one directory of small files over and over (readers that keep nothing: every read asks
     the group). Past the hot threshold its owner says so, readers spread over it and two replicas, the replicas
     take the files from the owner: the owner's share of the requests falls, the origin still sees one GET each."""
-    from cachefs.status import cluster_report
+    from cachefs.base.types import dataset_id
+    from cachefs.status.summary import cluster_report
     from cachefs.tiers.peer import small_key
-    from cachefs.types import dataset_id
     from tests.integration.test_cluster import HOT_READER
 
     c = cluster

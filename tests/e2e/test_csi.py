@@ -255,7 +255,7 @@ def test_a_dataset_that_cannot_open_fails_the_publish_with_its_cause(plugin, tmp
 
 
 def test_kubelet_style_publishes_survive_killing_daemon_and_plugin_mid_read(tmp_path, dataset):
-    from cachefs.mount_records import list_mounts
+    from cachefs.index.mounts import list_mounts
 
     url, files = dataset
     expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}
@@ -323,7 +323,7 @@ def test_plugin_restart_keeps_serving_and_repairs_missing_targets(tmp_path, data
 
 
 def test_killed_fuse_daemon_under_a_published_target_is_replaced_and_pods_keep_reading(plugin, dataset, tmp_path):
-    from cachefs.mount_records import list_mounts
+    from cachefs.index.mounts import list_mounts
 
     url, files = dataset
     expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}
@@ -373,7 +373,7 @@ def _ppid(pid: int) -> int:
 def test_restarting_the_plugin_container_leaves_sessions_in_the_mounter_container(tmp_path, dataset):
     """The DaemonSet's layout: sessions are started by the mounter container, so killing every process of the
     plugin's container (what a container restart does) leaves pods reading, with no repair needed."""
-    from cachefs.mount_records import list_mounts
+    from cachefs.index.mounts import list_mounts
 
     url, files = dataset
     expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from cachefs.base.types import dataset_id
 from cachefs.kube import ApiError, KubeClient, KubeConfig
-from cachefs.types import dataset_id
 from scheduler_hints.labels import DatasetCache, NodeCacheSummary, dataset_key, desired_metadata
 from scheduler_hints.publisher import Publisher
 from scheduler_hints.summary import StaticSummary

@@ -20,8 +20,8 @@ import urllib.request
 
 import pytest
 
+from cachefs.base.types import dataset_id
 from cachefs.cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
-from cachefs.types import dataset_id
 from tests.conftest import put_tree
 
 BLOCK = 64 * 1024
@@ -225,7 +225,7 @@ def test_the_peer_server_refuses_strangers_and_bad_requests(group):
 
     assert push(ds, b"x", {}) == 401
     assert push(ds, b"not a manifest", {**member, CHECKSUM_HEADER: "0" * 16}) == 400  # checksum
-    from cachefs.checksum import block_checksum
+    from cachefs.base.checksum import block_checksum
 
     junk = b"not a manifest"
     assert push(ds, junk, {**member, CHECKSUM_HEADER: f"{block_checksum(junk):016x}"}) == 400  # does not decode
@@ -393,7 +393,7 @@ print(json.dumps({p[len(url.split("://", 1)[1]) + 1:]: d for p, d in out.items()
 
 
 def served(g: Group) -> dict[str, int]:
-    from cachefs.status import cluster_report
+    from cachefs.status.summary import cluster_report
 
     time.sleep(2.5)  # (the agents write what they served every 2 s)
     return {n: cluster_report(g.cache(n))["served_requests"] for n in g.names}
@@ -447,8 +447,8 @@ def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_
         assert out.returncode == 0, out.stderr
         hot = json.loads(out.stdout)["cluster"]["hot_keys"]
         assert [(k["directory"], k["replicas"], k["url"]) for k in hot] == [("hot", 2, g.url)], hot
-        from cachefs.config import load_config
-        from cachefs.node_metrics import NodeCollector
+        from cachefs.base.config import load_config
+        from cachefs.status.collector import NodeCollector
 
         collector = NodeCollector(load_config(env={}, overrides={"cache_dir": g.cache(owner)}))
         metrics = {s.name: s for fam in collector.collect() for s in fam.samples}

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
+from cachefs.base.errors import AccessDeniedError, StaleObjectError
 from cachefs.engine import Engine, ReadStream
-from cachefs.errors import AccessDeniedError, StaleObjectError
 from cachefs.sources import RetryingSource, RetryPolicy, open_raw_origin
 from cachefs.testing.failing import FailingSource
 from tests.conftest import make_files, put_tree

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cachefs.types import dataset_id
+from cachefs.base.types import dataset_id
 from scheduler_hints.extender import MAX_BODY, Extender, make_app
 from scheduler_hints.gang import GangManager
 from scheduler_hints.labels import dataset_key

@@ -263,7 +263,7 @@ def test_labels_command_prints_the_contract():
     r = cli("labels", "s3://bucket/imagenet", "--cached", "900GB", "--total", "1TB", "--cache-group", "rack-7")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    from cachefs.types import dataset_id
+    from cachefs.base.types import dataset_id
 
     key = f"ds.cachefs.io/{dataset_id('s3://bucket/imagenet')}"
     assert out["labels"][key] == "90" and out["labels"]["cachefs.io/cache-group"] == "rack-7"

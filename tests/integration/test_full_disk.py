@@ -118,7 +118,7 @@ def _real_files(tmp_path) -> dict[str, bytes]:
 
 def _index_is_consistent(cache: str) -> None:
     """Every block and packed member the index lists is on disk with the checksum recorded; the totals add up."""
-    from cachefs.checksum import block_checksum
+    from cachefs.base.checksum import block_checksum
     from cachefs.index import Index
     from cachefs.index.records import pack_key
     from cachefs.store import DiskStore
@@ -251,7 +251,7 @@ def _fill(path: str) -> str:
 
 
 def test_the_index_commits_on_a_full_disk_by_spending_its_reserve(tiny_fs):
-    from cachefs.errors import CacheFullError
+    from cachefs.base.errors import CacheFullError
     from cachefs.index import Index
     from cachefs.index.records import ObjectRecord
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cachefs.fuse import unmount
-from cachefs.mount_records import list_mounts
+from cachefs.index.mounts import list_mounts
 from cachefs.testing.s3server import S3Server
 from tests.conftest import make_files, put_tree, resident_bytes
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cachefs import _aio
+from cachefs.base import aio
 from cachefs.engine import Engine
 from cachefs.fuse import wire
 from cachefs.fuse.fs import CacheFS
@@ -34,7 +34,7 @@ ENDS = {Op.DESTROY, Op.INIT}
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    from cachefs.config import load_config
+    from cachefs.base.config import load_config
 
     data = tmp_path_factory.mktemp("data")
     (data / "sub").mkdir()
@@ -43,7 +43,7 @@ def session(tmp_path_factory):
     config = load_config(env={}, overrides={"cache_dir": str(tmp_path_factory.mktemp("cache")),
                                             "cache_min_free": "0"})
     engine = Engine(config)
-    ds = _aio.run_sync(engine.open_dataset(f"file://{data}"))
+    ds = aio.run_sync(engine.open_dataset(f"file://{data}"))
     fs = CacheFS(engine, ds)
     r, w = os.pipe2(os.O_NONBLOCK)
     fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)

@@ -76,12 +76,12 @@ def test_no_call_runs_up_the_layers_except_into_what_the_caller_handed_down(s3, 
             upward[key] = upward.get(key, 0) + 1
 
     def everywhere(hook) -> None:  # this thread, threads started from now on, and the running event loop's
-        from cachefs import _aio
+        from cachefs.base import aio
 
         threading.setprofile(hook)
         sys.setprofile(hook)
         done = threading.Event()
-        _aio.get_loop().call_soon_threadsafe(lambda: (sys.setprofile(hook), done.set()))
+        aio.get_loop().call_soon_threadsafe(lambda: (sys.setprofile(hook), done.set()))
         assert done.wait(10)
 
     everywhere(profile)

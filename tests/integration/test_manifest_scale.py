@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
-from cachefs.config import OriginConfig
+from cachefs.base.config import OriginConfig
 from cachefs.engine import Engine
 
 DIRS = 10
@@ -23,7 +23,7 @@ PER_DIR = 100_000
 #: report the peak RSS. The origin is gone by then, so everything must come from the manifest.
 READER = r"""
 import asyncio, json, resource, sys
-from cachefs.config import load_config
+from cachefs.base.config import load_config
 from cachefs.engine import Engine
 
 url, cache_dir, names = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

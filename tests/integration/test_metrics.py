@@ -155,11 +155,11 @@ def test_docs_list_every_metric():
     """docs/METRICS.md names every metric the code defines (counters with their ``_total``), and no other."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    import cachefs.metrics
+    import cachefs.base.metrics
     import scheduler_hints.metrics
 
     expect = set()
-    for module in (cachefs.metrics, scheduler_hints.metrics):
+    for module in (cachefs.base.metrics, scheduler_hints.metrics):
         for obj in vars(module).values():
             if isinstance(obj, MetricWrapperBase):
                 expect.add(obj._name + "_total" if obj._type == "counter" else obj._name)

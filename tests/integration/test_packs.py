@@ -16,12 +16,12 @@ import time
 import fsspec
 import pytest
 
-from cachefs.config import load_config
+from cachefs.base.config import load_config
+from cachefs.base.types import object_key
 from cachefs.engine import Engine, ReadStream
 from cachefs.index import Index
-from cachefs.status import status_report
+from cachefs.status.summary import status_report
 from cachefs.store import packs as packs_module
-from cachefs.types import object_key
 from tests.conftest import resident_bytes
 
 
@@ -200,7 +200,7 @@ def _version(url: str, rel: str, config) -> str:
 
 CRASH = textwrap.dedent("""
     import asyncio, os, signal, sys
-    from cachefs.config import load_config
+    from cachefs.base.config import load_config
     from cachefs.engine import Engine
     from cachefs.store import packs
     from cachefs.index import index as index_module

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cachefs.config import load_config
+from cachefs.base.config import load_config
 from cachefs.sources import open_raw_origin
 from cachefs.testing.conformance import SourceConformance
 

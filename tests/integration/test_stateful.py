@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cachefs.config import load_config
+from cachefs.base.config import load_config
+from cachefs.base.errors import StaleObjectError
 from cachefs.engine import Engine
-from cachefs.errors import StaleObjectError
 
 NAMES = ["a.bin", "d/b.bin", "d/e/c.bin"]
 BLOCK = 64 * 1024

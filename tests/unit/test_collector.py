@@ -6,7 +6,7 @@ import sys
 # In a child process: the settings are process-wide, and the test runner's own must stay as they are.
 _PROBE = """
 import gc, weakref
-from cachefs._collector import YOUNG_THRESHOLD, quiet_collector
+from cachefs.base.collector import YOUNG_THRESHOLD, quiet_collector
 before = gc.get_threshold()
 quiet_collector()
 assert gc.get_freeze_count() > 0, "nothing set aside"

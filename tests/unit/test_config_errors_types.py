@@ -4,8 +4,8 @@ import errno
 
 import pytest
 
-from cachefs.config import EngineConfig, load_config, parse_size
-from cachefs.errors import (
+from cachefs.base.config import EngineConfig, load_config, parse_size
+from cachefs.base.errors import (
     AccessDeniedError,
     ConfigError,
     CredentialsError,
@@ -17,7 +17,7 @@ from cachefs.errors import (
     TransientOriginError,
     translate_origin_error,
 )
-from cachefs.types import canonical_url, dataset_id
+from cachefs.base.types import canonical_url, dataset_id
 
 
 def test_layers_defaults_yaml_env_flags(tmp_path):

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from cachefs.errors import CacheFSError
+from cachefs.base.errors import CacheFSError
 from csi.mounter import MounterUnavailable, RemoteMounter, parse_request, serve_mounter
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefs.errors import ConfigError
+from cachefs.base.errors import ConfigError
 from scheduler_hints.config import ExtenderConfig, load_extender_config
 
 

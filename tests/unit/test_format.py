@@ -3,11 +3,11 @@ FORMAT_VERSION, update docs/FORMAT.md, then the expected bytes here."""
 
 from __future__ import annotations
 
-from cachefs.checksum import block_checksum
+from cachefs.base.checksum import block_checksum
+from cachefs.base.types import Entry, dataset_id, object_key
 from cachefs.index import FORMAT_VERSION, ObjectRecord
 from cachefs.index.records import BLOCK, DIR_HEAT, DS_STATS, PACKED, TOTALS, PackRecord, pack_key
 from cachefs.manifest.store import _key, _pack
-from cachefs.types import Entry, dataset_id, object_key
 
 
 def test_format_version():

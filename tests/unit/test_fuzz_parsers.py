@@ -225,8 +225,8 @@ def test_http_responses_are_read_exactly_or_refused(chunks):
                      st.sampled_from(["s3:/data", "s3://", "s3://Bad_Bucket!!", "file://", "://x", "s3://b/../x",
                                       "s3://b/\x00", "htp:/bad", "A://[", "0://0://\x00"])))
 def test_dataset_urls_are_accepted_or_refused_clearly(url):
-    from cachefs.errors import InvalidURLError
-    from cachefs.types import DatasetRef
+    from cachefs.base.errors import InvalidURLError
+    from cachefs.base.types import DatasetRef
 
     try:
         ref = DatasetRef.from_url(url)
@@ -238,8 +238,8 @@ def test_dataset_urls_are_accepted_or_refused_clearly(url):
 @given(include=st.lists(st.text(max_size=12), max_size=3), exclude=st.lists(st.text(max_size=12), max_size=3))
 @example(include=["[", "**/[!a-", "\\"], exclude=["*]"])
 def test_include_exclude_globs_select_or_refuse_clearly(include, exclude):
+    from cachefs.base.types import Entry
     from cachefs.jobs.warm import select_files
-    from cachefs.types import Entry
 
     files = [Entry("a/b/c.txt", 1, "e", 0.0), Entry("[x].bin", 2, "e", 0.0)]
     chosen = list(select_files(files, include or None, exclude or None))
@@ -250,8 +250,8 @@ def test_include_exclude_globs_select_or_refuse_clearly(include, exclude):
                      st.dictionaries(st.sampled_from(["cache", "engine", "origin", "cluster", "metrics", "x"]),
                                      JSON, max_size=3).map(json.dumps)))
 def test_yaml_config_is_loaded_or_refused_clearly(doc, tmp_path_factory):
-    from cachefs.config import load_config
-    from cachefs.errors import ConfigError
+    from cachefs.base.config import load_config
+    from cachefs.base.errors import ConfigError
 
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"
     path.write_text(doc)
@@ -309,7 +309,7 @@ def _mirror_files():
     with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
     index = sink.getvalue().to_pybytes()
-    from cachefs.mirror import FORMAT
+    from cachefs.formats.mirror_index import FORMAT
 
     meta = json.dumps({"format": FORMAT, "source": "s3://b/ds", "index": {"name": "index.arrow", "version": "v",
                                                                           "size": len(index)},
@@ -323,9 +323,9 @@ MIRROR_META, MIRROR_INDEX = _mirror_files()
 @given(meta=st.one_of(st.just(MIRROR_META), _flips(MIRROR_META)), index=st.one_of(st.just(MIRROR_INDEX),
                                                                                     _flips(MIRROR_INDEX)))
 def test_a_damaged_mirror_is_refused_never_misread(meta, index):
-    from cachefs.errors import CacheFSError
-    from cachefs.mirror import parse_index, parse_meta
-    from cachefs.types import DatasetRef
+    from cachefs.base.errors import CacheFSError
+    from cachefs.base.types import DatasetRef
+    from cachefs.formats.mirror_index import parse_index, parse_meta
 
     ref = DatasetRef.from_url("s3://b/ds")
     try:
@@ -342,7 +342,7 @@ def test_a_damaged_mirror_is_refused_never_misread(meta, index):
 @given(raw=st.one_of(st.binary(max_size=100), st.builds(lambda: None).flatmap(
     lambda _: _flips(__import__("msgspec").msgpack.encode([1, "s3://b/ds", [["a.txt", 5, "e", 1.0]]])))))
 def test_a_damaged_shipped_manifest_is_refused(raw):
-    from cachefs.errors import CacheFSError
+    from cachefs.base.errors import CacheFSError
     from cachefs.manifest.shipping import unpack_manifest
 
     try:

@@ -7,14 +7,14 @@ import collections
 
 import pytest
 
+from cachefs.base.config import MAX_REPLICAS, ClusterConfig, hot_bytes_per_s, parse_replicas
+from cachefs.base.errors import ConfigError
+from cachefs.base.types import DatasetRef, Entry
 from cachefs.cluster.heat import HeatTracker
 from cachefs.cluster.membership import MemberTable, parse_peers
 from cachefs.cluster.placement import RANK
-from cachefs.config import MAX_REPLICAS, ClusterConfig, hot_bytes_per_s, parse_replicas
-from cachefs.errors import ConfigError
 from cachefs.tiers.base import Want
 from cachefs.tiers.peer import ASKED_AS_REPLICA, PeerTier, block_key
-from cachefs.types import DatasetRef, Entry
 
 
 class Clock:

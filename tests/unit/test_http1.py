@@ -12,7 +12,7 @@ import ssl
 
 import pytest
 
-from cachefs.errors import OriginUnavailableError, TruncatedBodyError, translate_origin_error
+from cachefs.base.errors import OriginUnavailableError, TruncatedBodyError, translate_origin_error
 from cachefs.sources.http1 import Http1Pool, UnsupportedResponse
 
 CLOSE = object()  # at the end of a response's parts: close the connection after sending them

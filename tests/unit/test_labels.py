@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cachefs.types import dataset_id
+from cachefs.base.types import dataset_id
 from scheduler_hints.labels import (
     FREE_LABEL,
     GROUP_LABEL,

@@ -8,7 +8,7 @@ import os
 import pytest
 from aiohttp import web
 
-from cachefs.checksum import block_checksum
+from cachefs.base.checksum import block_checksum
 from cachefs.cluster.peer_client import CHECKSUM_HEADER, PeerClient, PeerError
 
 DATA = os.urandom(1 << 20)

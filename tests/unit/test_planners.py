@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefs.planners import blocks_ahead, directory_ahead, grow_window, mirror_windows, sweep, window_of
+from cachefs.prefetch.planners import blocks_ahead, directory_ahead, grow_window, mirror_windows, sweep, window_of
 
 
 @pytest.mark.parametrize("window, sequential, max_window, want", [

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cachefs.errors import ConfigError
+from cachefs.base.errors import ConfigError
 from cachefs.kube import load_kube_config
 from scheduler_hints.labels import DatasetCache, NodeCacheSummary, dataset_key, desired_metadata
 from scheduler_hints.publisher import metadata_patch

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from cachefs.budget import MemoryBudget
-from cachefs.errors import CacheFSError, ObjectNotFoundError
-from cachefs.flight import SingleFlight
+from cachefs.base.errors import CacheFSError, ObjectNotFoundError
+from cachefs.base.types import Entry
+from cachefs.node.budget import MemoryBudget
+from cachefs.node.flight import SingleFlight
 from cachefs.tiers import Tier, TierChain, TierCounts, Want
-from cachefs.types import Entry
 
 
 def test_single_flight_runs_once_per_key_and_forgets_it_after():

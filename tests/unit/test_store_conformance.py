@@ -26,8 +26,8 @@ def test_blocks_larger_than_a_verify_piece_are_verified_whole(tmp_path):
     read, and damage anywhere in the block fails the read of any part of it."""
     import os
 
-    from cachefs.checksum import block_checksum
-    from cachefs.errors import CorruptBlockError
+    from cachefs.base.checksum import block_checksum
+    from cachefs.base.errors import CorruptBlockError
     from cachefs.store.disk import _VERIFY_PIECE
 
     bs = 4 * _VERIFY_PIECE

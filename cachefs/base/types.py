@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .errors import InvalidURLError
+from cachefs.base.errors import InvalidURLError
 
 __all__ = ["DatasetRef", "Entry", "canonical_url", "dataset_id", "object_key"]
 

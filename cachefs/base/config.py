@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from cachefs.base.errors import ConfigError
 
 __all__ = ["MAX_REPLICAS", "CacheConfig", "ClusterConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig",
            "default_cache_dir", "default_log_dir", "default_metrics_dir", "hot_bytes_per_s", "load_config",
@@ -137,7 +137,7 @@ class EngineConfig:
     #: Read-ahead grows 1, 2, 4, … blocks on sequential reads up to this many bytes.
     readahead_max: int = 64 * 1024 * 1024
     #: Return freed fetch buffers to the OS at once (glibc's mmap threshold pinned at one block), so RSS stays
-    #: within the budget; see cachefs/_memory.py for the measurements. Process-wide; off leaves malloc alone.
+    #: within the budget; see cachefs/base/memory.py for the measurements. Process-wide; off leaves malloc alone.
     bound_allocator: bool = True
     #: Access statistics (LRU times, hit counters) are written to the index at most this often.
     stats_flush_interval: float = 2.0
@@ -489,7 +489,7 @@ def reference_markdown() -> str:
         "",
         "S3 endpoint and credentials also follow the AWS conventions (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`/",
         "`AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, `AWS_REGION`, instance roles) when not set here. Secrets are never",
-        "logged. Why each default is what it is: see the comments in `cachefs/config.py`.",
+        "logged. Why each default is what it is: see the comments in `cachefs/base/config.py`.",
         "",
         "| YAML | environment | default |",
         "|---|---|---|",

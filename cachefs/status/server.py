@@ -9,8 +9,8 @@ import os
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client import multiprocess as mp
 
-from .config import Config
-from .node_metrics import NodeCollector
+from cachefs.base.config import Config
+from cachefs.status.collector import NodeCollector
 
 __all__ = ["node_registry", "serve_metrics"]
 

@@ -32,9 +32,9 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from .errors import CacheFSError, ObjectNotFoundError
-from .sources import Source
-from .types import DatasetRef, object_key
+from cachefs.base.errors import CacheFSError, ObjectNotFoundError
+from cachefs.base.types import DatasetRef, object_key
+from cachefs.sources import Source
 
 __all__ = ["FORMAT", "MIRROR_SUFFIX", "MirrorIndex", "index_schema", "load_mirror", "mirror_url_for"]
 

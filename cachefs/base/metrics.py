@@ -4,9 +4,9 @@ keeps the two in step).
 A node runs many cachefs processes (FUSE holders and daemons, the CSI plugin and its mounter); their counters
 reach one scrape endpoint through prometheus-client's multiprocess mode: each process writes its values to
 memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR`` (set from ``metrics.dir`` by the ``cachefs`` command before
-this module is imported), and the endpoint (:mod:`cachefs.metrics_server`) sums them. What the whole node holds
+this module is imported), and the endpoint (:mod:`cachefs.status.server`) sums them. What the whole node holds
 (bytes cached, per-dataset hits and misses, evictions) is read from the index at scrape time instead
-(:mod:`cachefs.node_metrics`), the same figures ``cachefs status`` prints.
+(:mod:`cachefs.status.collector`), the same figures ``cachefs status`` prints.
 
 Counters on hot paths are kept as plain integers where they arise and added here in batches (every statistics
 flush, about once a second), so that a warm read pays for no metric update.
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from .errors import (
+from cachefs.base.errors import (
     AccessDeniedError,
     CacheFSError,
     CredentialsError,

@@ -1,7 +1,7 @@
 """Room on the cache disk: whether new bytes may be stored.
 
 A write is admitted only if afterwards the cached bytes stay within the capacity *and* the file system keeps its
-free-space floor. The "evict, then try once more" rule every writer follows is :meth:`cachefs.eviction.Evictor.store`,
+free-space floor. The "evict, then try once more" rule every writer follows is :meth:`cachefs.node.eviction.Evictor.store`,
 built on this.
 
 After a refusal the disk counts as full for :data:`FULL_BACKOFF` seconds, during which writes are refused at
@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from .errors import CacheFullError
-from .index import Index
-from .store import BlockStore
+from cachefs.base.errors import CacheFullError
+from cachefs.index import Index
+from cachefs.store import BlockStore
 
 __all__ = ["FULL_BACKOFF", "DiskSpace"]
 

@@ -1,6 +1,6 @@
 """The origin funnel: every byte a reader wants from the origin (or a mirror) passes here.
 
-Three limits, each with its reason: bytes held in memory for fetches (:class:`~cachefs.budget.MemoryBudget`,
+Three limits, each with its reason: bytes held in memory for fetches (:class:`~cachefs.node.budget.MemoryBudget`,
 so the process stays within ``engine.memory_budget`` however many readers there are), GETs in flight
 (``engine.max_concurrent_fetches``: small files are latency-bound, many in flight fill a link), and bytes on the
 wire (``engine.fetch_window``: more than the link takes only makes every GET slower).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .budget import MemoryBudget, Reservation
+from cachefs.node.budget import MemoryBudget, Reservation
 
 __all__ = ["OriginFunnel"]
 

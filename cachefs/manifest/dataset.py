@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .index import DatasetRecord
-from .manifest import ManifestStore
-from .sources import Source
-from .types import DatasetRef, Entry
+from cachefs.base.types import DatasetRef, Entry
+from cachefs.index import DatasetRecord
+from cachefs.manifest import ManifestStore
+from cachefs.sources import Source
 
 __all__ = ["Dataset"]
 

@@ -2,7 +2,7 @@
 directories and mounts (``cachefs status``, the label publisher, the metrics).
 
 Read-only: no engine is built, nothing is fetched, written or cleaned up, and a cache directory that does not
-exist is reported as such (:class:`~cachefs.errors.ObjectNotFoundError`), never created.
+exist is reported as such (:class:`~cachefs.base.errors.ObjectNotFoundError`), never created.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import json
 import os
 import time
 
-from .config import Config, resolve_size
-from .errors import ObjectNotFoundError
-from .index import Index
-from .metrics import node_totals
-from .mount_records import list_mounts
+from cachefs.base.config import Config, resolve_size
+from cachefs.base.errors import ObjectNotFoundError
+from cachefs.base.metrics import node_totals
+from cachefs.index import Index
+from cachefs.index.mounts import list_mounts
 
 __all__ = ["HEAT_STALE_AFTER", "NodeSummary", "cluster_report", "heat_path", "status_report", "write_heat"]
 

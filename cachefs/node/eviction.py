@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from .config import Config
-from .disk_jobs import DiskJobs
-from .errors import CacheFullError
-from .index.records import ObjectRecord, PackRecord
-from .open_objects import OpenObjects
-from .read_stats import ReadStats
-from .space import FULL_BACKOFF, DiskSpace
-from .store.packs import PackStore
+from cachefs.base.config import Config
+from cachefs.base.errors import CacheFullError
+from cachefs.index.records import ObjectRecord, PackRecord
+from cachefs.node.disk_jobs import DiskJobs
+from cachefs.node.open_objects import OpenObjects
+from cachefs.node.read_stats import ReadStats
+from cachefs.node.space import FULL_BACKOFF, DiskSpace
+from cachefs.store.packs import PackStore
 
 __all__ = ["Evictor", "eviction_order"]
 

@@ -16,10 +16,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .index import Index
-from .index.records import ObjectRecord
-from .store import BlockStore, StoredObject
-from .types import Entry, object_key
+from cachefs.base.types import Entry, object_key
+from cachefs.index import Index
+from cachefs.index.records import ObjectRecord
+from cachefs.store import BlockStore, StoredObject
 
 __all__ = ["MAX_OPEN", "OpenObject", "OpenObjects"]
 

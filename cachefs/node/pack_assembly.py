@@ -5,7 +5,7 @@ re-serialised.
 
 Until then its members are readable from the temp file (:meth:`PackAssemblies.pending`), so each byte is held in
 memory only while its window is on the wire and being written. A pack whose temp file cannot be written (no room,
-see :meth:`~cachefs.eviction.Evictor.store`) is given up: what was served stays served, later misses fetch again.
+see :meth:`~cachefs.node.eviction.Evictor.store`) is given up: what was served stays served, later misses fetch again.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from .disk_jobs import DiskJobs
-from .errors import CacheFSError, CacheFullError
-from .eviction import Evictor
-from .index import Index
-from .store.packs import PackStore
+from cachefs.base.errors import CacheFSError, CacheFullError
+from cachefs.index import Index
+from cachefs.node.disk_jobs import DiskJobs
+from cachefs.node.eviction import Evictor
+from cachefs.store.packs import PackStore
 
 __all__ = ["Assembly", "PackAssemblies"]
 

@@ -13,8 +13,8 @@ import logging
 import threading
 import time
 
-from .errors import CacheFSError, CacheFullError
-from .index import Index
+from cachefs.base.errors import CacheFSError, CacheFullError
+from cachefs.index import Index
 
 __all__ = ["ReadStats"]
 

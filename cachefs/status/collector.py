@@ -1,13 +1,13 @@
 """What the whole node holds, as Prometheus metrics read from the index at scrape time: the same figures
-``cachefs status`` prints (:class:`~cachefs.status.NodeSummary`), so the two never disagree."""
+``cachefs status`` prints (:class:`~cachefs.status.summary.NodeSummary`), so the two never disagree."""
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .config import Config
-from .errors import ObjectNotFoundError
-from .status import NodeSummary
+from cachefs.base.config import Config
+from cachefs.base.errors import ObjectNotFoundError
+from cachefs.status.summary import NodeSummary
 
 __all__ = ["NodeCollector"]
 
