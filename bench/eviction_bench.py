@@ -1,6 +1,6 @@
-"""Why eviction is "two-touch LRU": byte hit ratios of the engine's policy against plain LRU, FIFO and random
-eviction, with the engine's watermark rule (evict from high to low watermark), on access traces typical of
-a training node.
+"""Why eviction is "two-touch LRU": byte hit ratios of the engine's policies (cachefs.node.eviction_policy, run here
+as the engine runs them) against FIFO and random eviction, with the engine's watermark rule (evict from high to
+low watermark), on access traces typical of a training node.
 
 - ``zipf``: several jobs share a node and read a catalogue with skewed popularity (s = 1.1);
 - ``hot+scan``: a hot working set re-read all the time, interrupted by one-off scans of cold data;
@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import random
 
+from cachefs.index.records import ObjectRecord
+from cachefs.node.eviction_policy import Candidate, EvictionHints, policy_named
+
 HIGH, LOW = 0.95, 0.85
 
 
 def simulate(policy: str, trace: list[int], size: dict[int, int], capacity: int, seed: int = 0) -> float:
-    """Byte hit ratio of ``policy`` over ``trace``. ``twotouch`` is what the engine does (engine.eviction_order):
-    objects read only once go first, oldest first; objects read twice or more follow, oldest first."""
+    """Byte hit ratio of ``policy`` over ``trace``: a name in cachefs.node.eviction_policy.POLICIES (the engine's
+    own policy objects order the victims), or the baselines ``fifo`` and ``random``."""
     rng = random.Random(seed)
     last: dict[int, int] = {}
     touches: dict[int, int] = {}
@@ -41,10 +44,11 @@ def simulate(policy: str, trace: list[int], size: dict[int, int], capacity: int,
                 rng.shuffle(order)
             elif policy == "fifo":
                 order = sorted(last, key=inserted.__getitem__)
-            elif policy == "lru":
-                order = sorted(last, key=last.__getitem__)
             else:
-                order = sorted(last, key=lambda o: (touches[o] >= 2, last[o]))
+                candidates = [Candidate(o.to_bytes(16, "big"), ObjectRecord("ds", "", "", size[o], size[o], last[o],
+                                                                          touches[o])) for o in last]
+                order = [int.from_bytes(c.key, "big")
+                         for c in policy_named(policy).order(candidates, EvictionHints())]
             for victim in order:
                 if used <= LOW * capacity:
                     break
@@ -81,10 +85,10 @@ def traces(seed: int = 1) -> dict[str, tuple[list[int], dict[int, int], int]]:
 def main() -> None:
     print("| trace | two-touch LRU (ours) | LRU | FIFO | random | ours vs best other |\n|---|---|---|---|---|---|")
     for name, (trace, size, cap) in traces().items():
-        r = {p: simulate(p, trace, size, cap) for p in ("twotouch", "lru", "fifo", "random")}
+        r = {p: simulate(p, trace, size, cap) for p in ("two-touch-lru", "lru", "fifo", "random")}
         best = max(r["lru"], r["fifo"], r["random"])
-        print(f"| {name} | {r['twotouch']:.3f} | {r['lru']:.3f} | {r['fifo']:.3f} | {r['random']:.3f} | "
-              f"{r['twotouch'] / best if best else float('inf'):.2f}× |")
+        print(f"| {name} | {r['two-touch-lru']:.3f} | {r['lru']:.3f} | {r['fifo']:.3f} | {r['random']:.3f} | "
+              f"{r['two-touch-lru'] / best if best else float('inf'):.2f}× |")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,15 @@ process.
 The engine composes the parts and is the one door the front ends (FUSE, fsspec, jobs) use:
 
 * datasets: a manifest snapshot taken once per node, then every ``stat``/``ls``/``walk`` from it;
-* files: :meth:`Engine.open` chooses the read strategy once per file — large objects in blocks
-  (:mod:`cachefs.read.blocks`), small ones packed (:mod:`cachefs.read.packs`) — and hands back an
-  :class:`~cachefs.read.OpenFile`;
-* what misses goes through the tier chains (:mod:`cachefs.tiers`) within the origin funnel's limits
-  (:mod:`cachefs.node.funnel`); writes within the disk's room (:mod:`cachefs.node.space`); eviction
-  (:mod:`cachefs.node.eviction`) and access statistics (:mod:`cachefs.node.read_stats`) run in the background.
+* files: :meth:`Engine.strategy` answers once per file which read strategy applies — large objects in blocks
+  (:mod:`cachefs.read.block_strategy`), small ones packed (:mod:`cachefs.read.pack_strategy`) — and
+  :meth:`Engine.open` hands back an :class:`~cachefs.read.OpenFile` through it;
+* what misses goes through the tier chains (:mod:`cachefs.tiers`, built from ``engine.small_tiers`` and
+  ``engine.block_tiers``) within the origin funnel's limits (:mod:`cachefs.node.funnel`); what comes next is
+  fetched ahead by the prefetcher (:mod:`cachefs.prefetch`); writes within the disk's room
+  (:mod:`cachefs.node.space`); eviction (:mod:`cachefs.node.eviction`) and access statistics
+  (:mod:`cachefs.node.read_stats`) run in the background;
+* the cache group: the agent serves its members through :meth:`Engine.serve`.
 
 Two doors, one path: the async methods run on the cachefs event loop. Sync callers (fsspec files, FUSE handlers)
 call ``read_local`` first, which serves what is on this node from the calling thread, and fall back to ``read``
@@ -22,14 +25,15 @@ import asyncio
 import atexit
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from cachefs.base import metrics
-from cachefs.base.config import Config, parse_replicas, prepare_cache_dir, resolve_size
+from cachefs.base.config import Config, prepare_cache_dir, resolve_size, tier_names
 from cachefs.base.errors import ConfigError
 from cachefs.base.memory import bound_allocator
 from cachefs.base.types import DatasetRef, Entry, object_key
-from cachefs.group import GroupLink
+from cachefs.cluster.link import GroupLink
 from cachefs.index import DatasetRecord, Index
 from cachefs.manifest import ManifestStore, take_snapshot
 from cachefs.manifest.dataset import Dataset
@@ -41,13 +45,14 @@ from cachefs.node.open_objects import OpenObjects
 from cachefs.node.pack_assembly import PackAssemblies
 from cachefs.node.read_stats import ReadStats
 from cachefs.node.space import DiskSpace
-from cachefs.read import BlockFile, BlockPath, OpenFile, PackedFile, PackPath, ReadStream
+from cachefs.prefetch.prefetcher import Prefetcher
+from cachefs.read import WOULD_WAIT, BlockStrategy, LocalRead, OpenFile, PackStrategy, ReadStrategy, ReadStream
 from cachefs.sources import Source, open_origin
 from cachefs.store import DiskStore
-from cachefs.store.packs import WOULD_WAIT, PackStore
-from cachefs.tiers import MirrorTier, OriginTier, TierChain, TierCounts
+from cachefs.store.pack_store import DiskPackStore
+from cachefs.tiers import MirrorTier, TierCounts, TierParts, build_chain
 
-__all__ = ["WOULD_WAIT", "Dataset", "Engine", "OpenFile", "ReadStream", "get_engine"]
+__all__ = ["WOULD_WAIT", "Dataset", "Engine", "LocalRead", "OpenFile", "ReadStream", "get_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +79,24 @@ class Engine:
         self.disk = DiskJobs()
         self.stats = ReadStats()
         self.objects = OpenObjects(self.index, self.store, c.block_size)
-        pack_store = PackStore(c.dir)
+        pack_store = DiskPackStore(c.dir)
         self.space = DiskSpace(self.index, self.store, capacity=self.capacity, min_free=self.min_free,
                                high_watermark=c.high_watermark, low_watermark=c.low_watermark)
         self.evictor = Evictor(config, self.space, pack_store, self.objects, self.stats, self.disk)
         self.assemblies = PackAssemblies(pack_store, self.index, self.evictor, self.disk)
+        self.prefetcher = Prefetcher(self.funnel.memory, max_running=e.max_concurrent_fetches)
         self.tier_counts = TierCounts()
-        origin = OriginTier(self.funnel)
-        self.mirror = MirrorTier(self.funnel, self.assemblies, self.index, self.stats)
-        # Missing bytes: the cache group's members first (while the node is in one), then the mirror, the origin.
-        self.group = GroupLink(c.dir, block_size=c.block_size, hedge_after=config.cluster.hedge_after,
-                               keep_guest=config.cluster.keep_guest, declared=parse_replicas(config.cluster.replicas))
-        self.blocks = BlockPath(config, self.objects, TierChain([self.group.block_tier, origin], self.tier_counts),
-                                self.funnel, self.evictor, self.disk, self.stats)
-        self.packs = PackPath(config, pack_store, self.index,
-                              TierChain([self.group.small_tier, self.mirror, origin], self.tier_counts),
-                              self.funnel, self.evictor, self.disk, self.stats, self.assemblies)
+        self.group = GroupLink(c.dir)
+        parts = TierParts(config, self.funnel, self.group.view)
+        block_chain = build_chain(tier_names(e.block_tiers), parts, "block", self.tier_counts)
+        small_chain = build_chain(tier_names(e.small_tiers), parts, "small", self.tier_counts)
+        self.blocks = BlockStrategy(config, self.objects, block_chain, self.funnel, self.evictor, self.disk,
+                                    self.stats, self.prefetcher)
+        self.packs = PackStrategy(config, pack_store, self.index, small_chain, self.funnel, self.evictor, self.disk,
+                                  self.stats, self.assemblies, self.prefetcher)
+        mirror = small_chain.tier("mirror")
+        #: The packed mirror tier, when the small files' chain has one.
+        self.mirror = mirror if isinstance(mirror, MirrorTier) else None
         self._metric_deltas = metrics.Deltas()
         self._sources: dict[tuple, Source] = {}
         self._first_snapshot: dict[str, asyncio.Lock] = {}
@@ -127,7 +134,7 @@ class Engine:
             # engine closes (its sessions included) while the loop still runs.
             atexit.unregister(self._at_exit)
             atexit.register(self._at_exit)
-        self._loop = self.blocks.loop = asyncio.get_running_loop()
+        self._loop = self.prefetcher.loop = asyncio.get_running_loop()
         ref = DatasetRef.from_url(url)
         src = source or self.source_for(ref.url, storage_options)
         rec = self.index.dataset(ref.id)
@@ -168,53 +175,66 @@ class Engine:
         """This process (the agent) fetches missing bytes for the group, from the mirror and the origin, and
         asks the group only as a replica of a hot key (from the key's owner); what it gets, it keeps."""
         self.group.serving = True
-        for tier in (self.group.block_tier, self.group.small_tier):
-            tier.kept = True
+
+    async def serve(self, ds: Dataset, entry: Entry, block: int | None, *, fetch: bool) -> tuple[bytes, int] | None:
+        """Block ``block`` of a large file, or a whole small file (``block`` None), for a member of the cache group,
+        with the checksum recorded for it: from this node's disk, or fetched first when ``fetch`` (this node owns
+        the key). None when it is neither here nor this node's to fetch."""
+        self._start_background()
+        return await self.strategy(entry).serve(ds, entry, block, fetch=fetch)
+
+    def dataset_record(self, ds_id: str) -> DatasetRecord | None:
+        """What this node knows of dataset ``ds_id`` (its URL, manifest versions)."""
+        return self.index.dataset(ds_id)
+
+    def lookup(self, ds_id: str, version: int, path: str) -> Entry:
+        """``path`` in manifest ``version`` of ``ds_id``; ObjectNotFoundError if it has none."""
+        return self.manifests.lookup(ds_id, version, path)
+
+    def pack_manifest(self, ds_id: str, version: int, url: str) -> bytes:
+        """Manifest ``version`` of ``ds_id`` packed for a member of the group (blocking: call from a thread)."""
+        from cachefs.manifest.shipping import pack_manifest
+
+        return pack_manifest(self.manifests, ds_id, version, url)
 
     # -- files ----------------------------------------------------------------------------------------------
-    def packed(self, entry: Entry) -> bool:
-        """Whether ``entry`` is a small file, kept in packs (never a local file of its own)."""
-        return self.packs.packable(entry)
+    def strategy(self, entry: Entry) -> ReadStrategy:
+        """How ``entry`` is read, kept and served: packed whole if it is a small file, in blocks otherwise."""
+        return self.packs if self.packs.packable(entry) else self.blocks
 
     def open(self, ds: Dataset, entry: Entry, *, pin: bool = True) -> OpenFile:
         """Open ``entry`` for reading: its strategy is chosen here, once. With ``pin``, eviction by any process
         leaves its cache file alone until the file is closed (a reader has it open)."""
-        if self.packs.packable(entry):
-            return self.packs.open(ds, entry)
-        return self.blocks.open(ds, entry, pin=pin)
-
-    def _oneoff(self, ds: Dataset, entry: Entry, stream: ReadStream | None) -> OpenFile:
-        """A file for one read (``stream`` None: no read-ahead, the read is an access of its own)."""
-        if self.packs.packable(entry):
-            return PackedFile(self.packs, ds, entry, stream)
-        return BlockFile(self.blocks, ds, entry, None, stream)
+        return self.strategy(entry).open(ds, entry, pin=pin)
 
     def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None, *,
-                   wait: bool = True) -> bytes | bytearray | object | None:
+                   wait: bool = True) -> LocalRead:
         """``[start, end)`` of ``entry`` from this node, from the calling thread (see OpenFile.read_local)."""
-        return self._oneoff(ds, entry, stream).read_local(start, end, wait=wait)
+        return self.strategy(entry).oneoff(ds, entry, stream).read_local(start, end, wait=wait)
 
-    async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None) -> bytes:
+    async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None
+                   ) -> bytes | bytearray:
         """``[start, end)`` of ``entry`` (clamped to its size), fetching what is missing."""
         self._start_background()
-        return await self._oneoff(ds, entry, stream).read(start, end)
+        return await self.strategy(entry).oneoff(ds, entry, stream).read(start, end)
 
-    async def ensure_cached(self, ds: Dataset, entry: Entry, on_bytes=None) -> None:
+    async def ensure_cached(self, ds: Dataset, entry: Entry, on_bytes: Callable[[int], None] | None = None) -> None:
         """Make ``entry`` wholly present (prefetch); CacheFullError if the disk cannot take it. ``on_bytes(n)``
-        as pieces land. Warming is not a read: it counts neither hits nor misses."""
+        as pieces land. Warming is not a read: it counts neither hits nor misses, nor read-ahead."""
         self._start_background()
-        if self.packs.packable(entry):
-            await self.packs.fetch(ds, self.object_key(ds, entry), entry)
+        await self.strategy(entry).ensure(ds, entry, on_bytes)
+        if self.strategy(entry).packed:
             full = self.packs.pending.full_error or self.assemblies.full_error
             if full is not None:
                 raise full
-            return
-        await self.blocks.ensure(ds, entry, on_bytes)
 
     async def persist(self) -> None:
         """Write pending packs now and get back under the cache's limits (the end of a prefetch). Raises
         CacheFullError if small files could not be stored."""
-        await self.mirror.drain()
+        await self.prefetcher.drain()
+        if self.mirror is not None:
+            await self.mirror.drain()
+        await self.assemblies.drain()
         await self.packs.pending.flush()
         full = self.packs.pending.full_error or self.assemblies.full_error
         if full is not None:
@@ -223,14 +243,11 @@ class Engine:
             await self.evict()
 
     def cached_bytes(self, ds: Dataset, entry: Entry) -> int:
-        okey = self.object_key(ds, entry)
-        if self.packs.packable(entry):
-            return entry.size if entry.size == 0 or self.packs.has(okey) else 0
-        return self.blocks.cached_bytes(ds, entry, okey)
+        return self.strategy(entry).cached_bytes(ds, entry, self.object_key(ds, entry))
 
     def local_path(self, ds: Dataset, entry: Entry) -> str | None:
         """Path of the complete local file of a large ``entry``, or None (missing blocks, packed, evicted)."""
-        return None if self.packs.packable(entry) else self.blocks.local_path(ds, entry)
+        return self.strategy(entry).local_path(ds, entry)
 
     def every_file_packed_here(self, ds: Dataset, *, here: bool = True) -> bool:
         """Whether every file of ``ds`` is a packed small file (and, with ``here``, on this node). May walk the
@@ -256,22 +273,11 @@ class Engine:
     def object_key(ds: Dataset, entry: Entry) -> bytes:
         return object_key(ds.ref.id, entry.path, entry.version)
 
-    @property
-    def prefetching_since(self) -> float | None:
-        """Set (epoch seconds) while a prefetch runs in this process: what it brings in is not evicted for the
-        rest of it, and is not counted as read-ahead."""
-        return self.evictor.keep_newer_than
-
-    @prefetching_since.setter
-    def prefetching_since(self, when: float | None) -> None:
-        self.evictor.keep_newer_than = when
-        self.stats.warming = when is not None
-
     # -- background work ------------------------------------------------------------------------------------
     def flush_stats(self) -> None:
         """Write batched access statistics to the index and the metrics, let go of descriptors of evicted files,
         and put the index's reserve back if it was spent."""
-        self.packs.close_unlinked()
+        self.packs.reads.close_unlinked()
         self.objects.close_evicted()
         self.evictor.flush_stats()
         self._push_metrics()
@@ -324,7 +330,8 @@ class Engine:
     async def aclose(self) -> None:
         """Stop fetching, let every write finish, write pending packs, release the origin connections, then
         :meth:`close` the files. In that order: a file is never closed under a write still running."""
-        fetches = [*self.blocks.stop(), *self.packs.stop(), *self.mirror.stop()]
+        fetches = [*self.prefetcher.stop(), *self.blocks.stop(), *self.packs.stop(),
+                   *(self.mirror.stop() if self.mirror is not None else [])]
         for task in fetches:
             task.cancel()
         await asyncio.gather(*fetches, return_exceptions=True)

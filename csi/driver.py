@@ -33,6 +33,7 @@ from cachefs.base.errors import (
     ObjectNotFoundError,
     OriginUnavailableError,
 )
+from cachefs.base.files import atomic_write
 from cachefs.base.metrics import CSI_CALLS, safely
 from csi.gen import csi_pb2 as pb
 from csi.gen import csi_pb2_grpc as rpc
@@ -183,10 +184,7 @@ class ControllerService(rpc.ControllerServicer):
             self._names = {}
 
     def _save(self) -> None:
-        tmp = self._path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self._names, f)
-        os.replace(tmp, self._path)
+        atomic_write(self._path, json.dumps(self._names), fsync=True)  # volumes outlive the node's processes
 
     @_rpc
     def CreateVolume(self, request):

@@ -21,6 +21,7 @@ import threading
 import time
 
 from cachefs.base.errors import CacheFSError
+from cachefs.base.files import atomic_write
 from cachefs.fuse.mount import bind_mount, is_fuse_mount, is_mount_point, is_stale_mount, other_mounts_of, unmount
 from csi.mounter import LocalMounter, Mounter, MountRequest
 from csi.volume import DatasetVolume
@@ -170,7 +171,5 @@ class SessionManager:
                 self.publishes.pop(target, None)
             else:
                 self.publishes[target] = rec
-            tmp = self._record_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(self.publishes, f, indent=1, sort_keys=True)
-            os.replace(tmp, self._record_path)
+            # The publish record must outlive the node's processes (kubelet asks again after a reboot).
+            atomic_write(self._record_path, json.dumps(self.publishes, indent=1, sort_keys=True), fsync=True)

@@ -2,7 +2,7 @@
 NodeStates net of the GPUs the extender holds for pods, kept from one request to the next.
 
 kube-scheduler asks pod after pod about the same candidates. The decoder hands the same list object for the
-same bytes (:class:`~scheduler_hints.wire.NodeItems`, :class:`~scheduler_hints.wire.NodeNames`), so what a list
+same bytes (:class:`~scheduler_hints.extender_wire.NodeItems`, :class:`~scheduler_hints.extender_wire.NodeNames`), so what a list
 resolved to is kept for that object while the node cache does not change, and only the nodes it updated since
 are looked up again. Lists handed out are never changed in place (a change makes a new list), and a state net of
 held GPUs is the same object while its base and the amount are: callers may keep anything per list or per state
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from scheduler_hints.extender_wire import NodeItems, NodeNames
 from scheduler_hints.memo import room
 from scheduler_hints.node_cache import NodeCache
 from scheduler_hints.scoring import NodeState
-from scheduler_hints.wire import NodeItems, NodeNames
 
 __all__ = ["RequestNodes"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from scheduler_hints.labels import NodeCacheView
+from scheduler_hints.node_state import NodeState
 from scheduler_hints.topology import DomainIndex, domain_free, domain_index, gang_domains
 
 __all__ = [
@@ -72,15 +72,6 @@ class PodNeeds:
 
     datasets: Mapping[str, int] = field(default_factory=dict)  # dataset id -> total bytes (0 when unknown)
     gpus: int = 0
-
-
-@dataclass(frozen=True)
-class NodeState:
-    name: str
-    cache: NodeCacheView
-    labels: Mapping[str, str] = field(default_factory=dict)
-    gpu_allocatable: int = 0
-    gpu_free: int = 0
 
 
 def group_fractions(nodes: Sequence[NodeState]) -> dict[str, dict[str, float]]:

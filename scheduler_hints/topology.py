@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from scheduler_hints.scoring import NodeState
+    from scheduler_hints.node_state import NodeState
 
 __all__ = ["UNKNOWN_DOMAIN", "DomainIndex", "GangDomains", "domain_free", "domain_index", "domain_sums",
            "gang_domains"]

@@ -29,7 +29,7 @@ from cachefs.base.config import Config, hot_bytes_per_s, parse_listen
 from cachefs.base.errors import ConfigError
 from cachefs.cluster.auth import SharedSecret, TokenReviewer
 from cachefs.cluster.heat import HeatTracker
-from cachefs.cluster.members_file import REWRITE_EVERY, GroupView, members_path, placement_path, write_members
+from cachefs.cluster.members_file import REWRITE_EVERY, MembersRecord, members_path, placement_path, write_members
 from cachefs.cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTable, parse_peers
 from cachefs.cluster.tls import GroupTLS
 from cachefs.engine import Engine, get_engine
@@ -135,7 +135,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
 
         serve_metrics(config, *parse_listen(metrics_listen, "--metrics-listen"))
     tasks += _start_tasks(AgentContext(config, node, k.group, engine, table, kube, group_datasets))
-    view = lambda: GroupView(k.group, node, table.members, frozenset(table.draining()),
+    view = lambda: MembersRecord(k.group, node, table.members, frozenset(table.draining()),
                              k.token_file if not k.secret_file else "", k.secret_file,
                              tls=(k.tls_cert, k.tls_key, k.tls_ca))
     tasks.append(asyncio.ensure_future(_keep_members_file(config.cache.dir, table, synced, view)))
@@ -198,7 +198,7 @@ async def _group_of_node(kube, node: str) -> str:
 
 
 async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio.Event,
-                             view: Callable[[], GroupView]) -> None:
+                             view: Callable[[], MembersRecord]) -> None:
     """Write the members file at every membership change and every REWRITE_EVERY seconds (its age tells readers
     that the agent is alive)."""
     await synced.wait()

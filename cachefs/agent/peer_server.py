@@ -26,23 +26,25 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 from aiohttp import web
 
 from cachefs.agent.serving import GroupServing
 from cachefs.base.checksum import block_checksum
 from cachefs.base.errors import CacheFSError
-from cachefs.base.types import object_key
+from cachefs.base.types import Entry, object_key
 from cachefs.cluster.auth import Forbidden, Unauthorized
 from cachefs.cluster.heat import HOT_HEADER, HeatTracker
+from cachefs.cluster.keys import ASKED_AS_REPLICA, OWNERS_THAT_FETCH, DirectoryWindows, block_key
 from cachefs.cluster.membership import MemberTable
 from cachefs.cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
 from cachefs.cluster.placement import RANK
 from cachefs.cluster.tls import has_group_certificate
 from cachefs.manifest import valid_relpath
-from cachefs.tiers.peer import ASKED_AS_REPLICA, OWNERS_THAT_FETCH, DirectoryWindows, block_key
+from cachefs.manifest.dataset import Dataset
 
-__all__ = ["make_peer_app"]
+__all__ = ["PeerHandlers", "make_peer_app"]
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +58,28 @@ def _bad(why: str) -> web.Response:
     return web.json_response({"error": why}, status=400)
 
 
-def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight: float = 1.0,
-                  ready=lambda: True, heat: HeatTracker | None = None, tls: bool = False) -> web.Application:
-    """The peer server's application. ``verifier.identify(token, claimed member) -> Identity`` checks tokens;
-    ``ready()`` says whether membership is known (``/readyz``); ``heat`` counts answers per directory; with
-    ``tls`` (served over the group's TLS) every ``/v1/`` request must come with the group's client certificate."""
-    windows = DirectoryWindows()
+class PeerHandlers:
+    """The peer server's handlers. ``verifier.identify(token, claimed member) -> Identity`` checks tokens;
+    ``ready()`` says whether membership is known (``/readyz``); ``heat`` counts answers per directory; with ``tls``
+    (served over the group's TLS) every ``/v1/`` request must come with the group's client certificate."""
+
+    def __init__(self, serving: GroupServing, table: MemberTable, verifier, *, weight: float = 1.0,
+                 ready: Callable[[], bool] = lambda: True, heat: HeatTracker | None = None, tls: bool = False) -> None:
+        self.serving, self.table, self.verifier, self.weight = serving, table, verifier, weight
+        self.ready, self.heat, self.tls = ready, heat, tls
+        self.windows = DirectoryWindows()
 
     @web.middleware
-    async def authenticate(request: web.Request, handler):
+    async def authenticate(self, request: web.Request, handler):
         if not request.path.startswith("/v1/"):
             return await handler(request)
-        if tls and not has_group_certificate(request.transport):
+        if self.tls and not has_group_certificate(request.transport):
             return web.json_response({"error": "no client certificate of the cache group"}, status=401)
         auth = request.headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         try:
-            who = await verifier.identify(token, request.headers.get(MEMBER_HEADER, ""))
-            if table.member(who.node) is None:
+            who = await self.verifier.identify(token, request.headers.get(MEMBER_HEADER, ""))
+            if self.table.member(who.node) is None:
                 raise Forbidden(f"{who.node} is not a member of this cache group")
         except Unauthorized as exc:
             return web.json_response({"error": str(exc)}, status=401)
@@ -82,6 +88,8 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
         request["member"] = who.node
         return await handler(request)
 
+    # -- requests for bytes ---------------------------------------------------------------------------------
+    @staticmethod
     def _args(request: web.Request, *, block: bool) -> tuple[str, str, str, str, int | None] | web.Response:
         ds_id = request.match_info["dataset"]
         q = request.query
@@ -102,74 +110,78 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
             return _bad("block: not a block number")
         return ds_id, url, path, version, int(raw)
 
-    def _fetches(request: web.Request, key: bytes) -> bool:
+    def _fetches(self, request: web.Request, key: bytes) -> bool:
         """Whether to fetch what is not here: asked to (not a hedge), and this node is among the key's owners,
         or among its candidates when asked as a replica."""
         if request.query.get("fetch", "1") == "0":
             return False
         replica = request.query.get("replica", "0") == "1"
-        return table.self_name in table.placement.owners(key, RANK if replica else OWNERS_THAT_FETCH)
+        return self.table.self_name in self.table.placement.owners(key, RANK if replica else OWNERS_THAT_FETCH)
 
-    def _answer(answer: tuple[bytes, int] | None, ds_id: str, path: str) -> web.Response:
+    def _answer(self, answer: tuple[bytes, int] | None, ds_id: str, path: str) -> web.Response:
         if answer is None:
             return web.json_response({"error": "not here"}, status=404)
         data, checksum = answer
         headers = {CHECKSUM_HEADER: f"{checksum:016x}"}
-        if heat is not None and (replicas := heat.note(ds_id, path.rpartition("/")[0], len(data))):
+        if self.heat is not None and (replicas := self.heat.note(ds_id, path.rpartition("/")[0], len(data))):
             headers[HOT_HEADER] = str(replicas)
         return web.Response(body=data, headers=headers, content_type="application/octet-stream")
 
-    async def _bytes(request: web.Request, ds, entry, idx: int | None, key: bytes) -> tuple[bytes, int] | None:
+    async def _bytes(self, request: web.Request, ds: Dataset, entry: Entry, idx: int | None,
+                     key: bytes) -> tuple[bytes, int] | None:
         token = ASKED_AS_REPLICA.set(request.query.get("replica", "0") == "1")
         try:
-            return await serving.bytes_for(ds, entry, idx, fetch=_fetches(request, key))
+            return await self.serving.bytes_for(ds, entry, idx, fetch=self._fetches(request, key))
         finally:
             ASKED_AS_REPLICA.reset(token)
 
-    async def _file(request: web.Request, *, block: bool):
-        got = _args(request, block=block)
+    async def _file(self, request: web.Request, *, block: bool) -> tuple[Dataset, Entry, int | None] | web.Response:
+        got = self._args(request, block=block)
         if isinstance(got, web.Response):
             return got
         ds_id, url, path, version, idx = got
-        ds = await serving.dataset(ds_id, url)
-        entry = serving.entry(ds, path, version) if ds is not None else None
-        if entry is None:
+        ds = await self.serving.dataset(ds_id, url)
+        entry = self.serving.entry(ds, path, version) if ds is not None else None
+        if ds is None or entry is None:
             return web.json_response({"error": "no such file at that version here"}, status=404)
         return ds, entry, idx
 
-    async def block(request: web.Request) -> web.Response:
-        got = await _file(request, block=True)
+    async def block(self, request: web.Request) -> web.Response:
+        got = await self._file(request, block=True)
         if isinstance(got, web.Response):
             return got
         ds, entry, idx = got
-        if serving.engine.packed(entry) or idx * serving.engine.block_size >= entry.size:
+        assert idx is not None
+        if self.serving.engine.strategy(entry).packed or idx * self.serving.engine.block_size >= entry.size:
             return _bad("block: out of range (or a small file: ask /v1/small)")
         key = block_key(object_key(ds.ref.id, entry.path, entry.version), idx)
-        return _answer(await _bytes(request, ds, entry, idx, key), ds.ref.id, entry.path)
+        return self._answer(await self._bytes(request, ds, entry, idx, key), ds.ref.id, entry.path)
 
-    async def small(request: web.Request) -> web.Response:
-        got = await _file(request, block=False)
+    async def small(self, request: web.Request) -> web.Response:
+        got = await self._file(request, block=False)
         if isinstance(got, web.Response):
             return got
         ds, entry, _ = got
-        if not serving.engine.packed(entry):
+        if not self.serving.engine.strategy(entry).packed:
             return _bad("not a small file: ask /v1/block")
-        return _answer(await _bytes(request, ds, entry, None, windows.key(ds, entry.path)), ds.ref.id, entry.path)
+        key = self.windows.key(ds, entry.path)
+        return self._answer(await self._bytes(request, ds, entry, None, key), ds.ref.id, entry.path)
 
-    async def manifest(request: web.Request) -> web.Response:
+    # -- manifests ------------------------------------------------------------------------------------------
+    async def manifest(self, request: web.Request) -> web.Response:
         ds_id, url = request.match_info["dataset"], request.query.get("url", "")
         if not _DATASET.fullmatch(ds_id):
             return _bad("not a dataset id")
         if len(url) > 4096 or not url.isprintable():
             return _bad("url: malformed")
-        got = await serving.manifest(ds_id, url)
+        got = await self.serving.manifest(ds_id, url)
         if got is None:
             return web.json_response({"error": "no manifest of that dataset here"}, status=404)
         raw, checksum = got
         return web.Response(body=raw, headers={CHECKSUM_HEADER: f"{checksum:016x}"},
                             content_type="application/msgpack")
 
-    async def pushed_manifest(request: web.Request) -> web.Response:
+    async def pushed_manifest(self, request: web.Request) -> web.Response:
         """A member took a new manifest of a dataset (``cachefs refresh``): take it too, if this node knows it."""
         ds_id, url = request.match_info["dataset"], request.query.get("url", "")
         if not _DATASET.fullmatch(ds_id) or len(url) > 4096 or not url.isprintable():
@@ -184,7 +196,7 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
         except ValueError:
             return _bad("no checksum with the manifest")
         try:
-            took = await serving.take_pushed(ds_id, url, raw)
+            took = await self.serving.take_pushed(ds_id, url, raw)
         except CacheFSError as exc:  # not a manifest, or of another dataset
             return _bad(str(exc))
         if not took:
@@ -192,22 +204,31 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
         log.info("took a new manifest of %s from %s", url, request["member"])
         return web.json_response({"ok": True})
 
-    async def info(request: web.Request) -> web.Response:
-        return web.json_response({"name": table.self_name, "weight": weight})
+    # -- about this member ----------------------------------------------------------------------------------
+    async def info(self, request: web.Request) -> web.Response:
+        return web.json_response({"name": self.table.self_name, "weight": self.weight})
 
-    async def healthz(request: web.Request) -> web.Response:
+    async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    async def readyz(request: web.Request) -> web.Response:
-        return web.Response(text="ok") if ready() else web.Response(text="membership not known yet", status=503)
+    async def readyz(self, request: web.Request) -> web.Response:
+        if self.ready():
+            return web.Response(text="ok")
+        return web.Response(text="membership not known yet", status=503)
 
+
+def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight: float = 1.0,
+                  ready: Callable[[], bool] = lambda: True, heat: HeatTracker | None = None,
+                  tls: bool = False) -> web.Application:
+    """The peer server's application (:class:`PeerHandlers`)."""
+    h = PeerHandlers(serving, table, verifier, weight=weight, ready=ready, heat=heat, tls=tls)
     # Requests carry no bodies, except a manifest a member pushes after a refresh.
-    app = web.Application(middlewares=[authenticate], client_max_size=MAX_MANIFEST)
-    app.router.add_get("/v1/block/{dataset}", block)
-    app.router.add_get("/v1/small/{dataset}", small)
-    app.router.add_get("/v1/manifest/{dataset}", manifest)
-    app.router.add_post("/v1/manifest/{dataset}", pushed_manifest)
-    app.router.add_get("/v1/info", info)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    app = web.Application(middlewares=[h.authenticate], client_max_size=MAX_MANIFEST)
+    app.router.add_get("/v1/block/{dataset}", h.block)
+    app.router.add_get("/v1/small/{dataset}", h.small)
+    app.router.add_get("/v1/manifest/{dataset}", h.manifest)
+    app.router.add_post("/v1/manifest/{dataset}", h.pushed_manifest)
+    app.router.add_get("/v1/info", h.info)
+    app.router.add_get("/healthz", h.healthz)
+    app.router.add_get("/readyz", h.readyz)
     return app

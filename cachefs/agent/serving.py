@@ -16,7 +16,7 @@ from cachefs.base.checksum import block_checksum
 from cachefs.base.types import Entry, dataset_id
 from cachefs.engine import Engine
 from cachefs.manifest.dataset import Dataset
-from cachefs.manifest.shipping import pack_manifest, unpack_manifest
+from cachefs.manifest.shipping import unpack_manifest
 
 __all__ = ["GroupServing"]
 
@@ -40,7 +40,7 @@ class GroupServing:
         ds = self._open.get(ds_id)
         if ds is not None:
             return ds
-        rec = self.engine.index.dataset(ds_id)
+        rec = self.engine.dataset_record(ds_id)
         if rec is None or not rec.manifests:
             if not url or dataset_id(url) != ds_id or not self.serves(url):
                 return None
@@ -52,10 +52,10 @@ class GroupServing:
 
     def entry(self, ds: Dataset, path: str, version: str) -> Entry | None:
         """The file ``path`` at ``version`` in any manifest of ``ds`` this node keeps (newest first)."""
-        rec = self.engine.index.dataset(ds.ref.id) or ds.record
+        rec = self.engine.dataset_record(ds.ref.id) or ds.record
         for m in sorted(rec.manifests, key=lambda m: -m.version):
             try:
-                e = self.engine.manifests.lookup(ds.ref.id, m.version, path)
+                e = self.engine.lookup(ds.ref.id, m.version, path)
             except OSError:
                 continue
             if not e.is_dir and e.version == version:
@@ -67,29 +67,25 @@ class GroupServing:
         """Block ``block`` of a large file, or a whole small file (``block`` None), with the checksum the index
         recorded for it: from this node's disk, or fetched first when ``fetch`` (this node owns the key).
         None when it is neither here nor this node's to fetch."""
-        if self.engine.packed(entry):
-            return await self.engine.packs.serve(ds, entry, fetch=fetch)
-        if block is None:
-            return None
-        return await self.engine.blocks.serve(ds, entry, block, fetch=fetch)
+        return await self.engine.serve(ds, entry, block, fetch=fetch)
 
     async def manifest(self, ds_id: str, url: str = "") -> tuple[bytes, int] | None:
         """The current manifest of ``ds_id`` packed for a peer, with its checksum (taking it first when this
         node serves ``url`` and has none)."""
-        rec = self.engine.index.dataset(ds_id)
+        rec = self.engine.dataset_record(ds_id)
         if rec is None or not rec.manifests:
             if await self.dataset(ds_id, url) is None:
                 return None
-            rec = self.engine.index.dataset(ds_id)
+            rec = self.engine.dataset_record(ds_id)
             if rec is None or not rec.manifests:
                 return None
-        raw = await asyncio.to_thread(pack_manifest, self.engine.manifests, ds_id, rec.current, rec.url)
+        raw = await asyncio.to_thread(self.engine.pack_manifest, ds_id, rec.current, rec.url)
         return raw, block_checksum(raw)
 
     async def take_pushed(self, ds_id: str, url: str, raw: bytes) -> bool:
         """A manifest a member took of a dataset this node knows (``cachefs refresh`` there): it becomes this
         node's current version too (pinned versions stay). False for a dataset this node does not know."""
-        rec = self.engine.index.dataset(ds_id)
+        rec = self.engine.dataset_record(ds_id)
         if rec is None or not rec.manifests or (url and url != rec.url):
             return False
         await self.engine.adopt_manifest(rec.url, unpack_manifest(raw, rec.url))

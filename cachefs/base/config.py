@@ -20,7 +20,7 @@ from cachefs.base.errors import ConfigError
 
 __all__ = ["MAX_REPLICAS", "CacheConfig", "ClusterConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig",
            "default_cache_dir", "default_log_dir", "default_metrics_dir", "hot_bytes_per_s", "load_config",
-           "parse_listen", "parse_replicas", "parse_size", "prepare_cache_dir"]
+           "parse_listen", "parse_replicas", "parse_size", "prepare_cache_dir", "tier_names"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -94,6 +94,10 @@ class CacheConfig:
     #: A pack file is written once this many bytes of small objects are waiting (or a second after the last).
     #: Up to two packs' worth of fetched bytes wait in memory, besides engine.memory_budget.
     pack_size: int = 32 * 1024 * 1024
+    #: Which cached data goes first when the cache must shrink (cachefs.node.eviction_policy.POLICIES):
+    #: "two-touch-lru" (objects read once before those read again, least recently used first within each;
+    #: bench/eviction_bench.py) or "lru".
+    eviction_policy: str = "two-touch-lru"
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,12 @@ class EngineConfig:
     dir_readahead: int = 64
     #: Per-directory access scores ("hot directories" in `cachefs status --json`) halve every this many seconds.
     hot_dir_half_life: float = 600.0
+    #: Where missing bytes of small files come from, asked in this order (tier names, cachefs.tiers.TIERS): the
+    #: cache group's members, the dataset's packed mirror, the origin. The origin must come last (it always
+    #: answers).
+    small_tiers: str = "peer,mirror,origin"
+    #: The same for the blocks of large files (a mirror holds no blocks).
+    block_tiers: str = "peer,origin"
 
 
 @dataclass(frozen=True)
@@ -204,6 +214,11 @@ class ClusterConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+
+
+def tier_names(spec: str) -> tuple[str, ...]:
+    """``engine.small_tiers`` / ``engine.block_tiers``: ``peer,mirror,origin`` → ("peer", "mirror", "origin")."""
+    return tuple(t.strip() for t in spec.split(",") if t.strip())
 
 
 #: Most extra holders a key can have: placement keeps four candidates per slot (cluster.placement.RANK).
@@ -271,6 +286,11 @@ class Config:
             raise ConfigError("engine.fetch_window must hold at least one block")
         if e.readahead_max < 0:
             raise ConfigError("engine.readahead_max must not be negative")
+        for name in ("small_tiers", "block_tiers"):
+            tiers = tier_names(getattr(e, name))
+            if not tiers or tiers[-1] != "origin" or len(set(tiers)) != len(tiers):
+                raise ConfigError(f"engine.{name} {getattr(e, name)!r}: tier names separated by commas, each once, "
+                                  "the origin last")
         self._validate_cluster()
         return self
 

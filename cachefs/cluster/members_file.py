@@ -14,9 +14,10 @@ import os
 import time
 from dataclasses import dataclass
 
+from cachefs.base.files import atomic_write
 from cachefs.cluster.members import Member
 
-__all__ = ["REWRITE_EVERY", "STALE_AFTER", "GroupView", "members_path", "placement_path", "read_members",
+__all__ = ["REWRITE_EVERY", "STALE_AFTER", "MembersRecord", "members_path", "placement_path", "read_members",
            "write_members"]
 
 REWRITE_EVERY = 30.0
@@ -24,7 +25,7 @@ STALE_AFTER = 120.0
 
 
 @dataclass(frozen=True)
-class GroupView:
+class MembersRecord:
     """What the agent wrote: the group, this node's name in it, its members (draining ones included) and how
     to authenticate to them."""
 
@@ -48,20 +49,15 @@ def placement_path(cache_dir: str) -> str:
     return os.path.join(cache_dir, "cluster", "placement.npz")
 
 
-def write_members(cache_dir: str, view: GroupView) -> None:
-    path = members_path(cache_dir)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+def write_members(cache_dir: str, view: MembersRecord) -> None:
     doc = {"group": view.group, "self": view.self_name, "written_at": time.time(),
            "token_file": view.token_file, "secret_file": view.secret_file, "tls": list(view.tls),
            "members": [{"name": m.name, "address": m.address, "weight": m.weight,
                         "draining": m.name in view.draining} for m in view.members.values()]}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
+    atomic_write(members_path(cache_dir), json.dumps(doc), dir_mode=0o700)
 
 
-def read_members(cache_dir: str, *, stale_after: float = STALE_AFTER) -> GroupView | None:
+def read_members(cache_dir: str, *, stale_after: float = STALE_AFTER) -> MembersRecord | None:
     """The agent's view, or None when there is none, it is stale, or it does not parse."""
     try:
         with open(members_path(cache_dir)) as f:
@@ -75,7 +71,7 @@ def read_members(cache_dir: str, *, stale_after: float = STALE_AFTER) -> GroupVi
         tls = tuple(str(x) for x in doc.get("tls") or ("", "", ""))
         if len(tls) != 3:
             return None
-        return GroupView(str(doc["group"]), str(doc["self"]), members, draining, str(doc.get("token_file") or ""),
+        return MembersRecord(str(doc["group"]), str(doc["self"]), members, draining, str(doc.get("token_file") or ""),
                          str(doc.get("secret_file") or ""), written, tls)
     except (OSError, ValueError, KeyError, TypeError):
         return None

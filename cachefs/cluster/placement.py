@@ -17,12 +17,13 @@ capacity class as a whole stays within 1 % (``python -m bench.placement_bench``)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
+from cachefs.base.files import atomic_write
 
 __all__ = ["RANK", "SLOTS", "Placement", "Weighted"]
 
@@ -123,11 +124,8 @@ class Placement:
     def save(self, path: str) -> None:
         """Write the table (atomically) for the node's other processes: a reader in a group of thousands of
         members then loads it instead of building it (10 s at 5,000 members)."""
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            np.savez(f, names=np.array(self.names, dtype=str), weights=self._weights, who=self._who,
-                     score=self._score)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: np.savez(f, names=np.array(self.names, dtype=str), weights=self._weights,
+                                              who=self._who, score=self._score))
 
     @classmethod
     def load(cls, path: str, members: Sequence[Weighted]) -> Placement | None:

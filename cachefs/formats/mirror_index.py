@@ -10,7 +10,7 @@ looks for it:
     "packs": [{"name", "size", "version"}], "index": {"name", "size", "version"}}``; written last, so a mirror
     without it (an interrupted ``cachefs pack``) is ignored.
 ``packs/pNNNNNN.arrow``
-    pack files in the node's own format (:mod:`cachefs.store.packs`): files in path order, so a directory's
+    pack files in the node's own format (:mod:`cachefs.formats.pack_file`): files in path order, so a directory's
     files sit together. A node installs a pack it fetches as it is (:mod:`cachefs.tiers.mirror`).
 ``index.arrow``
     an Arrow IPC file with one row per packed file: ``path``, ``version`` (the source's ETag/version when
@@ -21,8 +21,9 @@ the source since the mirror was written simply has no mirror entry and is read f
 still come from the mirror. The pack objects are read pinned to the version recorded for them, so a mirror
 rewritten under a reader fails its reads (and the reader falls back to the source) instead of mixing bytes.
 
-This module is the format: reading a mirror (:func:`load_mirror`). ``cachefs pack`` writes one
-(:mod:`cachefs.jobs.pack`); the mirror tier fetches from one (:mod:`cachefs.tiers.mirror`).
+This module is the format: parsing a mirror's files (:func:`parse_meta`, :func:`parse_index`). ``cachefs pack``
+writes one (:mod:`cachefs.jobs.write_mirror`); the mirror tier reads one through the dataset's source
+(:func:`cachefs.tiers.mirror.load_mirror`) and fetches from it.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from cachefs.base.errors import CacheFSError, ObjectNotFoundError
+from cachefs.base.errors import CacheFSError
 from cachefs.base.types import DatasetRef, object_key
-from cachefs.sources import Source
 
-__all__ = ["FORMAT", "MIRROR_SUFFIX", "MirrorIndex", "index_schema", "load_mirror", "mirror_url_for"]
+__all__ = ["FORMAT", "MIRROR_SUFFIX", "MirrorIndex", "MirrorWindow", "index_schema", "mirror_url_for", "parse_index",
+           "parse_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,29 @@ class MirrorIndex:
         return got
 
 
+@dataclass(frozen=True, slots=True)
+class MirrorWindow:
+    """One window of a mirror pack as fetched (``data``, bytes ``[start, start + len(data))`` of pack ``pack``, which
+    is ``pack_size`` bytes fetched in ``windows`` windows), with the members that the reader's manifest names:
+    (object key, offset in the pack, length, xxh3), each verified."""
+
+    ds_id: str
+    pack: int
+    pack_size: int
+    windows: int
+    window: int
+    start: int
+    data: bytes | bytearray
+    members: tuple[tuple[bytes, int, int, int], ...]
+
+    def member(self, okey: bytes) -> bytes | bytearray | None:
+        """The bytes of member ``okey``, if the window holds it."""
+        for key, offset, length, _checksum in self.members:
+            if key == okey:
+                return self.data[offset - self.start:offset - self.start + length]
+        return None
+
+
 def index_schema():
     """The columns of ``index.arrow``."""
     import pyarrow as pa
@@ -92,29 +116,11 @@ def index_schema():
                       ("offset", pa.uint64()), ("length", pa.uint64()), ("checksum", pa.uint64())])
 
 
-async def load_mirror(ref: DatasetRef, source: Source, url: str | None = None) -> MirrorIndex | None:
-    """The mirror of dataset ``ref`` at ``url`` (default ``<dataset URL>.cachefs``), read through ``source`` (the
-    dataset's own, with its credentials and endpoint, or the one it was written with), or None if there is none
-    (or it is of another dataset, another format, or incomplete)."""
-
-    url = (url or mirror_url_for(ref.url)).rstrip("/")
-    src = source
-    try:
-        st = await src.stat(f"{url}/mirror.json")
-    except ObjectNotFoundError:
-        return None
-    meta = parse_meta(ref, url, await src.read(f"{url}/mirror.json", st.version, 0, st.size))
-    if meta is None:
-        return None
-    idx = meta["index"]
-    return parse_index(ref, url, meta, await src.read(f"{url}/{idx['name']}", idx["version"], 0, idx["size"]))
-
-
 def _damage(url: str, exc: Exception) -> CacheFSError:
     return CacheFSError(f"{url}: the mirror is damaged ({type(exc).__name__}: {exc})")
 
 
-def parse_meta(ref: DatasetRef, url: str, raw: bytes) -> dict | None:
+def parse_meta(ref: DatasetRef, url: str, raw: bytes | bytearray) -> dict | None:
     """``mirror.json`` of a mirror of ``ref``: None if it is of another dataset or format; CacheFSError if it is
     damaged."""
     try:
@@ -135,7 +141,7 @@ def parse_meta(ref: DatasetRef, url: str, raw: bytes) -> dict | None:
         raise _damage(url, exc) from None
 
 
-def parse_index(ref: DatasetRef, url: str, meta: dict, raw: bytes) -> MirrorIndex:
+def parse_index(ref: DatasetRef, url: str, meta: dict, raw: bytes | bytearray) -> MirrorIndex:
     """The mirror's index (Arrow IPC) as a :class:`MirrorIndex`; CacheFSError if it is damaged (a member outside
     its pack included)."""
     import pyarrow as pa
@@ -146,7 +152,7 @@ def parse_index(ref: DatasetRef, url: str, meta: dict, raw: bytes) -> MirrorInde
         raise _damage(url, exc) from None
 
 
-def _parse_index(ref: DatasetRef, url: str, meta: dict, raw: bytes) -> MirrorIndex:
+def _parse_index(ref: DatasetRef, url: str, meta: dict, raw: bytes | bytearray) -> MirrorIndex:
     import pyarrow as pa
 
     table = pa.ipc.open_file(pa.py_buffer(raw)).read_all()

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from cachefs.base.types import Entry
-from cachefs.engine import WOULD_WAIT, Dataset, Engine, OpenFile
+from cachefs.engine import WOULD_WAIT, Dataset, Engine, LocalRead, OpenFile
 from cachefs.fuse.journal import MountJournal
 
 __all__ = ["CacheFS", "Handle"]
@@ -249,7 +249,7 @@ class CacheFS:
         return not self.engine.every_file_packed_here(self.ds)
 
     def _packed_here(self, entry) -> bool:
-        return self.engine.packed(entry) and self.engine.cached_bytes(self.ds, entry) == entry.size
+        return self.engine.strategy(entry).packed and self.engine.cached_bytes(self.ds, entry) == entry.size
 
     def _register_backing(self, n: Node, file: OpenFile) -> bool:
         """Hand the complete local file of ``n`` to the kernel (once per inode; concurrent opens share it).
@@ -278,7 +278,7 @@ class CacheFS:
             self._backing_close_quietly(duplicate)
         return True
 
-    def read_local(self, ino: int, fh: int, offset: int, size: int, *, wait: bool = True) -> bytes | None:
+    def read_local(self, ino: int, fh: int, offset: int, size: int, *, wait: bool = True) -> LocalRead:
         """The bytes if every block is in the local store, else None: use :meth:`fetch`. Without ``wait``,
         WOULD_WAIT if a packed file's bytes are on disk but not in the page cache (see Engine.read_local)."""
         h = self._handle(ino, fh)
@@ -289,7 +289,7 @@ class CacheFS:
             self.stats["userspace_read_bytes"] += len(data)
         return data
 
-    async def fetch(self, ino: int, fh: int, offset: int, size: int) -> bytes:
+    async def fetch(self, ino: int, fh: int, offset: int, size: int) -> bytes | bytearray:
         """The bytes, fetching what is missing from the origin (runs on the cachefs event loop)."""
         h = self._handle(ino, fh)
         data = await h.file.read(offset, offset + size)

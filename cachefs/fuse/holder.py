@@ -45,7 +45,7 @@ from cachefs.base.errors import (
     ObjectNotFoundError,
     OriginUnavailableError,
 )
-from cachefs.fuse import wire
+from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
 from cachefs.index.mounts import forget_holder, holder_state, record_holder
 
@@ -182,10 +182,10 @@ class ErrorResponder:
         # Requests a killed daemon had read are pending in the kernel, not queued: asked again here, they get
         # their error too instead of waiting for a daemon that may never come (kernels >= 6.9).
         try:
-            os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size, wire.NOTIFY_RESEND, 0))
+            os.write(self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size, abi.NOTIFY_RESEND, 0))
         except OSError:
             pass
-        buf = bytearray(wire.MAX_REQUEST)
+        buf = bytearray(abi.MAX_REQUEST)
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
         while not stop.is_set():
@@ -197,14 +197,14 @@ class ErrorResponder:
                 if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
                     continue
                 return  # ENODEV: unmounted
-            if n < wire.IN_HEADER.size:
+            if n < abi.IN_HEADER.size:
                 continue
-            _len, opcode, unique = wire.IN_HEADER.unpack_from(buf)[:3]
-            if opcode in (wire.Op.FORGET, wire.Op.BATCH_FORGET, wire.Op.INTERRUPT):
+            _len, opcode, unique = abi.IN_HEADER.unpack_from(buf)[:3]
+            if opcode in (abi.Op.FORGET, abi.Op.BATCH_FORGET, abi.Op.INTERRUPT):
                 continue
-            err = errno.ENOTCONN if opcode == wire.Op.STATFS else errno.EIO
+            err = errno.ENOTCONN if opcode == abi.Op.STATFS else errno.EIO
             try:
-                os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size, -err, unique))
+                os.write(self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -err, unique))
                 self.answered += 1
             except OSError:
                 pass

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 
 from cachefs.base.fallocate import allocate_ahead
+from cachefs.base.files import atomic_write
 
 __all__ = ["JournalState", "MountJournal"]
 
@@ -171,23 +172,10 @@ class MountJournal:
         lines += [["b", ino, b] for ino, b in s.backing.items()]
         data = b"".join(_line(rec) for rec in lines)
         self._forgotten.clear()  # (the state no longer holds them)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                written = os.write(fd, data)
-            finally:
-                os.close(fd)
-            if written != len(data):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            os.replace(tmp, self.path)
+            atomic_write(self.path, data, dir_mode=0o700)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             if exc.errno not in _FULL:
                 raise
             self._degrade(exc)

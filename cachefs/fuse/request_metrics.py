@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from cachefs.base import metrics
-from cachefs.fuse.wire import Op
+from cachefs.fuse.kernel_abi import Op
 
 __all__ = ["RequestMetrics"]
 

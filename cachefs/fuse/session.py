@@ -1,4 +1,4 @@
-"""The FUSE request loop: worker threads read requests from ``/dev/fuse``, decode them (:mod:`.wire`), call
+"""The FUSE request loop: worker threads read requests from ``/dev/fuse``, decode them (:mod:`.kernel_abi`), call
 the file system (:mod:`.fs`) and write replies. Errors become errno once, here (:mod:`.errno_map`).
 """
 
@@ -17,17 +17,17 @@ from concurrent.futures import Future
 
 from cachefs.base.aio import get_loop
 from cachefs.engine import WOULD_WAIT
-from cachefs.fuse import wire
+from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.errno_map import to_errno
 from cachefs.fuse.fs import CacheFS
+from cachefs.fuse.kernel_abi import InitFlag, Op, OpenFlag
 from cachefs.fuse.request_metrics import RequestMetrics
-from cachefs.fuse.wire import InitFlag, Op, OpenFlag
 
 __all__ = ["FuseSession"]
 
 log = logging.getLogger("cachefs.fuse")
 
-MAX_WRITE = wire.MAX_WRITE
+MAX_WRITE = abi.MAX_WRITE
 MAX_PAGES = 256
 #: A handler's answer that comes later (from a callback), not now.
 DEFERRED = object()
@@ -93,7 +93,7 @@ class FuseSession:
         then lets a waiting one read the device and finishes that request meanwhile. Every thread reading at
         once measured half the rate on small files: each request then woke a second thread to fight over the
         GIL (bench/fuse_bench.py)."""
-        buf = bytearray(wire.MAX_REQUEST)
+        buf = bytearray(abi.MAX_REQUEST)
         view = memoryview(buf)
         while not self.stopped.is_set():
             later = None
@@ -118,14 +118,14 @@ class FuseSession:
                     log.error("reading /dev/fuse: %s", exc)
                 self.stopped.set()
                 return 0
-            if n >= wire.IN_HEADER.size:
+            if n >= abi.IN_HEADER.size:
                 return n
         return 0
 
     def _handle(self, req: memoryview) -> _Later | None:
         started = time.perf_counter()
-        length, opcode, unique, nodeid, _uid, _gid, _pid, extlen, _ = wire.IN_HEADER.unpack_from(req)
-        body = req[wire.IN_HEADER.size:length - 8 * extlen]  # extension headers (8-byte units) sit at the end
+        length, opcode, unique, nodeid, _uid, _gid, _pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
+        body = req[abi.IN_HEADER.size:length - 8 * extlen]  # extension headers (8-byte units) sit at the end
         if opcode in _UNANSWERED:
             try:
                 self._unanswered(opcode, nodeid, body)
@@ -136,7 +136,7 @@ class FuseSession:
             self.fs.stats["resent_requests"] = self.fs.stats.get("resent_requests", 0) + 1
         handler = self.ops.get(opcode)
         if handler is None:
-            self._reply(unique, errno.EROFS if opcode in wire.WRITE_OPS else errno.ENOSYS)
+            self._reply(unique, errno.EROFS if opcode in abi.WRITE_OPS else errno.ENOSYS)
             self.metrics.answered(opcode, started, ok=False)
             return None
         if opcode == Op.READ:
@@ -182,7 +182,7 @@ class FuseSession:
         # Whether a previous daemon refused an OPEN (then the kernel sends none, whatever we decide now).
         self.opens_skipped = self.fs.journal.state.opens_skipped
         try:
-            os.write(self.fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size, wire.NOTIFY_RESEND, 0))
+            os.write(self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size, abi.NOTIFY_RESEND, 0))
         except OSError as exc:  # kernels before 6.9: requests the old daemon had read stay unanswered
             log.warning("cannot ask the kernel to resend pending requests: %s", exc)
         log.info("resumed mount (daemon generation %d, mode %s)", self.fs.journal.state.generation, self.mode)
@@ -191,7 +191,7 @@ class FuseSession:
 
     def _reply(self, unique: int, err: int, payload: bytes = b"") -> None:
         try:
-            head = wire.OUT_HEADER.pack(wire.OUT_HEADER.size + len(payload), -err, unique)
+            head = abi.OUT_HEADER.pack(abi.OUT_HEADER.size + len(payload), -err, unique)
             if len(payload) > 4096:  # large READ answers: gather, do not copy the payload behind the header
                 os.writev(self.fd, [head, payload])
             else:
@@ -204,12 +204,12 @@ class FuseSession:
 
     # -- handlers -------------------------------------------------------------------------------------------
     def _init(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        major, minor, max_readahead, flags = wire.INIT_IN_OLD.unpack_from(body)
-        if major != wire.KERNEL_VERSION:
+        major, minor, max_readahead, flags = abi.INIT_IN_OLD.unpack_from(body)
+        if major != abi.KERNEL_VERSION:
             raise OSError(errno.EPROTO, f"kernel FUSE protocol {major}.{minor}, need 7.x")
         offered = flags
-        if flags & InitFlag.INIT_EXT and len(body) >= wire.INIT_IN.size:
-            offered |= wire.INIT_IN.unpack_from(body)[4] << 32
+        if flags & InitFlag.INIT_EXT and len(body) >= abi.INIT_IN.size:
+            offered |= abi.INIT_IN.unpack_from(body)[4] << 32
         # Always READDIRPLUS (no _AUTO): attributes come from the frozen manifest at no extra cost, and with
         # _AUTO the kernel uses plain READDIR after a directory's first chunk, so `os.walk` + `stat` of a large
         # directory costs a LOOKUP per entry (bench/manifest_bench.py measured 7.4× a local tree that way).
@@ -226,14 +226,14 @@ class FuseSession:
         if self.fs.journal is not None:
             self.fs.journal.init(self.mode, agreed, self.fs.ds.version)
         log.info("FUSE %d.%d, flags 0x%x, mode %s", major, minor, agreed, self.mode)
-        return wire.INIT_OUT.pack(wire.KERNEL_VERSION, wire.KERNEL_MINOR_VERSION, max_readahead,
+        return abi.INIT_OUT.pack(abi.KERNEL_VERSION, abi.KERNEL_MINOR_VERSION, max_readahead,
                                   agreed & 0xFFFFFFFF, 64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
-                                  wire.MAX_STACK_DEPTH if passthrough else 0)
+                                  abi.MAX_STACK_DEPTH if passthrough else 0)
 
     def _entry(self, ino: int) -> bytes:
         mode, size, mtime_ns, nlink = self.fs.attr(ino)
-        attr = wire.pack_attr(ino, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid)
-        return wire.pack_entry(ino, attr, self.timeout, self.timeout)
+        attr = abi.pack_attr(ino, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid)
+        return abi.pack_entry(ino, attr, self.timeout, self.timeout)
 
     def _lookup(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         name = bytes(body).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
@@ -242,7 +242,7 @@ class FuseSession:
 
     def _getattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         mode, size, mtime_ns, nlink = self.fs.attr(nodeid)
-        return wire.pack_attr_out(wire.pack_attr(nodeid, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid),
+        return abi.pack_attr_out(abi.pack_attr(nodeid, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid),
                                   self.timeout)
 
     def maybe_skip_opens(self) -> bool:
@@ -260,23 +260,23 @@ class FuseSession:
         if self.opens_skipped:
             self.fs.stats["opens_refused"] += 1
             raise OSError(errno.ENOSYS, "open-less mode")  # the kernel sets no_open: no more OPEN or RELEASE
-        flags, _ = wire.OPEN_IN.unpack_from(body)
+        flags, _ = abi.OPEN_IN.unpack_from(body)
         fh, h = self.fs.open(nodeid, flags)
         # NOFLUSH: read-only, nothing to flush at close, so the kernel need not ask.
         if h.passthrough:
-            return wire.OPEN_OUT.pack(fh, OpenFlag.PASSTHROUGH | OpenFlag.NOFLUSH, self.fs.backing_id(h))
+            return abi.OPEN_OUT.pack(fh, OpenFlag.PASSTHROUGH | OpenFlag.NOFLUSH, self.fs.backing_id(h))
         if h.prefill is not None:
             self._store(nodeid, h.prefill)
             h.prefill = None
         cache = OpenFlag.KEEP_CACHE if h.page_cache else OpenFlag.DIRECT_IO  # see Handle.page_cache
-        return wire.OPEN_OUT.pack(fh, cache | OpenFlag.NOFLUSH, 0)
+        return abi.OPEN_OUT.pack(fh, cache | OpenFlag.NOFLUSH, 0)
 
     def _store(self, nodeid: int, data: bytes) -> None:
         """Put ``data`` (the whole file) into the inode's page cache. Then the reader's first read is a page
         cache hit: a small file costs LOOKUP, OPEN and RELEASE through here, not a READ as well. Any failure
         leaves the pages to be read the usual way."""
         try:
-            os.writev(self.fd, [wire.pack_notify_store(nodeid, 0, len(data)), data])
+            os.writev(self.fd, [abi.pack_notify_store(nodeid, 0, len(data)), data])
             self.fs.stats["prefilled_bytes"] += len(data)
         except OSError as exc:
             if exc.errno == errno.ENODEV:
@@ -289,7 +289,7 @@ class FuseSession:
         """Bytes in the page cache are answered at once; large reads and reads from the disk after the device
         is handed on (:class:`_Later`); a fetch from the origin when it completes, so a slow origin never holds
         a request thread (and an INTERRUPT can cancel it)."""
-        fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
+        fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
         if size > HANDOVER_READ:
             return _Later(unique, nodeid, fh, offset, size)
         data = self.fs.read_local(nodeid, fh, offset, size, wait=False)
@@ -311,15 +311,15 @@ class FuseSession:
     def _unanswered(self, opcode: int, nodeid: int, body: memoryview) -> None:
         """FORGET, BATCH_FORGET and INTERRUPT: the kernel waits for no answer."""
         if opcode == Op.FORGET:
-            self.fs.forget(nodeid, wire.FORGET_IN.unpack_from(body)[0])
+            self.fs.forget(nodeid, abi.FORGET_IN.unpack_from(body)[0])
         elif opcode == Op.BATCH_FORGET:
-            count, _ = wire.BATCH_FORGET_IN.unpack_from(body)
-            count = min(count, (len(body) - wire.BATCH_FORGET_IN.size) // wire.FORGET_ONE.size)
+            count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
+            count = min(count, (len(body) - abi.BATCH_FORGET_IN.size) // abi.FORGET_ONE.size)
             for i in range(count):
-                ino, nlookup = wire.FORGET_ONE.unpack_from(body, wire.BATCH_FORGET_IN.size + i * wire.FORGET_ONE.size)
+                ino, nlookup = abi.FORGET_ONE.unpack_from(body, abi.BATCH_FORGET_IN.size + i * abi.FORGET_ONE.size)
                 self.fs.forget(ino, nlookup)
         else:
-            self._interrupt(wire.INTERRUPT_IN.unpack_from(body)[0])
+            self._interrupt(abi.INTERRUPT_IN.unpack_from(body)[0])
 
     def _answered(self, unique: int, opcode: int, started: float, ok: bool = True) -> None:
         if opcode == Op.READ:
@@ -343,7 +343,7 @@ class FuseSession:
         self.metrics.answered(Op.READ, started, ok=exc is None)
 
     def _release(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        self.fs.release(nodeid, wire.RELEASE_IN.unpack_from(body)[0])
+        self.fs.release(nodeid, abi.RELEASE_IN.unpack_from(body)[0])
         return b""
 
     def _opendir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
@@ -352,12 +352,12 @@ class FuseSession:
             fh = self._next_dir
             self._next_dir += 1
             self._dirs[fh] = entries
-        return wire.OPEN_OUT.pack(fh, OpenFlag.CACHE_DIR | OpenFlag.KEEP_CACHE, 0)
+        return abi.OPEN_OUT.pack(fh, OpenFlag.CACHE_DIR | OpenFlag.KEEP_CACHE, 0)
 
     def _dir_entries(self, nodeid: int, body: memoryview, plus: bool) -> bytes:
         """Entries from ``offset`` on ("." and ".." first), as many as fit in ``size``. With ``plus`` each
         carries its entry (a lookup the kernel will FORGET); "." and ".." carry none (nodeid 0)."""
-        fh, offset, size = wire.READ_IN.unpack_from(body)[:3]
+        fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
         entries = self._dirs.get(fh)
         if entries is None:  # opened under a previous daemon
             entries = self._dirs.setdefault(fh, self.fs.listdir(nodeid))
@@ -365,19 +365,19 @@ class FuseSession:
         for i in range(offset, len(entries) + 2):
             child = entries[i - 2] if i >= 2 else None
             name = child.name.encode("utf-8", "surrogateescape") if child else b"." * (i + 1)
-            if len(out) + wire.dirent_size(name, plus) > size:
+            if len(out) + abi.dirent_size(name, plus) > size:
                 break
-            dtype = wire.DT_REG if child and not child.is_dir else wire.DT_DIR
+            dtype = abi.DT_REG if child and not child.is_dir else abi.DT_DIR
             if child is None:
                 ino = nodeid
                 if plus:
-                    out += wire.pack_entry(0, bytes(wire.ATTR.size), 0, 0)
+                    out += abi.pack_entry(0, bytes(abi.ATTR.size), 0, 0)
             elif plus:
                 ino = self.fs.adopt(child)
                 out += self._entry(ino)
             else:
                 ino = 0xFFFFFFFF  # not looked up yet; readers must not rely on d_ino (stat gives the inode)
-            out += wire.pack_dirent(ino, i + 1, name, dtype)
+            out += abi.pack_dirent(ino, i + 1, name, dtype)
         return bytes(out)
 
     def _readdir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
@@ -388,19 +388,19 @@ class FuseSession:
 
     def _releasedir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         with self._lock:
-            self._dirs.pop(wire.RELEASE_IN.unpack_from(body)[0], None)
+            self._dirs.pop(abi.RELEASE_IN.unpack_from(body)[0], None)
         return b""
 
     def _statfs(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         used, avail, files, bsize = self.fs.statfs()
         free = avail // bsize
-        return wire.KSTATFS.pack((used + bsize - 1) // bsize + free, free, free, files, 0, bsize, 255, bsize)
+        return abi.KSTATFS.pack((used + bsize - 1) // bsize + free, free, free, files, 0, bsize, 255, bsize)
 
     def _empty(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         return b""
 
     def _access(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        mask, _ = wire.ACCESS_IN.unpack_from(body)
+        mask, _ = abi.ACCESS_IN.unpack_from(body)
         if mask & os.W_OK:
             raise OSError(errno.EROFS, "read-only file system")
         self.fs.node(nodeid)
@@ -410,8 +410,8 @@ class FuseSession:
         raise OSError(errno.ENOTSUP, "no extended attributes")
 
     def _listxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        size, _ = wire.GETXATTR_IN.unpack_from(body)
-        return wire.GETXATTR_OUT.pack(0, 0) if size == 0 else b""
+        size, _ = abi.GETXATTR_IN.unpack_from(body)
+        return abi.GETXATTR_OUT.pack(0, 0) if size == 0 else b""
 
     def _destroy(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         self.stopped.set()
@@ -419,12 +419,12 @@ class FuseSession:
 
     # -- passthrough ioctls ---------------------------------------------------------------------------------
     def _backing_open(self, fd: int) -> int:
-        arg = bytearray(wire.BACKING_MAP.pack(fd, 0, 0))
-        return fcntl.ioctl(self.fd, wire.FUSE_DEV_IOC_BACKING_OPEN, arg, True)
+        arg = bytearray(abi.BACKING_MAP.pack(fd, 0, 0))
+        return fcntl.ioctl(self.fd, abi.FUSE_DEV_IOC_BACKING_OPEN, arg, True)
 
     def _backing_close(self, backing_id: int) -> None:
         arg = bytearray(backing_id.to_bytes(4, "little"))
-        fcntl.ioctl(self.fd, wire.FUSE_DEV_IOC_BACKING_CLOSE, arg, True)
+        fcntl.ioctl(self.fd, abi.FUSE_DEV_IOC_BACKING_CLOSE, arg, True)
 
 
 class _Later:

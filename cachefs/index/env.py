@@ -19,7 +19,7 @@ __all__ = ["DB_NAMES", "open_env"]
 
 #: Named databases; see docs/FORMAT.md for each record layout.
 DB_NAMES = ("meta", "datasets", "ds_stats", "manifest", "objects", "blocks", "packed", "packs", "pack_members",
-            "dir_heat", "guests")
+            "dir_heat", "guests", "hints", "staged")
 
 # The address space reserved for the map. LMDB files grow only as data is written; the reservation is
 # virtual, and 1 TiB holds index records for billions of blocks and manifest entries.

@@ -43,6 +43,7 @@ class Index:
     def __init__(self, cache_dir: str) -> None:
         self.path = os.path.join(cache_dir, "index")
         self.env, dbs = open_env(self.path)
+        self.dbs = dbs
         self._meta, self._datasets, self._ds_stats = dbs["meta"], dbs["datasets"], dbs["ds_stats"]
         self._objects, self._blocks, self.manifest_db = dbs["objects"], dbs["blocks"], dbs["manifest"]
         self._packed, self._packs, self._members = dbs["packed"], dbs["packs"], dbs["pack_members"]

@@ -19,6 +19,8 @@ import logging
 import os
 import time
 
+from cachefs.base.files import atomic_write
+
 __all__ = ["forget_holder", "forget_mount", "holder_state", "list_mounts", "mount_file", "record_holder",
            "record_mount"]
 
@@ -43,18 +45,10 @@ def mount_record_path(cache_dir: str, mountpoint: str) -> str:
 
 def _write_json(path: str, obj: dict) -> bool:
     """Replace ``path`` with ``obj`` (temp file, rename); False if the disk had no room (nothing changes)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(obj), dir_mode=0o700)
         return True
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         if exc.errno not in _FULL:
             raise
         log.debug("mount record %s not written: %s", path, exc.strerror)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
+from cachefs.base.files import atomic_write
+
 __all__ = ["IndexReserve", "reserve_size"]
 
 log = logging.getLogger(__name__)
@@ -50,18 +52,8 @@ class IndexReserve:
             return True
         if free < 2 * size:
             return False
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
+            atomic_write(self.path, lambda f: os.posix_fallocate(f.fileno(), 0, size))
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             return False
         return True

@@ -2,14 +2,14 @@
 
 Resumable by construction: blocks already present are skipped (the index is the checkpoint), and an
 interrupted run leaves only whole, verified blocks behind. Files are taken in manifest order (directory by
-directory, names sorted) by a pool of workers, so a reader walking the tree in the same order finds
-the files it wants early; every block goes through the engine, which enforces the memory budget and
-fetch concurrency.
+directory, names sorted) as a job of the prefetcher (:meth:`~cachefs.prefetch.prefetcher.Prefetcher.run_job`), so a
+reader walking the tree in the same order finds the files it wants early; every block goes through the engine,
+which enforces the memory budget and fetch concurrency.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import fnmatch
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -19,6 +19,7 @@ from cachefs.base.errors import CacheFSError, CacheFullError, CredentialsError, 
 from cachefs.base.types import Entry
 from cachefs.engine import Engine
 from cachefs.manifest.dataset import Dataset
+from cachefs.prefetch.prefetcher import Hint
 
 __all__ = ["Progress", "select_files", "warm"]
 
@@ -80,7 +81,8 @@ async def warm(
     missing credentials or an unreachable origin stop the whole run (raised)."""
     files = list(select_files(ds.walk_files(), include, exclude))
     prog = Progress(files_total=len(files), bytes_total=sum(e.size for e in files))
-    todo: list[tuple[Entry, int]] = []  # with the bytes it had when the run started
+    wanted: dict[str, int] = {}  # per file to fetch: its bytes missing when the run started
+    left: dict[str, int] = {}  # and those of them not counted yet (blocks are counted as they land)
     for e in files:
         have = engine.cached_bytes(ds, e)
         if have >= e.size:
@@ -90,55 +92,51 @@ async def warm(
         else:
             prog.bytes_done += have
             prog.bytes_skipped += have
-            todo.append((e, have))
+            wanted[e.path] = left[e.path] = e.size - have
     if on_progress:
         on_progress(prog)
-    it = iter(todo)
 
-    async def worker() -> None:
-        for e, have in it:
-            left = [e.size - have]  # bytes of this file not counted yet (its blocks are counted as they land)
+    def on_bytes(path: str, n: int) -> None:
+        n = min(n, left[path])
+        left[path] -= n
+        prog.bytes_fetched += n
+        prog.bytes_done += n
+        if on_progress:
+            on_progress(prog)
 
-            def on_bytes(n: int, left: list[int] = left) -> None:
-                n = min(n, left[0])
-                left[0] -= n
-                prog.bytes_fetched += n
-                prog.bytes_done += n
-                if on_progress:
-                    on_progress(prog)
+    def hint(e: Entry) -> Hint:
+        return Hint(("job", ds.ref.id, e.path), 0, "job",
+                    lambda _held, e=e: engine.ensure_cached(ds, e, lambda n: on_bytes(e.path, n)))
 
-            try:
-                await engine.ensure_cached(ds, e, on_bytes)
-            except (CacheFullError, CredentialsError, OriginUnavailableError):
-                raise
-            except CacheFSError as exc:
-                prog.failed.append((e.path, str(exc)))
-                landed = e.size - have - left[0]  # (its blocks stay cached; the next run counts them as skipped)
-                prog.bytes_fetched -= landed
-                prog.bytes_done -= landed
-                continue
-            # Counted per file from the start of the run: a file that came in with another one (a window of a
-            # packed mirror holds hundreds) was fetched by this run all the same.
-            rest = left[0]
-            prog.bytes_fetched += rest
-            prog.bytes_done += rest
-            prog.files_done += 1
-            if on_progress:
-                on_progress(prog)
+    def settle(path: str, exc: BaseException | None) -> None:
+        if isinstance(exc, CacheFullError | CredentialsError | OriginUnavailableError):
+            raise exc
+        if isinstance(exc, CacheFSError):
+            prog.failed.append((path, str(exc)))
+            landed = wanted[path] - left[path]  # (its blocks stay cached; the next run counts them as skipped)
+            prog.bytes_fetched -= landed
+            prog.bytes_done -= landed
+            return
+        if exc is not None:
+            raise exc
+        # Counted per file from the start of the run: a file that came in with another one (a window of a packed
+        # mirror holds hundreds) was fetched by this run all the same.
+        on_bytes(path, left[path])
+        prog.files_done += 1
+        if on_progress:
+            on_progress(prog)
 
-    # What this run brings in is not evicted to make room for the rest of it: a selection larger than the cache
-    # fails as a full disk, instead of "succeeding" with most of it evicted again.
-    kept_before, engine.prefetching_since = engine.prefetching_since, time.time() - 1.0
-    tasks = [asyncio.ensure_future(worker()) for _ in range(max(1, min(workers, len(todo))))]
-    try:
-        await asyncio.gather(*tasks)
-        await engine.persist()  # small files wait in memory for their pack: on disk before we say "done"
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        engine.prefetching_since = kept_before
-        engine.flush_stats()
+    # What this run brings in is not evicted to make room for the rest of it (by any process on the node): a
+    # selection larger than the cache fails as a full disk, instead of "succeeding" with most of it evicted again.
+    async with engine.evictor.keeping_newer_than(time.time() - 1.0):
+        try:
+            todo = (hint(e) for e in files if e.path in left)
+            async with contextlib.aclosing(engine.prefetcher.run_job(todo, concurrency=workers)) as jobs:
+                async for done, exc in jobs:
+                    settle(done.key[2], exc)
+            await engine.persist()  # small files wait in memory for their pack: on disk before we say "done"
+        finally:
+            engine.flush_stats()
     if on_progress:
         on_progress(prog)
     return prog

@@ -13,7 +13,8 @@ __all__ = ["MemoryBudget", "Reservation"]
 
 
 class MemoryBudget:
-    """``take(n)`` waits until ``n`` more bytes fit under the limit; ``try_take`` never waits.
+    """``take(n)`` waits until ``n`` more bytes fit under the limit; ``try_take`` never waits, and takes only spare
+    room: none while a ``take`` is waiting, so that work ahead of readers never delays a reader.
 
     A single request larger than the whole budget is admitted alone, so nothing can deadlock.
     """
@@ -22,6 +23,8 @@ class MemoryBudget:
         self.limit = limit
         self.used = 0
         self.peak = 0
+        #: ``take`` calls waiting for room now.
+        self.waiting = 0
         self._cond: asyncio.Condition | None = None
 
     def _condition(self) -> asyncio.Condition:
@@ -38,18 +41,31 @@ class MemoryBudget:
 
     async def take(self, n: int) -> Reservation:
         """Hold ``n`` bytes, waiting for room."""
-        cond = self._condition()
-        async with cond:
-            await cond.wait_for(lambda: self._fits(n))
+        if self.waiting == 0 and self._fits(n):
             self._add(n)
+            return Reservation(self, n)
+        cond = self._condition()
+        self.waiting += 1
+        try:
+            async with cond:
+                await cond.wait_for(lambda: self._fits(n))
+                self._add(n)
+        finally:
+            self.waiting -= 1
         return Reservation(self, n)
 
     def try_take(self, n: int) -> Reservation | None:
-        """Hold ``n`` bytes if they fit now (read-ahead uses spare room only)."""
-        if not self._fits(n):
+        """Hold ``n`` bytes if they fit now and no ``take`` is waiting (read-ahead uses spare room only)."""
+        if self.waiting or not self._fits(n):
             return None
         self._add(n)
         return Reservation(self, n)
+
+    async def released(self) -> None:
+        """Wait until some bytes are given back."""
+        cond = self._condition()
+        async with cond:
+            await cond.wait()
 
     async def _give_back(self, n: int) -> None:
         cond = self._condition()

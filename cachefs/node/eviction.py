@@ -4,43 +4,43 @@
 When cached bytes pass ``high_watermark × capacity`` or the disk's free space drops under ``min_free``, whole
 objects and packs are removed until usage is under ``low_watermark × capacity`` (and, when a write asked for
 room, until it fits): first guest data (in a cache group, what another member owns and this node keeps a copy of:
-docs/CLUSTER.md), then objects and packs read at most once, then the rest, least recently used first within each
-group (:func:`eviction_order`). The node's own data is evicted only while it alone is over the target: never for
-guest data that readers hold at the moment. An object a reader holds (any process: a shared ``flock``) is skipped; a pack goes
-without waiting for readers, who read on from the unlinked file. Guest blocks go from an object's file by
-rewriting it without them (:meth:`~cachefs.store.base.BlockStore.try_keep_only`), so the blocks it owns stay.
+docs/CLUSTER.md), then the node's own in the order of the eviction policy (:mod:`.eviction_policy`, two-touch
+LRU by default), which never offers staged bytes nor what a running prefetch job brought. The node's own data is
+evicted only while it alone is over the target: never for guest data that readers hold at the moment. An object
+a reader holds (any process: a shared ``flock``) is skipped; a pack goes without waiting for readers, who read on
+from the unlinked file. Guest blocks go from an object's file by rewriting it without them
+(:meth:`~cachefs.store.base.BlockStore.try_keep_only`), so the blocks it owns stay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from cachefs.base.config import Config
 from cachefs.base.errors import CacheFullError
+from cachefs.index.hints import HintStore
 from cachefs.index.records import ObjectRecord, PackRecord
 from cachefs.node.disk_jobs import DiskJobs
+from cachefs.node.eviction_policy import Candidate, EvictionHints, policy_named
 from cachefs.node.open_objects import OpenObjects
 from cachefs.node.read_stats import ReadStats
 from cachefs.node.space import FULL_BACKOFF, DiskSpace
-from cachefs.store.packs import PackStore
+from cachefs.store.base import PackStore
 
-__all__ = ["Evictor", "eviction_order"]
+__all__ = ["KEEP_LEASE_TTL", "Evictor"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-def eviction_order(rec: ObjectRecord | PackRecord) -> tuple[bool, float]:
-    """Sort key of eviction victims ("two-touch LRU"): objects read at most once go first, oldest first, then
-    objects read twice or more, oldest first. One-off scans and a dataset streamed once therefore cannot push
-    out data that jobs keep coming back to; bench/eviction_bench.py measures it against LRU, FIFO and
-    random (better than each on skewed and hot-plus-scan traces, close to random on pure epoch scans)."""
-    return rec.hits >= 2, rec.last_access
+#: Seconds a prefetch job's "keep what I brought" lease lasts unless renewed (it is renewed at a third of that).
+KEEP_LEASE_TTL = 60.0
 
 
 class Evictor:
@@ -50,9 +50,8 @@ class Evictor:
         self.capacity, self.min_free = space.capacity, space.min_free
         self.index, self.files = space.index, space.store  # (the object files; `store` is the admission rule)
         self.packs, self.objects, self.stats, self.disk = packs, objects, stats, disk
-        #: Set (epoch seconds) while a prefetch runs in this process: what was used since is not evicted, so that
-        #: a selection larger than the cache fails clearly instead of evicting what it just fetched.
-        self.keep_newer_than: float | None = None
+        self.policy = policy_named(config.cache.eviction_policy)
+        self.hints = HintStore(self.index)
         self._one_at_a_time = threading.Lock()
         # Limits are checked (an index read and a statvfs) every this many stored bytes rather than per write:
         # half the room between the high watermark and the capacity, so usage still never passes capacity.
@@ -122,6 +121,30 @@ class Evictor:
             if self.space.over_limits() and (self._background is None or self._background.done()):
                 self._background = asyncio.ensure_future(self.disk.run(self.evict))
 
+    @contextlib.asynccontextmanager
+    async def keeping_newer_than(self, since: float) -> AsyncIterator[None]:
+        """While the block runs, no process on the node evicts what was used at or after ``since`` (a prefetch job:
+        what it brings stays while it brings the rest). Held as a lease in the index, renewed on the event loop."""
+        name = f"{os.getpid()}-{id(object())}-{since}"
+        self.hints.keep_newer_than(name, since, KEEP_LEASE_TTL)
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(KEEP_LEASE_TTL / 3)
+                await asyncio.to_thread(self.hints.keep_newer_than, name, since, KEEP_LEASE_TTL)
+
+        renewing = asyncio.ensure_future(renew())
+        try:
+            yield
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+            self.hints.release(name)
+
+    def current_hints(self, *, keep: bool = True) -> EvictionHints:
+        """The node's eviction hints now (``keep``: with the prefetch jobs' leases)."""
+        return EvictionHints(self.hints.kept_newer_than() if keep else None, self.hints.staged())
+
     def background(self) -> asyncio.Future | None:
         """The eviction running in the background, if any (for shutdown)."""
         return self._background
@@ -136,9 +159,9 @@ class Evictor:
 
     def evict(self, *, force: bool = False, dataset: str | None = None, everything: bool = False,
               need: int = 0) -> int:
-        """Evict in :func:`eviction_order` until usage is under the low watermark and ``need`` more bytes fit
+        """Evict in the policy's order until usage is under the low watermark and ``need`` more bytes fit
         (``force``: even when under the high watermark); ``dataset`` / ``everything``: all of it that no reader
-        holds. Returns the bytes freed. Blocking."""
+        holds (staged bytes stay). Returns the bytes freed. Blocking."""
         self.flush_stats()
         c = self.config.cache
         target = min(int(self.capacity * c.low_watermark), self.capacity - need)
@@ -158,12 +181,10 @@ class Evictor:
                 return freed
             if freed and self._under(int(self.capacity * c.high_watermark) - need, floor):
                 return freed
-        candidates = sorted([*self.index.objects(dataset), *((None, p) for p in self.index.packs(dataset))],
-                            key=lambda kv: eviction_order(kv[1]))
-        keep = None if (everything or dataset) else self.keep_newer_than
-        for okey, rec in candidates:
-            if keep is not None and rec.last_access >= keep:
-                continue
+        candidates = [*(Candidate(okey, rec) for okey, rec in self.index.objects(dataset)),
+                      *(Candidate(None, p) for p in self.index.packs(dataset))]
+        for victim in self.policy.order(candidates, self.current_hints(keep=not (everything or dataset))):
+            okey, rec = victim.okey, victim.record
             if not (everything or dataset):
                 total, _ = self.index.totals()
                 _, free = self.files.disk_usage()

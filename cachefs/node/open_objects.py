@@ -42,8 +42,6 @@ class OpenObject:
     stale: bool = False
     hits: int = 0  # accesses since the statistics last took them
     last_access: float = field(default_factory=time.time)
-    #: Blocks read-ahead brought that no reader was served yet (their first serving is a miss).
-    ahead: set[int] = field(default_factory=set)
     #: Every block is present and verified through this handle, and none is waiting to count as read-ahead: a
     #: reader that holds it may read the file directly (BlockFile.read_local).
     whole: bool = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
 from cachefs.base.errors import CacheFSError, CacheFullError
 from cachefs.index import Index
@@ -31,11 +32,10 @@ class ReadStats:
         self._packs: dict[bytes, list] = {}  # pack key → [last access, reads]
         #: Bytes served in this process since start, by (file kind, hit or miss): what the metrics report.
         self.served: dict[tuple[str, str], int] = {}
-        #: Small files read-ahead brought (directory read-ahead, the rest of a mirror window) that no reader was
-        #: served yet: their first read is a miss.
+        #: What read-ahead brought that no reader was served yet (its first serving is a miss): small files by
+        #: object key (directory read-ahead, the rest of a mirror window), and blocks of large files.
         self._came_ahead: set[bytes] = set()
-        #: A prefetch runs in this process: what it brings is cached on purpose, not read-ahead.
-        self.warming = False
+        self._blocks_ahead: dict[bytes, set[int]] = {}
 
     def count(self, ds_id: str, accessed_path: str | None, hit: int, miss: int, kind: str = "block") -> None:
         """Hit and miss bytes of a dataset (``kind``: a ``block`` or a ``small`` file's), and (``accessed_path``)
@@ -61,13 +61,12 @@ class ReadStats:
                 acc = self._packs[pkey] = [0.0, 0]
             acc[0], acc[1] = time.time(), acc[1] + 1
 
-    def note_ahead(self, okeys) -> None:
-        """These small files came by read-ahead (unless a prefetch is warming the cache)."""
-        if not self.warming:
-            with self._lock:
-                if len(self._came_ahead) > 1 << 20:  # bounded; forgetting one only counts its first read as a hit
-                    self._came_ahead.clear()
-                self._came_ahead.update(okeys)
+    def note_ahead(self, okeys: Iterable[bytes]) -> None:
+        """These small files came by read-ahead."""
+        with self._lock:
+            if len(self._came_ahead) > 1 << 20:  # bounded; forgetting one only counts its first read as a hit
+                self._came_ahead.clear()
+            self._came_ahead.update(okeys)
 
     def take_ahead(self, okey: bytes) -> bool:
         """Whether ``okey`` came by read-ahead and this is its first read (then no longer)."""
@@ -78,6 +77,47 @@ class ReadStats:
                 return False
             self._came_ahead.discard(okey)
             return True
+
+    def note_block_ahead(self, okey: bytes, idx: int) -> None:
+        """Block ``idx`` of object ``okey`` is being read ahead (noted before its bytes are visible, so that a
+        reader counts a miss, not a hit)."""
+        with self._lock:
+            if len(self._blocks_ahead) > 1 << 16:
+                self._blocks_ahead.clear()
+            self._blocks_ahead.setdefault(okey, set()).add(idx)
+
+    def forget_block_ahead(self, okey: bytes, idx: int) -> None:
+        """Block ``idx`` did not come after all (its fetch failed, or another brought it first)."""
+        with self._lock:
+            blocks = self._blocks_ahead.get(okey)
+            if blocks is not None:
+                blocks.discard(idx)
+                if not blocks:
+                    del self._blocks_ahead[okey]
+
+    def any_block_ahead(self, okey: bytes) -> bool:
+        return okey in self._blocks_ahead
+
+    def take_blocks_ahead(self, okey: bytes, start: int, end: int, block_size: int, size: int) -> int:
+        """Bytes of ``[start, end)`` of ``okey`` in blocks read-ahead brought for a reader who had not got to them
+        yet: misses (the origin was read for this reader, only earlier). A block stops counting so once a read has
+        reached its end; from then on it is an ordinary cached block."""
+        if okey not in self._blocks_ahead:
+            return 0
+        n = 0
+        with self._lock:
+            blocks = self._blocks_ahead.get(okey)
+            if not blocks:
+                return 0
+            for i in range(start // block_size, (end - 1) // block_size + 1):
+                if i in blocks:
+                    hi = min((i + 1) * block_size, size)
+                    if end >= hi:
+                        blocks.discard(i)
+                    n += min(end, hi) - max(start, i * block_size)
+            if not blocks:
+                del self._blocks_ahead[okey]
+        return n
 
     def totals(self) -> dict[str, tuple[int, int]]:
         """Hit and miss bytes per dataset not yet flushed (a peek)."""

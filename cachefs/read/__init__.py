@@ -1,8 +1,9 @@
-"""The two read strategies, chosen once per file when it is opened: large objects in blocks
-(:mod:`.blocks`), small ones packed (:mod:`.packs`)."""
+"""The two read strategies, chosen once per file (:meth:`Engine.strategy <cachefs.engine.Engine.strategy>`): large
+objects in blocks (:mod:`.block_strategy`), small ones whole in packs (:mod:`.pack_strategy`)."""
 
-from cachefs.read.blocks import BlockFile, BlockPath
-from cachefs.read.packs import PackedFile, PackPath
-from cachefs.read.stream import OpenFile, ReadStream
+from cachefs.read.base import WOULD_WAIT, LocalRead, OpenFile, ReadStrategy, ReadStream
+from cachefs.read.block_strategy import BlockFile, BlockStrategy
+from cachefs.read.pack_strategy import PackedFile, PackStrategy
 
-__all__ = ["BlockFile", "BlockPath", "OpenFile", "PackPath", "PackedFile", "ReadStream"]
+__all__ = ["WOULD_WAIT", "BlockFile", "BlockStrategy", "LocalRead", "OpenFile", "PackStrategy", "PackedFile",
+           "ReadStrategy", "ReadStream"]

@@ -11,6 +11,7 @@ import os
 from collections.abc import AsyncIterator
 
 from cachefs.base.errors import ObjectNotFoundError, StaleObjectError, translate_origin_error
+from cachefs.base.files import atomic_write
 from cachefs.base.types import Entry
 from cachefs.sources.base import Source
 
@@ -79,10 +80,8 @@ class LocalSource(Source):
         def put() -> os.stat_result:
             path = _path(url)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # readers see the old object or the new one, never half of one
+            # Readers see the old object or the new one, never half of one; a written object survives a crash.
+            atomic_write(path, data, fsync=True, mode=0o644)
             return os.stat(path)
 
         try:

@@ -13,6 +13,7 @@ import time
 
 from cachefs.base.config import Config, resolve_size
 from cachefs.base.errors import ObjectNotFoundError
+from cachefs.base.files import atomic_write
 from cachefs.base.metrics import node_totals
 from cachefs.index import Index
 from cachefs.index.mounts import list_mounts
@@ -30,13 +31,8 @@ def heat_path(cache_dir: str) -> str:
 
 def write_heat(cache_dir: str, served_requests: int, served_bytes: int, hot: list[dict]) -> None:
     """Write the heat file atomically (the agent, every few seconds)."""
-    path = heat_path(cache_dir)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"written_at": time.time(), "served_requests": served_requests, "served_bytes": served_bytes,
-                   "hot": hot}, f)
-    os.replace(tmp, path)
+    doc = {"written_at": time.time(), "served_requests": served_requests, "served_bytes": served_bytes, "hot": hot}
+    atomic_write(heat_path(cache_dir), json.dumps(doc), dir_mode=0o700)
 
 
 def cluster_report(cache_dir: str) -> dict | None:

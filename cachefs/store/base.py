@@ -5,13 +5,20 @@ A :class:`BlockStore` keeps one local file per cached object version, laid out e
 FUSE layer can hand to the kernel for passthrough. Which blocks of a file hold data is the index's
 business, not the store's: the store writes and reads bytes, verifies them against the checksum it is
 given, and refuses to delete a file while any process has it open.
+
+A :class:`PackStore` keeps small objects many to a file (:mod:`cachefs.formats.pack_file`), each pack written once,
+crash-safely, and removed whole.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-__all__ = ["BlockStore", "StoredObject"]
+from cachefs.formats.pack_file import Member
+
+__all__ = ["BlockStore", "PackStore", "StoredObject", "WrittenPack"]
 
 
 class StoredObject(abc.ABC):
@@ -106,3 +113,59 @@ class BlockStore(abc.ABC):
     @abc.abstractmethod
     def disk_usage(self) -> tuple[int, int]:
         """(total, free) bytes of the filesystem holding the store."""
+
+
+@dataclass(frozen=True)
+class WrittenPack:
+    pack_id: int
+    size: int
+    #: (object key, offset of the bytes in the file, length, checksum) per member
+    members: list[tuple[bytes, int, int, int]]
+
+
+class PackStore(abc.ABC):
+    """Pack files of small objects, per dataset. A pack is filled in a temp file and published whole (never a
+    half-written pack under its name); only then may the index name it."""
+
+    @abc.abstractmethod
+    def pack_path(self, dataset: str, pack_id: int) -> str:
+        """Where pack ``pack_id`` of ``dataset`` lives once published."""
+
+    @abc.abstractmethod
+    def write(self, dataset: str, members: list[Member]) -> WrittenPack:
+        """Write ``members`` as one new pack (crash-safely) and return where each member's bytes are."""
+
+    @abc.abstractmethod
+    def begin(self, dataset: str) -> tuple[int, str, int]:
+        """A new pack's id, and its temp file (path, writable descriptor): fill it with :meth:`write_at`, then
+        :meth:`publish` it (or :meth:`abandon` it)."""
+
+    @abc.abstractmethod
+    def write_at(self, fd: int, data: bytes | bytearray | memoryview, offset: int, tmp: str) -> None:
+        """Write all of ``data`` at ``offset`` of the temp file ``tmp`` (open as ``fd``); CacheFullError when the
+        disk is full, CacheFSError for any other failure."""
+
+    @abc.abstractmethod
+    def publish(self, dataset: str, pack_id: int, tmp: str, fd: int) -> None:
+        """Make a filled temp file the pack ``pack_id``, durably; closes ``fd``."""
+
+    @abc.abstractmethod
+    def abandon(self, tmp: str, fd: int) -> None:
+        """Drop an unpublished temp file (closes ``fd``)."""
+
+    @abc.abstractmethod
+    def open(self, dataset: str, pack_id: int) -> int | None:
+        """A read-only descriptor of the pack, or None if it is gone (evicted)."""
+
+    @abc.abstractmethod
+    def remove(self, dataset: str, pack_id: int) -> None:
+        """Remove a pack (readers that have it open read on)."""
+
+    @abc.abstractmethod
+    def files(self) -> Iterable[tuple[str, int, str]]:
+        """(dataset, pack id, path) of every published pack."""
+
+    @abc.abstractmethod
+    def clean(self, known: Callable[[str, int], bool]) -> int:
+        """Remove temp files of writers that are gone and old packs ``known(dataset, pack_id)`` says the index never
+        learnt of; how many files went."""

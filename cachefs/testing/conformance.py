@@ -1,16 +1,19 @@
-"""Conformance suites: every :class:`~cachefs.sources.Source` and :class:`~cachefs.store.BlockStore`
-implementation gets a test class that subclasses one of these and provides the fixture it names."""
+"""Conformance suites: every :class:`~cachefs.sources.Source`, :class:`~cachefs.store.BlockStore` and
+:class:`~cachefs.store.PackStore` implementation gets a test class that subclasses one of these and provides the
+fixture it names (tiers: :mod:`cachefs.testing.tier_conformance`)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import ClassVar
 
 import pytest
 
 from cachefs.base.checksum import block_checksum
 from cachefs.base.errors import CorruptBlockError, ObjectNotFoundError, StaleObjectError
+from cachefs.formats.pack_file import CORRUPT, Member, read_member, serialize
 from cachefs.sources import RetryingSource, RetryPolicy
 from cachefs.store import BlockStore
 
@@ -236,3 +239,99 @@ class BlockStoreConformance:
     def test_disk_usage(self, store):
         total, free = store.disk_usage()
         assert total > 0 and 0 <= free <= total
+
+
+class PackStoreConformance:
+    """Subclasses provide a ``packs`` fixture: a fresh :class:`~cachefs.store.PackStore`."""
+
+    DATASET = "0123456789abcdef"
+
+    @staticmethod
+    def _members(n: int = 5) -> list[Member]:
+        out = []
+        for i in range(n):
+            data = os.urandom(100 + 37 * i) if i else b""
+            out.append(Member(bytes([i]) * 16, f"d/f{i}.bin", f"v{i}", block_checksum(data), data))
+        return out
+
+    def test_every_member_reads_back_verified_where_the_pack_says(self, packs):
+        members = self._members()
+        written = packs.write(self.DATASET, members)
+        fd = packs.open(self.DATASET, written.pack_id)
+        assert fd is not None
+        try:
+            assert os.fstat(fd).st_size == written.size
+            for m, (okey, offset, length, checksum) in zip(members, written.members, strict=True):
+                assert (okey, length, checksum) == (m.okey, len(m.data), m.checksum)
+                assert read_member(fd, offset, length, checksum) == m.data
+        finally:
+            os.close(fd)
+        assert [(d, i) for d, i, _ in packs.files()] == [(self.DATASET, written.pack_id)]
+
+    def test_a_damaged_member_reads_as_corrupt(self, packs):
+        members = self._members(3)
+        written = packs.write(self.DATASET, members)
+        _okey, offset, length, checksum = written.members[2]
+        with open(packs.pack_path(self.DATASET, written.pack_id), "r+b") as f:
+            f.seek(offset + 1)
+            f.write(b"\xff\x00")
+        fd = packs.open(self.DATASET, written.pack_id)
+        try:
+            assert read_member(fd, offset, length, checksum) is CORRUPT
+        finally:
+            os.close(fd)
+
+    def test_a_pack_filled_in_pieces_is_nameless_until_published(self, packs):
+        view, placed = serialize(self._members(4))
+        pack_id, tmp, fd = packs.begin(self.DATASET)
+        half = len(view) // 2
+        packs.write_at(fd, view[half:], half, tmp)
+        packs.write_at(fd, view[:half], 0, tmp)
+        assert list(packs.files()) == []  # not a pack yet
+        packs.publish(self.DATASET, pack_id, tmp, fd)
+        assert not os.path.exists(tmp)
+        rfd = packs.open(self.DATASET, pack_id)
+        try:
+            for okey, offset, length, checksum in placed:
+                assert read_member(rfd, offset, length, checksum) is not CORRUPT, okey
+        finally:
+            os.close(rfd)
+
+    def test_an_abandoned_pack_leaves_nothing(self, packs):
+        pack_id, tmp, fd = packs.begin(self.DATASET)
+        packs.write_at(fd, b"half a pack", 0, tmp)
+        packs.abandon(tmp, fd)
+        assert not os.path.exists(tmp) and list(packs.files()) == []
+        assert packs.open(self.DATASET, pack_id) is None
+
+    def test_a_removed_pack_still_reads_through_an_open_descriptor(self, packs):
+        members = self._members(2)
+        written = packs.write(self.DATASET, members)
+        fd = packs.open(self.DATASET, written.pack_id)
+        packs.remove(self.DATASET, written.pack_id)
+        packs.remove(self.DATASET, written.pack_id)  # (twice: no error)
+        try:
+            assert packs.open(self.DATASET, written.pack_id) is None and list(packs.files()) == []
+            _okey, offset, length, checksum = written.members[1]
+            assert read_member(fd, offset, length, checksum) == members[1].data
+        finally:
+            os.close(fd)
+
+    def test_clean_removes_dead_writers_temp_files_and_old_unknown_packs_only(self, packs):
+        known = packs.write(self.DATASET, self._members(2))
+        unknown_old = packs.write(self.DATASET, self._members(2))
+        unknown_new = packs.write(self.DATASET, self._members(2))
+        old = time.time() - 7 * 24 * 3600
+        os.utime(packs.pack_path(self.DATASET, unknown_old.pack_id), (old, old))
+        _pack_id, live_tmp, fd = packs.begin(self.DATASET)  # a writer that is alive (this process)
+        dead_tmp = packs.pack_path(self.DATASET, 7) + ".999999999.tmp"  # no such process
+        with open(dead_tmp, "wb") as f:
+            f.write(b"x")
+        try:
+            removed = packs.clean(lambda ds, pack_id: pack_id == known.pack_id)
+            assert removed == 2
+            left = {i for _d, i, _p in packs.files()}
+            assert left == {known.pack_id, unknown_new.pack_id}
+            assert os.path.exists(live_tmp) and not os.path.exists(dead_tmp)
+        finally:
+            packs.abandon(live_tmp, fd)

@@ -1,29 +1,42 @@
 """The one seam for where missing bytes come from.
 
 A read path that misses asks a :class:`TierChain` for ``length`` bytes at ``start`` of one object version
-(:class:`Want`). The chain asks its tiers in order; each returns the bytes, None when it does not have them,
-or raises. A tier that is not the last one failing is not the reader's problem: it is counted as a fallback
-(with why) and the next tier is asked; only the last tier's errors reach the reader. Every tier counts the
-bytes it served.
+(:class:`Want`). The chain asks its tiers in order; each answers what it was asked and nothing else: a
+:class:`Served` (the bytes, and what the caller should keep of them), None when it does not have them, or an
+error. A tier never fills the cache: the read strategy that asked installs what came back, as mountpoint-s3's
+multilevel cache fills its own local level. A tier that is not the last one failing is not the reader's problem:
+it is counted as a fallback (with why) and the next tier is asked; only the last tier's errors reach the reader.
+Every tier counts the bytes it served.
 
-Today's chains: small files ask the packed mirror, then the origin; blocks ask the origin. A tier for the
-cache group's peers goes in front of both, without a change to the block or pack code.
+Chains come from configuration (``engine.small_tiers``, ``engine.block_tiers``): names looked up in
+:data:`TIERS` (as fsspec's ``known_implementations``), each class building itself from :class:`TierParts`.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from cachefs.base.errors import CacheFSError
+from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.base.types import Entry
 from cachefs.manifest.dataset import Dataset
 
-__all__ = ["Tier", "TierChain", "TierCounts", "Want"]
+if TYPE_CHECKING:
+    from cachefs.base.config import Config
+    from cachefs.cluster.link import GroupView
+    from cachefs.formats.mirror_index import MirrorWindow
+    from cachefs.node.funnel import OriginFunnel
+
+__all__ = ["TIERS", "Keep", "Kind", "Served", "Tier", "TierChain", "TierCounts", "TierParts", "Want", "build_chain"]
 
 log = logging.getLogger(__name__)
+
+#: What a chain fetches: whole blocks of large objects, or whole small files.
+Kind = Literal["block", "small"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +54,48 @@ class Want:
         return self.start == 0 and self.length == self.entry.size
 
 
+class Keep(enum.Enum):
+    """What the caller should keep of what a tier served."""
+
+    #: This node's own data: store it.
+    OWN = "own"
+    #: Another member of the cache group owns it: store it as guest data (evicted first), if there is room.
+    GUEST = "guest"
+    #: Do not store it: the member that owns it keeps it.
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What a tier answered: exactly the bytes asked for, the tier's name, what to keep, and (the packed mirror)
+    the window of the mirror pack the bytes came in, which the caller may install whole."""
+
+    data: bytes | bytearray
+    tier: str
+    keep: Keep = Keep.OWN
+    window: MirrorWindow | None = None
+
+
+@dataclass(frozen=True)
+class TierParts:
+    """What tiers are built from: the configuration, the origin funnel, the cache group's view."""
+
+    config: Config
+    funnel: OriginFunnel
+    group: GroupView
+
+
 class Tier(abc.ABC):
-    #: The tier's name in counters and metrics (``origin``, ``mirror``, ``peer``).
-    name: str
-    #: Whether what this tier serves is stored on this node (a cache group's peers may keep it for us instead).
-    kept: bool = True
-    #: Whether what it serves, when stored, is guest data: another group member owns it, so it is evicted first.
-    guest: bool = False
+    #: The tier's name in configuration, counters and metrics (``origin``, ``mirror``, ``peer``).
+    name: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, parts: TierParts, kind: Kind) -> Tier | None:
+        """The tier for a chain of ``kind``, or None when it has nothing for that kind (a mirror holds no blocks)."""
 
     @abc.abstractmethod
-    async def fetch(self, want: Want) -> bytes | bytearray | None:
+    async def fetch(self, want: Want) -> Served | None:
         """Exactly ``want.length`` bytes, or None if this tier does not have them; raises
         :class:`~cachefs.base.errors.CacheFSError` when it should have had them and failed."""
 
@@ -87,24 +132,49 @@ class TierChain:
             raise ValueError("a tier chain needs at least one tier")
         self.tiers, self.counts = tiers, counts
 
-    async def fetch(self, want: Want) -> bytes | bytearray:
-        return (await self.fetch_from(want))[0]
+    def tier(self, name: str) -> Tier | None:
+        """The chain's tier called ``name``, if it has one."""
+        return next((t for t in self.tiers if t.name == name), None)
 
-    async def fetch_from(self, want: Want) -> tuple[bytes | bytearray, Tier]:
-        """The bytes and the tier that served them."""
+    async def fetch(self, want: Want) -> Served:
+        """What the first tier that has the bytes served."""
         *first, last = self.tiers
         for tier in first:
             try:
-                data = await tier.fetch(want)
+                served = await tier.fetch(want)
             except CacheFSError as exc:
                 log.warning("%s: %s; reading %s from the next tier", tier.name, exc, want.entry.path)
                 self.counts.fell_back(tier.name, type(exc).__name__)
                 continue
-            if data is not None:
-                self.counts.served(tier.name, len(data))
-                return data, tier
-        data = await last.fetch(want)
-        if data is None:
+            if served is not None:
+                self.counts.served(tier.name, len(served.data))
+                return served
+        served = await last.fetch(want)
+        if served is None:
             raise CacheFSError(f"{want.entry.path}: no tier could serve it")
-        self.counts.served(last.name, len(data))
-        return data, last
+        self.counts.served(last.name, len(served.data))
+        return served
+
+    async def close(self) -> None:
+        for tier in self.tiers:
+            await tier.close()
+
+
+#: Tier classes by name (filled by :mod:`cachefs.tiers`); chains name them in ``engine.small_tiers`` /
+#: ``engine.block_tiers``.
+TIERS: dict[str, type[Tier]] = {}
+
+
+def build_chain(names: tuple[str, ...], parts: TierParts, kind: Kind, counts: TierCounts) -> TierChain:
+    """The chain of ``kind`` that ``names`` configure (tiers with nothing for that kind are left out)."""
+    tiers: list[Tier] = []
+    for name in names:
+        cls = TIERS.get(name)
+        if cls is None:
+            raise ConfigError(f"engine: unknown tier {name!r} (known: {', '.join(sorted(TIERS))})")
+        tier = cls.build(parts, kind)
+        if tier is not None:
+            tiers.append(tier)
+    if not tiers:
+        raise ConfigError(f"engine: no tier serves {kind} reads (tiers {', '.join(names)})")
+    return TierChain(tiers, counts)

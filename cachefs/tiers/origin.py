@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cachefs.node.funnel import OriginFunnel
-from cachefs.tiers.base import Tier, Want
+from cachefs.tiers.base import Kind, Served, Tier, TierParts, Want
 
 __all__ = ["OriginTier"]
 
@@ -14,6 +14,11 @@ class OriginTier(Tier):
     def __init__(self, funnel: OriginFunnel) -> None:
         self.funnel = funnel
 
-    async def fetch(self, want: Want) -> bytes | bytearray:
-        return await self.funnel.get(want.ds.source, want.ds.object_url(want.entry), want.entry.version, want.start,
+    @classmethod
+    def build(cls, parts: TierParts, kind: Kind) -> OriginTier:
+        return cls(parts.funnel)
+
+    async def fetch(self, want: Want) -> Served:
+        data = await self.funnel.get(want.ds.source, want.ds.object_url(want.entry), want.entry.version, want.start,
                                      want.length)
+        return Served(data, self.name)

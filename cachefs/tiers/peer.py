@@ -27,69 +27,21 @@ saying so, or :data:`HOT_TTL` seconds after the owner last said it.
 from __future__ import annotations
 
 import asyncio
-import bisect
-import logging
 import random
 import time
-from collections import OrderedDict
-from contextvars import ContextVar
+from collections.abc import Callable
 
+from cachefs.base.config import parse_replicas
 from cachefs.base.errors import CacheFSError
-from cachefs.manifest.dataset import Dataset
-from cachefs.tiers.base import Tier, Want
+from cachefs.cluster.keys import ASKED_AS_REPLICA, OWNERS_THAT_FETCH, DirectoryWindows, block_key
+from cachefs.cluster.link import GroupView
+from cachefs.tiers.base import Keep, Kind, Served, Tier, TierParts, Want
 
-__all__ = ["ASKED_AS_REPLICA", "BREAKER_FAILURES", "HOT_TTL", "OWNERS_THAT_FETCH", "SMALL_WINDOW", "Breaker",
-           "DirectoryWindows", "PeerTier", "block_key", "small_key"]
-
-log = logging.getLogger(__name__)
+__all__ = ["BREAKER_FAILURES", "HOT_TTL", "Breaker", "PeerTier"]
 
 BREAKER_FAILURES = 3
-#: A key's first candidates fetch it from the origin when asked (the owner, and the one asked when it fails).
-OWNERS_THAT_FETCH = 2
 #: Seconds a reader keeps spreading a hot directory after its owner last said it is hot.
 HOT_TTL = 10.0
-#: Set while the agent answers a reader that chose this node as a replica of a hot key: what is missing is asked
-#: of the key's owners (one origin fetch per group), never straight from the origin first.
-ASKED_AS_REPLICA: ContextVar[bool] = ContextVar("asked_as_replica", default=False)
-
-
-
-
-def block_key(okey: bytes, idx: int) -> bytes:
-    """The placement key of block ``idx`` of an object version (``okey`` names dataset, object and version)."""
-    return b"b" + okey + idx.to_bytes(4, "big")
-
-
-#: Small files are placed by windows of this many names of their directory (sorted): neighbours, read ahead and
-#: packed together, share an owner, and a directory of a million files still spreads over the group.
-SMALL_WINDOW = 256
-
-
-def small_key(ds_id: str, path: str, window: int) -> bytes:
-    """The placement key of a small file: window ``window`` of its directory."""
-    return (b"d" + ds_id.encode() + b"/" + path.rpartition("/")[0].encode("utf-8", "surrogateescape") + b"#"
-            + window.to_bytes(4, "big"))
-
-
-class DirectoryWindows:
-    """The placement key of a small file (:func:`small_key`), from its position in its directory's sorted listing
-    in the reader's manifest version (sorted names kept for the last ``keep`` directories)."""
-
-    def __init__(self, keep: int = 64) -> None:
-        self.keep = keep
-        self._names: OrderedDict[tuple[str, int, str], list[str]] = OrderedDict()
-
-    def key(self, ds: Dataset, path: str) -> bytes:
-        parent, _, name = path.rpartition("/")
-        at = (ds.ref.id, ds.version, parent)
-        names = self._names.get(at)
-        if names is None:
-            names = self._names[at] = sorted(e.path.rpartition("/")[2] for e in ds.listdir(parent))
-            if len(self._names) > self.keep:
-                self._names.popitem(last=False)
-        else:
-            self._names.move_to_end(at)
-        return small_key(ds.ref.id, path, bisect.bisect_left(names, name) // SMALL_WINDOW)
 
 
 class Breaker:
@@ -114,20 +66,21 @@ class Breaker:
 
 
 class PeerTier(Tier):
-    """``group`` has ``table`` (a cluster.MemberTable) and ``client`` (a cluster.PeerClient), both None while
-    this node is in no group: then the tier has nothing (and the numpy and aiohttp behind them are not loaded).
-    ``group.serving`` is True in the agent: it asks peers only as a replica of a hot key (:data:`ASKED_AS_REPLICA`).
-    ``declared`` are the ``cluster.replicas`` prefixes with their replica counts, longest first."""
+    """``group`` is the cache group as the read path sees it (:class:`~cachefs.cluster.link.GroupView`): its
+    ``table`` and ``client`` are None while this node is in no group, and then the tier has nothing (and the numpy
+    and aiohttp behind them are not loaded). ``group.serving`` is True in the agent: it asks peers only as a
+    replica of a hot key (:data:`~cachefs.cluster.keys.ASKED_AS_REPLICA`). ``declared`` are the
+    ``cluster.replicas`` prefixes with their replica counts, longest first. What peers send is kept as guest data
+    with ``keep_guest`` (and always in the agent), else not at all (its owner keeps it)."""
 
     name = "peer"
-    guest = True
 
-    def __init__(self, group, *, kind: str, block_size: int = 0, hedge_after: float = 0.25,
-                 candidates: int = 2, kept: bool = True, declared: list[tuple[str, int]] | None = None,
-                 clock=time.monotonic) -> None:
+    def __init__(self, group: GroupView, *, kind: Kind, block_size: int = 0, hedge_after: float = 0.25,
+                 candidates: int = 2, keep_guest: bool = True, declared: list[tuple[str, int]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if kind not in ("block", "small") or (kind == "block" and block_size <= 0):
             raise ValueError(f"a peer tier of {kind!r} (block size {block_size})")
-        self.group, self.kind, self.block_size, self.kept = group, kind, block_size, kept
+        self.group, self.kind, self.block_size, self.keep_guest = group, kind, block_size, keep_guest
         self.hedge_after, self.candidates = hedge_after, candidates
         self.declared = declared or []
         self.clock = clock
@@ -140,6 +93,17 @@ class PeerTier(Tier):
         #: Requests that hedging sent to a second candidate; requests sent to a replica rather than the owner.
         self.hedged = 0
         self.spread = 0
+
+    @classmethod
+    def build(cls, parts: TierParts, kind: Kind) -> PeerTier:
+        c = parts.config
+        return cls(parts.group, kind=kind, block_size=c.cache.block_size, hedge_after=c.cluster.hedge_after,
+                   keep_guest=c.cluster.keep_guest, declared=parse_replicas(c.cluster.replicas))
+
+    def _served(self, data: bytes | None) -> Served | None:
+        if data is None:
+            return None
+        return Served(data, self.name, Keep.GUEST if self.keep_guest or self.group.serving else Keep.NONE)
 
     def replicas(self, want: Want) -> int:
         """Extra holders of ``want``'s directory: declared (``cluster.replicas``) or announced by its holders."""
@@ -161,6 +125,8 @@ class PeerTier(Tier):
         """The key's candidates to ask, best first: the first ``holders`` by the power of two choices, then the
         rest in rank order; draining members last."""
         table = self.group.table
+        if table is None:
+            return []
         names = [n for n in table.placement.owners(key) if self.breaker.closed(n)]
         names = [n for n in names if table.active(n)] + [n for n in names if not table.active(n)]
         if holders > 1 and len(names) > 1:
@@ -171,7 +137,7 @@ class PeerTier(Tier):
             names.insert(0, pick)
         return names
 
-    async def fetch(self, want: Want) -> bytes | None:
+    async def fetch(self, want: Want) -> Served | None:
         table = self.group.table
         if table is None:
             return None
@@ -184,17 +150,17 @@ class PeerTier(Tier):
                 return None
             key = self.windows.key(want.ds, want.entry.path)
         if self.group.serving:
-            return await self._as_replica(key, want)
+            return self._served(await self._as_replica(key, want))
         order = self._order(key, 1 + self.replicas(want))[: self.candidates]
         if not order:
             return None
-        return await self._hedged(order, want, owner=table.placement.owner(key))
+        return self._served(await self._hedged(order, want, owner=table.placement.owner(key)))
 
     async def _as_replica(self, key: bytes, want: Want) -> bytes | None:
         """In the agent, asked as a replica: the key from the members ranked before this one among those that
         fetch from the origin (the owner first). Otherwise nothing: the agent fetches for the group itself."""
         table = self.group.table
-        if not ASKED_AS_REPLICA.get():
+        if table is None or not ASKED_AS_REPLICA.get():
             return None
         ranked = table.placement.owners(key)
         if table.self_name not in ranked:
@@ -204,8 +170,8 @@ class PeerTier(Tier):
         return await self._hedged(order, want, owner=ranked[0]) if order else None
 
     async def _ask(self, name: str, want: Want, fetch: bool, owner: str | None) -> bytes | None:
-        member = self.group.table.member(name)
-        client = self.group.client
+        table, client = self.group.table, self.group.client
+        member = table.member(name) if table is not None else None
         if member is None or client is None:
             return None
         ds, e = want.ds, want.entry

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +14,7 @@ from cachefs.base.errors import AccessDeniedError, StaleObjectError
 from cachefs.engine import Engine, ReadStream
 from cachefs.sources import RetryingSource, RetryPolicy, open_raw_origin
 from cachefs.testing.failing import FailingSource
+from cachefs.tiers import Keep, Served
 from tests.conftest import make_files, put_tree
 
 
@@ -351,7 +354,7 @@ class GuestTier:
     """Serves some blocks and small files as a cache group's peer would (guest data: another member owns it),
     reading them from the origin itself; the rest falls through to the origin tier as the node's own."""
 
-    name, kept, guest = "peer", True, True
+    name = "peer"
 
     def __init__(self, src, block_size: int) -> None:
         self.src, self.block_size = src, block_size
@@ -362,8 +365,9 @@ class GuestTier:
     async def fetch(self, want):
         if not self.takes(want.entry.path, want.start):
             return None
-        return await self.src.read(want.ds.ref.url + "/" + want.entry.path, want.entry.version, want.start,
+        data = await self.src.read(want.ds.ref.url + "/" + want.entry.path, want.entry.version, want.start,
                                    want.start + want.length)
+        return Served(data, self.name, Keep.GUEST)
 
     async def close(self) -> None:
         pass
@@ -456,5 +460,32 @@ def test_guest_data_never_makes_room_by_evicting_what_the_node_owns(config, s3):
         blocks, _ = engine.index.guests()
         assert sum(map(len, blocks.values())) * bs <= engine.capacity * 0.95 - 3 * 4 * bs  # only what fit under
         engine.blocks.chain.tiers.remove(tier)
+
+    run(engine, scenario, src)
+
+
+def test_eviction_hints_in_the_index_hold_for_every_process(config, s3):
+    """A prefetch job's "keep what I brought" lease and staged bytes live in the index: eviction here respects a
+    lease another process took, until it is released or expires, and never takes staged bytes, not even when told
+    to evict everything."""
+    files = {f"f{i}.bin": bytes([i]) * 200_000 for i in range(4)}
+    engine, src, url = small_cache(config, s3, "hints", files, capacity="4MB")
+    lease = ("from cachefs.index import Index; from cachefs.index.hints import HintStore; import sys; "
+             "HintStore(Index(sys.argv[1])).keep_newer_than('job', 0.0, float(sys.argv[2]))")
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        for path, data in files.items():
+            assert await engine.read(ds, ds.file(path), 0, len(data)) == data
+        engine.flush_stats()
+        subprocess.run([sys.executable, "-c", lease, config.cache.dir, "60"], check=True, timeout=60)
+        assert engine.evict_sync(force=True) == 0  # everything was used since the lease's time
+        subprocess.run([sys.executable, "-c", lease, config.cache.dir, "-1"], check=True, timeout=60)  # lapsed
+        staged = engine.object_key(ds, ds.file("f0.bin"))
+        engine.evictor.hints.stage(staged, 200_000)
+        assert engine.evict_sync(everything=True) == 3 * 200_000
+        assert [okey for okey, _rec in engine.index.objects()] == [staged]
+        engine.evictor.hints.unstage(staged)
+        assert engine.evict_sync(everything=True) == 200_000
 
     run(engine, scenario, src)

@@ -14,10 +14,10 @@ from aiohttp import web
 
 from cachefs.base.types import dataset_id
 from scheduler_hints.extender import MAX_BODY, Extender, make_app
+from scheduler_hints.extender_wire import encode
 from scheduler_hints.gang import GangManager
 from scheduler_hints.labels import dataset_key
 from scheduler_hints.pods import StaticVolumes, pod_gang
-from scheduler_hints.wire import encode
 
 URL = "s3://bucket/imagenet"
 DS = dataset_id(URL)
@@ -272,7 +272,7 @@ def test_pod_after_pod_answers_match_a_fresh_extender_while_binds_and_nodes_chan
     never saw the earlier requests."""
     base, ext = server
     ext.node_cache.refresh_interval = 0  # the cluster view follows cache labels at once
-    ext.clock = lambda: 0.0  # delay scheduling counts waits alike in both
+    ext.admission.clock = lambda: 0.0  # delay scheduling counts waits alike in both
     rng = random.Random(5)
     version = iter(range(1, 10**6))
 
@@ -308,7 +308,7 @@ def test_pod_after_pod_answers_match_a_fresh_extender_while_binds_and_nodes_chan
         p = pod(f"p{step}", annotation=URL, gpus=rng.choice([1, 2, 4]), gang="g" if member else None, gang_size=3)
         body = {"Pod": p, "NodeNames": names} if by_name else {"Pod": p, "Nodes": {"items": list(nodes.values())}}
         raw = json.dumps(body)
-        fresh = Extender(volumes=ext.volumes, clock=ext.clock)
+        fresh = Extender(volumes=ext.volumes, clock=ext.admission.clock)
         fresh.node_cache.refresh_interval = 0
         for n in ext.node_cache.nodes.values():
             fresh.node_cache.update(n)
@@ -488,7 +488,7 @@ def test_pod_waits_for_the_busy_node_holding_its_data_then_runs_elsewhere(server
     ``locality_wait``; it passes at once when the holder frees up, or anywhere once the wait is over."""
     base, ext = server
     now = [1000.0]
-    ext.clock = lambda: now[0]
+    ext.admission.clock = lambda: now[0]
     nodes = [node("holder", fraction=1.0), node("empty")]
     for n in nodes:
         ext.node_cache.update(n)
@@ -501,7 +501,7 @@ def test_pod_waits_for_the_busy_node_holding_its_data_then_runs_elsewhere(server
     _, out = post(base, "filter", args(p, nodes))
     assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["holder", "empty"] and not out["FailedNodes"]
     ext.bound_pods["ml/other"] = ("holder", 8)
-    now[0] += ext.locality_wait  # the wait is over: it runs where there is room
+    now[0] += ext.admission.locality_wait  # the wait is over: it runs where there is room
     _, out = post(base, "filter", args(p, [node("empty")]))
     assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["empty"]
     # a pod whose data no node holds, or a pod without data, never waits
@@ -514,7 +514,7 @@ def test_gang_waits_for_its_data_before_admission(server):
     up or the wait ends; then it is admitted as usual."""
     base, ext = server
     now = [0.0]
-    ext.clock = lambda: now[0]
+    ext.admission.clock = lambda: now[0]
     nodes = [node("h1", fraction=0.9), node("h2", fraction=0.9), node("e1"), node("e2")]
     for n in nodes:
         ext.node_cache.update(n)
@@ -523,7 +523,7 @@ def test_gang_waits_for_its_data_before_admission(server):
     _, out = post(base, "filter", args(members[0], nodes[2:]))
     assert not out["Nodes"]["items"] and "gang ml/g (2 pods)" in out["FailedNodes"]["e1"], out
     assert not ext.gangs.admitted(pod_gang(members[0], {}))
-    now[0] += ext.locality_wait
+    now[0] += ext.admission.locality_wait
     _, out = post(base, "filter", args(members[0], nodes[2:]))
     assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["e1", "e2"]
 
@@ -575,8 +575,8 @@ def test_achievable_locality_is_the_best_free_slots_of_the_candidates(seed):
     for i in range(60):
         ext.node_cache.update(node(f"n{i}", fraction=rng.choice([None, 0.0, 0.3, 0.5, 0.9, 1.0])))
     base, groups = ext.node_cache.cluster()
-    needs = ext._needs(pod("p", annotation=URL, gpus=2))
-    score = ext._locality_cache(needs, groups)
+    needs = ext.needs(pod("p", annotation=URL, gpus=2))
+    score = ext.priorities.locality(needs, groups)
     stranger = ext.node_cache.base_state(node("stranger", fraction=1.0))  # not in the cluster view
     for _ in range(20):
         cands = [replace(s, gpu_free=rng.choice([0, 1, 2, 4, 8])) for s in rng.sample(base, rng.randint(0, 60))]
@@ -585,4 +585,4 @@ def test_achievable_locality_is_the_best_free_slots_of_the_candidates(seed):
         for count in (1, 3, 16):
             for per in (0, 2):
                 want = best_slots_locality(((score(n), n.gpu_free // per if per else 1) for n in cands), count)
-                assert ext._achievable(needs, score, base, cands, count, per) == pytest.approx(want)
+                assert ext.admission.achievable(needs, score, base, cands, count, per) == pytest.approx(want)

@@ -122,10 +122,10 @@ def _index_is_consistent(cache: str) -> None:
     from cachefs.index import Index
     from cachefs.index.records import pack_key
     from cachefs.store import DiskStore
-    from cachefs.store.packs import PackStore
+    from cachefs.store.pack_store import DiskPackStore
 
     index = Index(cache)
-    store, packs = DiskStore(cache, 1), PackStore(cache)
+    store, packs = DiskStore(cache, 1), DiskPackStore(cache)
     total = 0
     for okey, rec in index.objects():
         blocks = index.blocks_of(okey)

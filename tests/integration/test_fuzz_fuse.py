@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from cachefs.base import aio
 from cachefs.engine import Engine
-from cachefs.fuse import wire
+from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.fs import CacheFS
+from cachefs.fuse.kernel_abi import Op
 from cachefs.fuse.session import FuseSession
-from cachefs.fuse.wire import Op
 
 settings.register_profile("ci", max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("long", max_examples=20_000, deadline=None, suppress_health_check=list(HealthCheck))
@@ -58,8 +58,8 @@ def session(tmp_path_factory):
 
 
 def request(opcode: int, unique: int, nodeid: int, body: bytes, length: int | None = None, extlen: int = 0) -> bytes:
-    total = wire.IN_HEADER.size + len(body)
-    return wire.IN_HEADER.pack(total if length is None else max(0, length), opcode, unique, nodeid, 0, 0, 1, extlen, 0) + body
+    total = abi.IN_HEADER.size + len(body)
+    return abi.IN_HEADER.pack(total if length is None else max(0, length), opcode, unique, nodeid, 0, 0, 1, extlen, 0) + body
 
 
 def drain(fd: int, wait_for: int | None = None) -> list[tuple[int, int]]:
@@ -86,10 +86,10 @@ def _read_replies(fd: int) -> list[tuple[int, int]]:
             break
         out += chunk
     replies = []
-    while len(out) >= wire.OUT_HEADER.size:
-        length, err, unique = wire.OUT_HEADER.unpack_from(out)
+    while len(out) >= abi.OUT_HEADER.size:
+        length, err, unique = abi.OUT_HEADER.unpack_from(out)
         replies.append((unique, err))
-        out = out[max(length, wire.OUT_HEADER.size):]
+        out = out[max(length, abi.OUT_HEADER.size):]
     return replies
 
 
@@ -118,7 +118,7 @@ def test_any_request_gets_an_errno_and_the_session_keeps_serving(session, opcode
                                                                   extlen):
     sess, r = session
     unique = 4242
-    raw = request(opcode, unique, nodeid, body, wire.IN_HEADER.size + len(body) + length_delta, extlen)
+    raw = request(opcode, unique, nodeid, body, abi.IN_HEADER.size + len(body) + length_delta, extlen)
     later = sess._handle(memoryview(raw))
     if later is not None:
         later.finish(sess)

@@ -6,6 +6,7 @@ was handed for that very call (a write to run when there is room, a transaction 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -37,11 +38,14 @@ def _layer(module: str, ranks: dict[str, int]) -> int | None:
 
 
 def _handed_in(frame, code) -> bool:
-    """Whether ``code`` is that of a callable passed to ``frame``'s function as an argument."""
+    """Whether ``code`` is that of a callable passed to ``frame``'s function as an argument (a function, a bound
+    method, or a functools.partial of either: work handed to a service, as to the prefetcher)."""
     co = frame.f_code
     names = co.co_varnames[:co.co_argcount + co.co_kwonlyargcount]
     for name in names:
         value = frame.f_locals.get(name)
+        while isinstance(value, functools.partial):
+            value = value.func
         if getattr(value, "__code__", None) is code or getattr(getattr(value, "__func__", None), "__code__", None) is code:
             return True
     return False

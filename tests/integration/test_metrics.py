@@ -104,7 +104,9 @@ def test_a_mount_and_the_node_endpoint_count_what_a_known_workload_did(s3, tmp_p
         for rel, data in files.items():  # warm: N hits, no GET
             with open(m.path(rel), "rb") as f:
                 assert f.read() == data
-        warm = _wait_for(endpoint, lambda s: value(s, "cachefs_read_bytes_total", kind="small", result="hit") >= total)
+        # (the files' pack is written within a second of their fetch: the cache's used bytes follow it)
+        warm = _wait_for(endpoint, lambda s: value(s, "cachefs_read_bytes_total", kind="small", result="hit") >= total
+                         and value(s, "cachefs_cache_used_bytes") >= total)
         assert value(warm, "cachefs_read_bytes_total", kind="small", result="hit") == total
         assert value(warm, "cachefs_origin_requests_total", kind="get", result="ok") - gets0 == n
         assert value(warm, "cachefs_dataset_read_bytes_total", dataset=url, result="hit") == total
@@ -163,7 +165,7 @@ def test_docs_list_every_metric():
         for obj in vars(module).values():
             if isinstance(obj, MetricWrapperBase):
                 expect.add(obj._name + "_total" if obj._type == "counter" else obj._name)
-    node = (ROOT / "cachefs" / "node_metrics.py").read_text()
+    node = (ROOT / "cachefs" / "status" / "collector.py").read_text()
     expect |= {n + "_total" for n in re.findall(r'CounterMetricFamily\(\s*"(cachefs_\w+)"', node)}
     expect |= set(re.findall(r'GaugeMetricFamily\(\s*"(cachefs_\w+)"', node))
     expect |= set(re.findall(r'\("(cachefs_cache_\w+)", "', node))  # the node's gauges, named in one tuple

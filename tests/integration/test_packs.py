@@ -21,7 +21,7 @@ from cachefs.base.types import object_key
 from cachefs.engine import Engine, ReadStream
 from cachefs.index import Index
 from cachefs.status.summary import status_report
-from cachefs.store import packs as packs_module
+from cachefs.store import pack_store as packs_module
 from tests.conftest import resident_bytes
 
 
@@ -68,7 +68,7 @@ def test_small_files_are_packed_and_read_back_the_same_everywhere(tree, config):
 
     seen = {}
     for p in packs:
-        table = pa.ipc.open_file(pa.memory_map(packs_module.PackStore(config.cache.dir).pack_path(
+        table = pa.ipc.open_file(pa.memory_map(packs_module.DiskPackStore(config.cache.dir).pack_path(
             p.dataset, p.pack_id))).read_all()
         assert table.column_names == ["path", "version", "checksum", "data"]
         seen.update(zip(table.column("path").to_pylist(), table.column("data").to_pylist(), strict=True))
@@ -101,7 +101,7 @@ def test_one_member_reads_only_itself_and_a_swept_pack_is_read_ahead_whole(tree,
     run(engine, read_all(engine, url, files))
     index = Index(config.cache.dir)
     pack = max(index.packs(), key=lambda p: p.members)
-    path = packs_module.PackStore(config.cache.dir).pack_path(pack.dataset, pack.pack_id)
+    path = packs_module.DiskPackStore(config.cache.dir).pack_path(pack.dataset, pack.pack_id)
     size = os.path.getsize(path)
     import pyarrow as pa
 
@@ -136,7 +136,7 @@ def test_eviction_removes_whole_packs_and_files_come_back(tree, config):
     freed = engine.evict_sync(everything=True)
     engine.close()
     assert freed > 0 and list(index.packs()) == [] and index.totals() == (0, 0)
-    assert not any(n.endswith(".arrow") for _d, _i, n in packs_module.PackStore(config.cache.dir).files())
+    assert not any(n.endswith(".arrow") for _d, _i, n in packs_module.DiskPackStore(config.cache.dir).files())
     engine = Engine(config)
     assert run(engine, read_all(engine, url, files)) == files
 
@@ -157,8 +157,8 @@ def test_a_pack_evicted_by_another_process_is_closed_here_and_its_files_come_bac
         other = Engine(config)  # another process's eviction
         assert other.evict_sync(everything=True) > 0
         other.close()
-        assert engine.packs.close_unlinked() >= 1
-        assert engine.packs.close_unlinked() == 0
+        assert engine.packs.reads.close_unlinked() >= 1
+        assert engine.packs.reads.close_unlinked() == 0
         for rel, data in small.items():
             assert engine.read_local(ds, ds.file(rel), 0, len(data)) == (None if data else b"")  # gone here
         return await read_all(engine, url, small)
@@ -174,7 +174,7 @@ def test_a_corrupted_member_is_detected_and_fetched_again(tree, config, caplog):
     ds_id = next(index.packs()).dataset
     rel = next(r for r, d in files.items() if 100 < len(d) <= config.cache.pack_threshold)
     pack_id, offset, length, _ck = index.packed(object_key(ds_id, rel, _version(url, rel, config)))
-    path = packs_module.PackStore(config.cache.dir).pack_path(ds_id, pack_id)
+    path = packs_module.DiskPackStore(config.cache.dir).pack_path(ds_id, pack_id)
     with open(path, "r+b") as f:  # one flipped byte in the middle of the member
         f.seek(offset + length // 2)
         b = f.read(1)
@@ -202,7 +202,7 @@ CRASH = textwrap.dedent("""
     import asyncio, os, signal, sys
     from cachefs.base.config import load_config
     from cachefs.engine import Engine
-    from cachefs.store import packs
+    from cachefs.store import pack_store as packs
     from cachefs.index import index as index_module
     url, cache, where = sys.argv[1:4]
     if where == "mid-write":  # half the pack's bytes reach the temp file, then the process dies
@@ -239,7 +239,7 @@ def test_a_crash_while_writing_a_pack_never_serves_it_and_leaves_nothing_behind(
     monkeypatch.setattr(packs_module, "ORPHAN_GRACE", 0.0)  # (a real orphan is removed after 5 minutes)
     config = load_config(env={}, overrides={"cache_dir": cache_dir})
     engine = Engine(config)  # cleans up at start
-    assert list(packs_module.PackStore(cache_dir).files()) == []
+    assert list(packs_module.DiskPackStore(cache_dir).files()) == []
     assert not any(n.endswith(".tmp") for d in os.listdir(os.path.join(cache_dir, "packs"))
                    for n in os.listdir(os.path.join(cache_dir, "packs", d)))
     assert run(engine, read_all(engine, url, files)) == files
@@ -409,7 +409,7 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
 
 def _pack_files(cache_dir: str) -> list[bytes]:
     out = []
-    for _ds, _id, path in packs_module.PackStore(cache_dir).files():
+    for _ds, _id, path in packs_module.DiskPackStore(cache_dir).files():
         with open(path, "rb") as f:
             out.append(f.read())
     return out

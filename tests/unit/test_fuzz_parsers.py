@@ -36,7 +36,7 @@ EXTENDER_ARGS = json.dumps({
 
 def _extender():
     from scheduler_hints.extender import Extender
-    from scheduler_hints.wire import ArgsDecoder
+    from scheduler_hints.extender_wire import ArgsDecoder
 
     ext = Extender()
     return ext, ArgsDecoder(ext.node_cache.nodes.get)
@@ -45,7 +45,7 @@ def _extender():
 def _answer(ext, decoder, verb: str, raw: bytes):
     """What the HTTP handler does with a body: decode, then the verb; only the errors it turns into a 4xx."""
     from scheduler_hints.extender import BadRequest, NotHeld
-    from scheduler_hints.wire import BadJSON
+    from scheduler_hints.extender_wire import BadJSON
 
     try:
         body = decoder.decode(raw)
@@ -76,7 +76,7 @@ def test_extender_requests_are_answered_or_refused_with_a_4xx(verb, raw):
     ext, decoder = _extender()
     result = _answer(ext, decoder, verb, raw)
     if result is not None:
-        from scheduler_hints.wire import encode
+        from scheduler_hints.extender_wire import encode
 
         encode(result)  # whatever is answered can be written back
 

@@ -11,10 +11,12 @@ from cachefs.base.config import MAX_REPLICAS, ClusterConfig, hot_bytes_per_s, pa
 from cachefs.base.errors import ConfigError
 from cachefs.base.types import DatasetRef, Entry
 from cachefs.cluster.heat import HeatTracker
+from cachefs.cluster.keys import ASKED_AS_REPLICA, block_key
 from cachefs.cluster.membership import MemberTable, parse_peers
 from cachefs.cluster.placement import RANK
+from cachefs.tiers import Keep
 from cachefs.tiers.base import Want
-from cachefs.tiers.peer import ASKED_AS_REPLICA, PeerTier, block_key
+from cachefs.tiers.peer import PeerTier
 
 
 class Clock:
@@ -139,7 +141,8 @@ def test_readers_spread_a_hot_directory_over_its_holders_and_return_to_the_owner
     async def reads(n: int) -> collections.Counter:
         group.client.asked.clear()
         for _ in range(n):
-            assert await tier.fetch(w) == b"x" * 4096
+            served = await tier.fetch(w)
+            assert served is not None and served.data == b"x" * 4096 and served.keep is Keep.GUEST
         return collections.Counter(a for a, _, _ in group.client.asked)
 
     assert asyncio.run(reads(50)) == {owner: 50}  # not hot: the owner only
@@ -192,5 +195,6 @@ def test_the_agent_asks_peers_only_as_a_replica_and_only_those_ranked_before_it(
         if rank == 0:
             assert got is None and asked == []  # the owner goes to the origin
         else:
-            assert got == b"x" * 4096 and asked == [ranked[0]]  # from the owner, which alone fetches
+            assert got.data == b"x" * 4096 and asked == [ranked[0]]  # from the owner, which alone fetches
+            assert got.keep is Keep.GUEST  # the agent keeps what a replica brings, as guest data
             assert not any(replica for _, _, replica in group.client.asked)

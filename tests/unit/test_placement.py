@@ -70,7 +70,7 @@ def test_small_files_are_placed_by_windows_of_their_directory():
     """Neighbours in a directory share an owner; a directory larger than a window spreads over the members."""
     from types import SimpleNamespace
 
-    from cachefs.tiers.peer import SMALL_WINDOW, DirectoryWindows
+    from cachefs.cluster.keys import SMALL_WINDOW, DirectoryWindows
 
     names = [f"img_{i:06d}.jpg" for i in range(SMALL_WINDOW * 40)]
     entries = [SimpleNamespace(path=f"train/{n}") for n in reversed(names)]  # whatever order the listing has

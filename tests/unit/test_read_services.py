@@ -10,7 +10,7 @@ from cachefs.base.errors import CacheFSError, ObjectNotFoundError
 from cachefs.base.types import Entry
 from cachefs.node.budget import MemoryBudget
 from cachefs.node.flight import SingleFlight
-from cachefs.tiers import Tier, TierChain, TierCounts, Want
+from cachefs.tiers import Keep, Served, Tier, TierChain, TierCounts, Want
 
 
 def test_single_flight_runs_once_per_key_and_forgets_it_after():
@@ -73,11 +73,15 @@ class _Tier(Tier):
     def __init__(self, name: str, answer):
         self.name, self.answer, self.asked = name, answer, 0
 
+    @classmethod
+    def build(cls, parts, kind):
+        return None
+
     async def fetch(self, want: Want):
         self.asked += 1
         if isinstance(self.answer, Exception):
             raise self.answer
-        return self.answer
+        return None if self.answer is None else Served(self.answer, self.name)
 
 
 def _want(length: int = 3) -> Want:
@@ -89,12 +93,13 @@ def test_the_chain_asks_in_order_counts_what_each_served_and_every_fallback():
         counts = TierCounts()
         peer, mirror, origin = _Tier("peer", CacheFSError("peer down")), _Tier("mirror", None), _Tier("origin", b"abc")
         chain = TierChain([peer, mirror, origin], counts)
-        assert await chain.fetch(_want()) == b"abc"
+        served = await chain.fetch(_want())
+        assert (served.data, served.tier, served.keep) == (b"abc", "origin", Keep.OWN)
         assert (peer.asked, mirror.asked, origin.asked) == (1, 1, 1)
         served, fallbacks = counts.snapshot()
         assert served == {"origin": 3} and fallbacks == {("peer", "CacheFSError"): 1}
         mirror.answer = b"xyz"
-        assert await chain.fetch(_want()) == b"xyz" and origin.asked == 1
+        assert (await chain.fetch(_want())).data == b"xyz" and origin.asked == 1
         assert counts.snapshot()[0] == {"origin": 3, "mirror": 3}
 
     asyncio.run(scenario())

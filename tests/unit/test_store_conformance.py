@@ -1,7 +1,7 @@
 import pytest
 
-from cachefs.store import DiskStore
-from cachefs.testing.conformance import BlockStoreConformance
+from cachefs.store import DiskPackStore, DiskStore
+from cachefs.testing.conformance import BlockStoreConformance, PackStoreConformance
 
 
 class TestDiskStore(BlockStoreConformance):
@@ -57,3 +57,9 @@ def test_blocks_larger_than_a_verify_piece_are_verified_whole(tmp_path):
     assert info.value.block == 1
     assert fresh.read(0, 10, sums) == data[:10]
     fresh.close()
+
+
+class TestDiskPackStore(PackStoreConformance):
+    @pytest.fixture
+    def packs(self, tmp_path):
+        return DiskPackStore(str(tmp_path / "cache"))

@@ -1,6 +1,6 @@
 """Pending packs: small files fetched from the origin wait in memory, readable by this process, until their
 dataset's pack is written (at ``cache.pack_size`` bytes, or one second after the last addition), crash-safely
-(:class:`~cachefs.store.packs.PackStore`); only then does the index point the members at it. At most two packs'
+(:class:`~cachefs.store.pack_store.PackStore`); only then does the index point the members at it. At most two packs'
 worth of fetched bytes wait for the disk. What the disk has no room for (:class:`~cachefs.node.space.DiskSpace`) is
 dropped: those files were served, they are just not cached.
 """
@@ -12,10 +12,11 @@ import logging
 import threading
 
 from cachefs.base.errors import CacheFSError, CacheFullError
+from cachefs.formats.pack_file import Member
 from cachefs.index import Index
 from cachefs.node.disk_jobs import DiskJobs
 from cachefs.node.eviction import Evictor
-from cachefs.store.packs import Member, PackStore
+from cachefs.store.base import PackStore
 
 __all__ = ["PendingPacks"]
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from scheduler_hints.wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
+from scheduler_hints.extender_wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
 
 
 def node(name: str, version: str, **labels: str) -> dict:

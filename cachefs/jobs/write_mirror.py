@@ -17,9 +17,10 @@ from cachefs.base.checksum import block_checksum
 from cachefs.base.errors import CacheFSError
 from cachefs.base.types import Entry, object_key
 from cachefs.engine import Engine
-from cachefs.formats.mirror_index import FORMAT, index_schema, load_mirror
+from cachefs.formats.mirror_index import FORMAT, index_schema
+from cachefs.formats.pack_file import Member, serialize
 from cachefs.manifest.dataset import Dataset
-from cachefs.store.packs import Member, serialize
+from cachefs.tiers.mirror import load_mirror
 
 __all__ = ["MirrorSummary", "write_mirror"]
 
@@ -53,7 +54,7 @@ async def write_mirror(engine: Engine, ds: Dataset, to_url: str, *,
     t0 = time.perf_counter()
     files = []
     for e in ds.walk_files():
-        if e.size and engine.packed(e):
+        if e.size and engine.strategy(e).packed:
             files.append(e)
         elif e.size:
             summary.skipped_large += 1

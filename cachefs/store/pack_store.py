@@ -1,4 +1,5 @@
-"""Pack files: many small objects of one dataset in one Arrow IPC file.
+"""Pack files on this node's disk: many small objects of one dataset in one Arrow IPC file (the format:
+:mod:`cachefs.formats.pack_file`).
 
 A million 100 KiB files as a million local files costs a million inodes, opens and unlinks; packed, they are a
 few hundred files of tens of MiB, each written once, read with ``pread`` at an offset the index records, and
@@ -23,15 +24,13 @@ import errno
 import os
 import re
 import time
-from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from itertools import accumulate
 
-from cachefs.base.checksum import block_checksum
 from cachefs.base.errors import CacheFSError, CacheFullError
+from cachefs.formats.pack_file import Member, serialize
+from cachefs.store.base import PackStore, WrittenPack
 
-__all__ = ["CORRUPT", "WOULD_WAIT", "Member", "PackStore", "WrittenPack", "read_member", "serialize"]
+__all__ = ["ORPHAN_GRACE", "DiskPackStore"]
 
 _NAME = re.compile(r"^([0-9a-f]{16})\.arrow$")
 _TMP = re.compile(r"^[0-9a-f]{16}\.arrow\.(\d+)\.tmp$")
@@ -40,73 +39,7 @@ _TMP = re.compile(r"^[0-9a-f]{16}\.arrow\.(\d+)\.tmp$")
 ORPHAN_GRACE = 300.0
 
 
-class _Sentinel:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-#: What a read that must not wait answers when the bytes are on this node but not in the page cache.
-WOULD_WAIT = _Sentinel("WOULD_WAIT")
-#: What :func:`read_member` answers for a member that failed its checksum.
-CORRUPT = _Sentinel("CORRUPT")
-_nowait_reads = hasattr(os, "RWF_NOWAIT")
-
-
-def read_member(fd: int, offset: int, length: int, checksum: int, wait: bool = True) -> bytes | bytearray | _Sentinel:
-    """A member's bytes from a pack (or a pack being written), verified against ``checksum``; CORRUPT if they
-    fail it; without ``wait``, WOULD_WAIT if the page cache does not hold them all (a read would wait on the
-    disk)."""
-    data = os.pread(fd, length, offset) if wait else _pread_cached(fd, length, offset)
-    if data is None:
-        return WOULD_WAIT
-    return data if len(data) == length and block_checksum(data) == checksum else CORRUPT
-
-
-def _pread_cached(fd: int, length: int, offset: int) -> bytes | bytearray | None:
-    global _nowait_reads
-    if not _nowait_reads:
-        return os.pread(fd, length, offset)
-    buf = bytearray(length)
-    try:
-        n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return None
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        _nowait_reads = False  # a file system without RWF_NOWAIT: always read (and maybe wait)
-        return os.pread(fd, length, offset)
-    return buf if n == length else None
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    okey: bytes
-    path: str
-    version: str
-    checksum: int
-    data: bytes
-
-
-@dataclass(frozen=True)
-class WrittenPack:
-    pack_id: int
-    size: int
-    #: (object key, offset of the bytes in the file, length, checksum) per member
-    members: list[tuple[bytes, int, int, int]]
-
-
-def _schema():
-    import pyarrow as pa
-
-    return pa.schema([("path", pa.string()), ("version", pa.string()), ("checksum", pa.uint64()),
-                      ("data", pa.binary())])
-
-
-class PackStore:
+class DiskPackStore(PackStore):
     def __init__(self, cache_dir: str) -> None:
         self.root = os.path.join(cache_dir, "packs")
         os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -139,8 +72,7 @@ class PackStore:
             raise _write_error(exc, "a new pack", tmp) from None
         return pack_id, tmp, fd
 
-    @staticmethod
-    def write_at(fd: int, data: bytes | memoryview, offset: int, tmp: str) -> None:
+    def write_at(self, fd: int, data: bytes | bytearray | memoryview, offset: int, tmp: str) -> None:
         """Write all of ``data`` at ``offset`` of the temp file ``tmp`` (open as ``fd``); CacheFullError when
         the disk is full, CacheFSError for any other failure."""
         view, done = memoryview(data), 0
@@ -228,55 +160,6 @@ def _write_error(exc: OSError, what: str, path: str) -> CacheFSError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return CacheFullError(f"cache disk full while writing {what}")
     return CacheFSError(f"cache disk error writing {path}: {exc.strerror}", errno_=exc.errno)
-
-
-def serialize(members: list[Member]) -> tuple[memoryview, list[tuple[bytes, int, int, int]]]:
-    """The bytes of a pack file holding ``members`` and, per member, (object key, offset of its bytes in
-    them, length, checksum)."""
-    import pyarrow as pa
-
-    # Arrays straight from buffers: pa.array() on a list imports pandas (0.2-0.6 s a process) and copies
-    # value by value.
-    checksums = pa.Array.from_buffers(pa.uint64(), len(members),
-                                      [None, pa.py_buffer(array("Q", [m.checksum for m in members]))])
-    batch = pa.record_batch([_variable(pa.string(), [m.path.encode() for m in members]),
-                             _variable(pa.string(), [m.version.encode() for m in members]),
-                             checksums,
-                             _variable(pa.binary(), [m.data for m in members])], schema=_schema())
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    buf = sink.getvalue()
-    # Reading the file back from memory gives zero-copy views into ``buf``: the data column's value buffer
-    # sits at a fixed place in the file, and each member at its offset within that buffer.
-    column = pa.ipc.open_file(buf).get_batch(0).column(3)
-    _validity, offsets_buf, values_buf = column.buffers()
-    base = values_buf.address - buf.address if values_buf is not None else 0
-    offsets = memoryview(offsets_buf).cast("i")[column.offset:] if len(column) else []
-    view = memoryview(buf)
-    placed = []
-    for i, m in enumerate(members):
-        off = base + offsets[i]
-        if block_checksum(view[off:off + len(m.data)]) != m.checksum:  # the layout is not what we think
-            raise CacheFSError(f"pack writer: member {m.path} is not where Arrow put it")
-        placed.append((m.okey, off, len(m.data), m.checksum))
-    return view, placed
-
-
-def _variable(type_, values: list[bytes]):
-    """An Arrow utf8/binary array of ``values`` (32-bit offsets: a pack is far below 2 GiB). The values are
-    copied into a buffer from Arrow's memory pool, which keeps its memory between packs: ``b"".join`` asked
-    malloc for tens of MiB, which with the engine's pinned mmap threshold (cachefs/base/memory.py) was a fresh
-    mapping faulted in page by page, with the GIL held (serialising a 64 MiB pack: 90 → 40 ms)."""
-    import pyarrow as pa
-
-    offsets = array("i", [0])
-    offsets.extend(accumulate(map(len, values)))
-    buf = pa.allocate_buffer(offsets[-1])
-    out = memoryview(buf).cast("B")
-    for v, at in zip(values, offsets, strict=False):  # (offsets ends with one more: the total)
-        out[at:at + len(v)] = v
-    return pa.Array.from_buffers(type_, len(values), [None, pa.py_buffer(offsets), buf])
 
 
 def _listdir(path: str) -> list[str]:

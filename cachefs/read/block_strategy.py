@@ -6,13 +6,13 @@ at a time per block in this process (single-flight: a hundred readers of one col
 its bytes), written, and only then recorded in the index. Other processes see the record and read the file;
 they may occasionally fetch the same block too (harmless: same version, same bytes, same offset).
 
-A sequential reader gets read-ahead (:func:`~cachefs.prefetch.planners.grow_window`), fetched in the background with
-spare memory only, so read-ahead never starves demand reads. Sync callers (fsspec files, FUSE threads) read
-present blocks from their own thread (:meth:`BlockPath.read_local`) and start read-ahead on the event loop
-from there.
+A sequential reader gets read-ahead (:func:`~cachefs.prefetch.planners.grow_window`): the window's missing blocks
+are handed to the prefetcher (:mod:`cachefs.prefetch.prefetcher`), which fetches them with spare memory only, so
+read-ahead never starves demand reads. Sync callers (fsspec files, FUSE threads) read present blocks from their
+own thread (:meth:`BlockStrategy.read_local`) and hand the prefetcher the window from there.
 
 A block the disk has no room for (:class:`~cachefs.node.space.DiskSpace`) is served all the same and kept in memory
-for its readers (least recently used out, within :attr:`BlockPath.unstored_limit`): the kernel reads a 4 MiB
+for its readers (least recently used out, within :attr:`BlockStrategy.unstored_limit`): the kernel reads a 4 MiB
 block in 1 MiB pieces, and read-ahead runs ahead of the reader, so a reader streaming past a full disk gets
 the origin's speed.
 """
@@ -20,15 +20,18 @@ the origin's speed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from cachefs.base.checksum import block_checksum
 from cachefs.base.config import Config
 from cachefs.base.errors import CacheFullError, CorruptBlockError
 from cachefs.base.types import Entry, object_key
 from cachefs.manifest.dataset import Dataset
+from cachefs.node.budget import Reservation
 from cachefs.node.bytes_lru import BytesLRU
 from cachefs.node.disk_jobs import DiskJobs
 from cachefs.node.eviction import Evictor
@@ -37,34 +40,39 @@ from cachefs.node.funnel import OriginFunnel
 from cachefs.node.open_objects import OpenObject, OpenObjects
 from cachefs.node.read_stats import ReadStats
 from cachefs.prefetch.planners import blocks_ahead, grow_window
-from cachefs.read.stream import OpenFile, ReadStream
+from cachefs.prefetch.prefetcher import Hint, Prefetcher
+from cachefs.read.base import OpenFile, ReadStrategy, ReadStream
 from cachefs.store.disk import PIECE
-from cachefs.tiers import TierChain, Want
+from cachefs.tiers import Keep, TierChain, Want
 
-__all__ = ["BlockFile", "BlockPath"]
+__all__ = ["BlockFile", "BlockStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class BlockPath:
+class BlockStrategy(ReadStrategy):
+    packed = False
+
     def __init__(self, config: Config, objects: OpenObjects, chain: TierChain, funnel: OriginFunnel,
-                 evictor: Evictor, disk: DiskJobs, stats: ReadStats) -> None:
+                 evictor: Evictor, disk: DiskJobs, stats: ReadStats, prefetcher: Prefetcher) -> None:
         self.block_size = config.cache.block_size
         self.max_window = config.engine.readahead_max // self.block_size
         self.objects, self.chain, self.funnel, self.evictor, self.disk, self.stats = (
             objects, chain, funnel, evictor, disk, stats)
+        self.prefetcher = prefetcher
         self.space = evictor.space
-        self._fetches = SingleFlight()  # (object key, block) → (bytes, stored)
-        self._background: set[asyncio.Future] = set()  # read-ahead tasks
+        self._fetches = SingleFlight()  # (object key, block) → (bytes, stored, guest)
         #: Blocks a full disk could not take, kept for their readers (see the module docstring).
         self.unstored_limit = min(config.engine.readahead_max, config.engine.memory_budget // 4)
         self._unstored = BytesLRU(self.unstored_limit)  # (object key, block) → bytes
         self.closing = False
-        self.loop: asyncio.AbstractEventLoop | None = None  # where threads serving local reads start read-ahead
 
     def open(self, ds: Dataset, entry: Entry, *, pin: bool = True) -> BlockFile:
         """A reader opens ``entry``: with ``pin``, eviction by any process skips it until it is closed."""
         return BlockFile(self, ds, entry, self.objects.pin(ds.ref.id, entry) if pin else None, ReadStream())
+
+    def oneoff(self, ds: Dataset, entry: Entry, stream: ReadStream | None) -> BlockFile:
+        return BlockFile(self, ds, entry, None, stream)
 
     # -- local reads (any thread) ---------------------------------------------------------------------------
     def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None,
@@ -83,13 +91,14 @@ class BlockPath:
             except CorruptBlockError as exc:
                 self._drop_corrupt(ob, exc)
                 return None
-            ahead = self._take_ahead(ob, start, end) if ob.ahead else 0
+            ahead = self.stats.take_blocks_ahead(ob.key, start, end, bs, ob.record.size)
             self._count(ob, ds.ref.id, stream, hit=len(data) - ahead, miss=ahead)
             if stream is not None:
                 self._advance(stream, start, end)
                 if stream.window:
-                    self._keep_ahead(ds, entry, ob, stream)
-            if not ob.whole and not ob.ahead and len(ob.present) == ob.nblocks and ob.stored.all_verified(ob.nblocks):
+                    self.keep_ahead(ds, entry, ob, stream)
+            if (not ob.whole and len(ob.present) == ob.nblocks and not self.stats.any_block_ahead(ob.key)
+                    and ob.stored.all_verified(ob.nblocks)):
                 ob.whole = True
             return data
         finally:
@@ -117,31 +126,22 @@ class BlockPath:
             stream.block = None  # the reader is through this block
         return _slice(kept[2], start - lo, end - lo)
 
-    def _keep_ahead(self, ds: Dataset, entry: Entry, ob: OpenObject, stream: ReadStream) -> None:
-        """From a thread serving local reads: have the event loop fetch what is missing in the read-ahead
-        window. Only the async path starts read-ahead, so a sequential reader served locally (the cached part
-        of a file, or blocks read ahead earlier) would otherwise run into the next missing block and wait for
-        a whole window to be fetched: through FUSE, half-cached files read at 0.33 GB/s, the engine 0.88."""
+    def keep_ahead(self, ds: Dataset, entry: Entry, ob: OpenObject, stream: ReadStream) -> None:
+        """From a thread serving local reads: hand the prefetcher what is missing in the read-ahead window. Only
+        the async path would start read-ahead otherwise, so a sequential reader served locally (the cached part of
+        a file, or blocks read ahead earlier) would run into the next missing block and wait for a whole window to
+        be fetched: through FUSE, half-cached files read at 0.33 GB/s, the engine 0.88."""
         ahead = blocks_ahead(stream.next_offset, stream.window, self.block_size, ob.nblocks)
         if ahead.stop <= stream.ahead_to:
             return
         lo, stream.ahead_to = max(ahead.start, stream.ahead_to), ahead.stop
-        loop = self.loop
-        if loop is None or loop.is_closed() or all(i in ob.present for i in range(lo, ahead.stop)):
-            return
-        loop.call_soon_threadsafe(self._read_ahead_soon, ds, entry, stream)
-
-    def _read_ahead_soon(self, ds: Dataset, entry: Entry, stream: ReadStream) -> None:
-        ob = self.objects.acquire(ds.ref.id, entry)
-        try:
-            self._read_ahead(ds, entry, ob, stream)
-        finally:
-            self.objects.release(ob)
+        missing = [i for i in range(lo, ahead.stop) if i not in ob.present]
+        if missing and not self.closing:
+            self.prefetcher.offer_threadsafe([self._hint(ds, entry, ob.key, i) for i in missing])
 
     # -- reads that may fetch (event loop) ------------------------------------------------------------------
     async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None,
                    okey: bytes | None = None) -> bytes:
-        self.loop = asyncio.get_running_loop()
         ob = self.objects.acquire(ds.ref.id, entry, okey)
         try:
             bs = self.block_size
@@ -161,10 +161,11 @@ class BlockPath:
                     self._drop_corrupt(ob, exc)
             else:
                 raise CorruptBlockError(f"{entry.path}: blocks keep failing their checksums; is the cache disk healthy?")
-            fetched_bytes = self._take_ahead(ob, start, end) if ob.ahead else 0
+            fetched_bytes = self.stats.take_blocks_ahead(ob.key, start, end, bs, entry.size)
             fetched_bytes += sum(min(end, (i + 1) * bs) - max(start, i * bs) for i in fetched)
             if last in fetched and end < min((last + 1) * bs, entry.size):
-                ob.ahead.add(last)  # the rest of that block came for this reader too: a miss when it gets there
+                # The rest of that block came for this reader too: a miss when it gets there.
+                self.stats.note_block_ahead(ob.key, last)
             self._count(ob, ds.ref.id, stream, hit=max(0, len(data) - fetched_bytes), miss=min(len(data), fetched_bytes))
             if stream is not None:
                 self._advance(stream, start, end)
@@ -173,7 +174,7 @@ class BlockPath:
         finally:
             self.objects.release(ob)
 
-    async def ensure(self, ds: Dataset, entry: Entry, on_bytes=None) -> None:
+    async def ensure(self, ds: Dataset, entry: Entry, on_bytes: Callable[[int], None] | None = None) -> None:
         """Make every block present (prefetch); CacheFullError when the disk cannot take them. ``on_bytes(n)``
         as each block lands."""
         ob = self.objects.acquire(ds.ref.id, entry)
@@ -191,7 +192,7 @@ class BlockPath:
         if not fetched:
             return ob.stored.read(start, end, ob.present)
         bs = self.block_size
-        parts = []
+        parts: list[bytes | memoryview] = []
         for i in range(start // bs, (end - 1) // bs + 1):
             lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
             block = fetched.get(i)
@@ -216,25 +217,41 @@ class BlockPath:
         stream.window = grow_window(stream.window, start == stream.next_offset, self.max_window)
         stream.next_offset = end
 
+    # -- read-ahead -----------------------------------------------------------------------------------------
     def _read_ahead(self, ds: Dataset, entry: Entry, ob: OpenObject, stream: ReadStream) -> None:
         if stream.window == 0 or self.closing:
             return
+        hints = []
         for i in blocks_ahead(stream.next_offset, stream.window, self.block_size, ob.nblocks):
             key = (ob.key, i)
-            if self.objects.has(ob, i) or key in self._fetches or key in self._unstored:
+            if self.objects.has(ob, i) or key in self._fetches or key in self._unstored or key in self.prefetcher:
                 continue
-            held = self.funnel.try_hold(min(self.block_size, entry.size - i * self.block_size))
-            if held is None:
-                break  # read-ahead only uses spare memory
-            self.objects.retain(ob)  # kept open while the fetch runs
-            ob.ahead.add(i)  # before its bytes are visible: a reader then counts a miss, not a hit
-            task = asyncio.ensure_future(self._block(ds, entry, ob, i, held=held))
-            self._background.add(task)
-            task.add_done_callback(lambda t: (self._background.discard(t), self.objects.release(ob),
-                                              t.cancelled() or t.exception()))
+            hints.append(self._hint(ds, entry, ob.key, i))
+        if hints:
+            self.prefetcher.offer(hints)
 
-    async def _block(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, *, held=None, strict: bool = False
-                     ) -> bytes | None:
+    def _hint(self, ds: Dataset, entry: Entry, okey: bytes, idx: int) -> Hint:
+        return Hint((okey, idx), min(self.block_size, entry.size - idx * self.block_size), "sequential",
+                    functools.partial(self._fetch_ahead, ds, entry, okey, idx))
+
+    async def _fetch_ahead(self, ds: Dataset, entry: Entry, okey: bytes, idx: int, held: Reservation | None) -> None:
+        """Read block ``idx`` ahead (the prefetcher runs this with memory ``held`` for it)."""
+        ob = self.objects.acquire(ds.ref.id, entry, okey)
+        try:
+            if self.closing or self.objects.has(ob, idx) or (okey, idx) in self._fetches:
+                return
+            self.stats.note_block_ahead(okey, idx)  # before its bytes are visible: a reader then counts a miss
+            try:
+                await self._block(ds, entry, ob, idx, held=held)
+            except BaseException:
+                self.stats.forget_block_ahead(okey, idx)
+                raise
+        finally:
+            self.objects.release(ob)
+
+    # -- fetching -------------------------------------------------------------------------------------------
+    async def _block(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, *, held: Reservation | None = None,
+                     strict: bool = False) -> bytes | None:
         """Make block ``idx`` present; its bytes if this call fetched them (single-flight). ``held``: memory
         reserved for it already (read-ahead), handed to the fetch or given back."""
         key = (ob.key, idx)
@@ -254,28 +271,30 @@ class BlockPath:
             self._unstored.put(key, data)
         return data
 
-    async def _fetch(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, held) -> tuple[bytes, bool, bool]:
+    async def _fetch(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, held: Reservation | None
+                     ) -> tuple[bytes | bytearray, bool, bool]:
         """(the block, whether it was stored here, whether it is a guest: kept by the group member owning it,
         stored here too or not)."""
         start = idx * self.block_size
         length = min(self.block_size, entry.size - start)
         async with held or await self.funnel.hold(length):
-            data, tier = await self.chain.fetch_from(Want(ds, entry, ob.key, start, length))
-            if not tier.kept:
+            served = await self.chain.fetch(Want(ds, entry, ob.key, start, length))
+            data, guest = served.data, served.keep is not Keep.OWN
+            if served.keep is Keep.NONE:
                 return data, False, True
-            if tier.guest and self.objects.has(ob, idx):
+            if guest and self.objects.has(ob, idx):
                 return data, True, True  # (this node's agent owns it and stored it as it answered)
             checksum = block_checksum(data)
-            stored = await self._store(ob, idx, data, checksum, guest=tier.guest)
+            stored = await self._store(ob, idx, data, checksum, guest=guest)
             if not stored and ob.stale and not self.closing:
                 # Its file was evicted or rewritten (guest blocks out) while the block was on its way: the block
                 # goes into the object's file as it is now, not into the memory of one process.
                 fresh = self.objects.acquire(ds.ref.id, entry, ob.key)
                 try:
-                    stored = await self._store(fresh, idx, data, checksum, guest=tier.guest)
+                    stored = await self._store(fresh, idx, data, checksum, guest=guest)
                 finally:
                     self.objects.release(fresh)
-        return data, stored, tier.guest  # (a guest a full disk could not take is no error: its owner keeps it)
+        return data, stored, guest  # (a guest a full disk could not take is no error: its owner keeps it)
 
     async def _store(self, ob: OpenObject, idx: int, data: bytes, checksum: int, *, guest: bool = False) -> bool:
         """Write block ``idx`` and record it (as guest data: evicted first), if the disk has room; whether it did."""
@@ -309,10 +328,12 @@ class BlockPath:
         return True
 
     # -- serving peers ----------------------------------------------------------------------------------------
-    async def serve(self, ds: Dataset, entry: Entry, idx: int, *, fetch: bool) -> tuple[bytes, int] | None:
+    async def serve(self, ds: Dataset, entry: Entry, idx: int | None, *, fetch: bool) -> tuple[bytes, int] | None:
         """Block ``idx`` for a peer, with the checksum recorded for it: from this node's disk (verified), or with
         ``fetch`` (this node owns it) fetched through this process's chain first, once whoever asks; None if it
         is not here and not this node's to fetch. Only bytes the index records are ever sent."""
+        if idx is None:
+            return None
         bs = self.block_size
         length = min(bs, entry.size - idx * bs)
         ob = self.objects.acquire(ds.ref.id, entry)
@@ -327,9 +348,9 @@ class BlockPath:
                     return data, ob.present[idx][0]
                 if not fetch:
                     return None
-                data = await self._block(ds, entry, ob, idx)
-                if data is not None:
-                    return data, block_checksum(data)
+                got = await self._block(ds, entry, ob, idx)
+                if got is not None:
+                    return bytes(got), block_checksum(got)
             return None
         finally:
             self.objects.release(ob)
@@ -367,25 +388,10 @@ class BlockPath:
                 stream.counted = True
         self.stats.count(ds_id, ob.record.path if access else None, hit, miss)
 
-    @staticmethod
-    def _take_ahead(ob: OpenObject, start: int, end: int) -> int:
-        """Bytes of ``[start, end)`` in blocks read-ahead brought for a reader who had not got to them yet:
-        misses (the origin was read for this reader, only earlier). A block stops counting so once a read has
-        reached its end; from then on it is an ordinary cached block."""
-        bs, n = ob.record.block_size or 1, 0
-        size = ob.record.size
-        for i in range(start // bs, (end - 1) // bs + 1):
-            if i in ob.ahead:
-                hi = min((i + 1) * bs, size)
-                if end >= hi:
-                    ob.ahead.discard(i)
-                n += min(end, hi) - max(start, i * bs)
-        return n
-
     def stop(self) -> list[asyncio.Future]:
         """Stop starting work; the fetches and read-ahead in flight (for the caller to cancel and await)."""
         self.closing = True
-        return [*self._background, *self._fetches.runs()]
+        return self._fetches.runs()
 
 
 def _slice(pieces: list[bytes], lo: int, hi: int) -> bytes:
@@ -405,9 +411,9 @@ class BlockFile(OpenFile):
 
     packed = False
 
-    def __init__(self, path: BlockPath, ds: Dataset, entry: Entry, pin: OpenObject | None,
+    def __init__(self, strategy: BlockStrategy, ds: Dataset, entry: Entry, pin: OpenObject | None,
                  stream: ReadStream | None) -> None:
-        self.path, self.ds, self.entry, self.pin, self.stream = path, ds, entry, pin, stream
+        self.strategy, self.ds, self.entry, self.pin, self.stream = strategy, ds, entry, pin, stream
         self.okey = pin.key if pin is not None else object_key(ds.ref.id, entry.path, entry.version)
 
     def read_local(self, start: int, end: int, *, wait: bool = True) -> bytes | None:
@@ -416,23 +422,23 @@ class BlockFile(OpenFile):
             return b""
         ob = self.pin
         if ob is not None and ob.whole and self.stream is not None:  # the warm read's path: straight to the file
-            return self.path.read_whole(ob, self.ds, start, end, self.stream)
-        return self.path.read_local(self.ds, self.entry, start, end, self.stream, self.okey)
+            return self.strategy.read_whole(ob, self.ds, start, end, self.stream)
+        return self.strategy.read_local(self.ds, self.entry, start, end, self.stream, self.okey)
 
     async def read(self, start: int, end: int) -> bytes:
         end = min(end, self.entry.size)
         if start >= end:
             return b""
-        return await self.path.read(self.ds, self.entry, start, end, self.stream, self.okey)
+        return await self.strategy.read(self.ds, self.entry, start, end, self.stream, self.okey)
 
     def local_fd(self) -> int | None:
         """A new descriptor of the pinned, complete cache file (a descriptor, not a path eviction could swap)."""
         ob = self.pin
-        if ob is None or not self.path.objects.complete(ob):
+        if ob is None or not self.strategy.objects.complete(ob):
             return None
         return os.open(f"/proc/self/fd/{ob.stored.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
         pin, self.pin = self.pin, None
         if pin is not None:
-            self.path.objects.unpin(pin)
+            self.strategy.objects.unpin(pin)

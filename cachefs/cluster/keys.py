@@ -1,0 +1,66 @@
+"""The cache group's protocol, in one place for both sides of the wire: the placement keys of what the group
+shares (a block, a window of a directory's small files, a dataset's manifest), how many of a key's candidates
+fetch it from the origin, and the flag that marks a request made of a member as a replica of a hot key.
+
+The reader's side (:class:`~cachefs.tiers.peer.PeerTier`) and the serving side (the agent's peer server) both
+place keys with these functions, so they always agree on who owns what.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from contextvars import ContextVar
+
+from cachefs.manifest.dataset import Dataset
+
+__all__ = ["ASKED_AS_REPLICA", "MANIFEST_CANDIDATES", "OWNERS_THAT_FETCH", "SMALL_WINDOW", "DirectoryWindows",
+           "block_key", "manifest_key", "small_key"]
+
+#: A key's first candidates fetch it from the origin when asked (the owner, and the one asked when it fails).
+OWNERS_THAT_FETCH = 2
+#: Members asked for a dataset's manifest, in rank order.
+MANIFEST_CANDIDATES = 4
+#: Set while the agent answers a reader that chose this node as a replica of a hot key: what is missing is asked
+#: of the key's owners (one origin fetch per group), never straight from the origin first.
+ASKED_AS_REPLICA: ContextVar[bool] = ContextVar("asked_as_replica", default=False)
+#: Small files are placed by windows of this many names of their directory (sorted): neighbours, read ahead and
+#: packed together, share an owner, and a directory of a million files still spreads over the group.
+SMALL_WINDOW = 256
+
+
+def block_key(okey: bytes, idx: int) -> bytes:
+    """The placement key of block ``idx`` of an object version (``okey`` names dataset, object and version)."""
+    return b"b" + okey + idx.to_bytes(4, "big")
+
+
+def small_key(ds_id: str, path: str, window: int) -> bytes:
+    """The placement key of a small file: window ``window`` of its directory."""
+    return (b"d" + ds_id.encode() + b"/" + path.rpartition("/")[0].encode("utf-8", "surrogateescape") + b"#"
+            + window.to_bytes(4, "big"))
+
+
+def manifest_key(ds_id: str) -> bytes:
+    """The placement key of a dataset's manifest: its owner lists the bucket for the group."""
+    return b"m" + ds_id.encode()
+
+
+class DirectoryWindows:
+    """The placement key of a small file (:func:`small_key`), from its position in its directory's sorted listing
+    in the reader's manifest version (sorted names kept for the last ``keep`` directories)."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._names: OrderedDict[tuple[str, int, str], list[str]] = OrderedDict()
+
+    def key(self, ds: Dataset, path: str) -> bytes:
+        parent, _, name = path.rpartition("/")
+        at = (ds.ref.id, ds.version, parent)
+        names = self._names.get(at)
+        if names is None:
+            names = self._names[at] = sorted(e.path.rpartition("/")[2] for e in ds.listdir(parent))
+            if len(self._names) > self.keep:
+                self._names.popitem(last=False)
+        else:
+            self._names.move_to_end(at)
+        return small_key(ds.ref.id, path, bisect.bisect_left(names, name) // SMALL_WINDOW)

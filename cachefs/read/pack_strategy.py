@@ -1,0 +1,260 @@
+"""Small objects: fetched whole (one GET, or a mirror window), kept in pack files, read back with one ``pread``.
+
+Objects of at most ``cache.pack_threshold`` bytes take this path. A fetched object is served to its reader at
+once and joins its dataset's pending pack in memory (:mod:`.pending_packs`); only once that pack is written does
+the index point the members at it, so other processes find every member either nowhere (they fetch it too: same
+version, same bytes) or in a complete pack. A window of a packed mirror that a tier brought is installed here as
+it is (:mod:`cachefs.node.pack_assembly`), and the rest of its pack and the next one are read ahead. Local reads,
+from any thread, are :mod:`.pack_reads`'s.
+
+Directory read-ahead: after a miss on a small file, the next ``engine.dir_readahead`` small files of its
+directory (in listing order, :mod:`cachefs.prefetch.directories`) are handed to the prefetcher, which fetches
+them with spare memory only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+from cachefs.base.checksum import block_checksum
+from cachefs.base.config import Config
+from cachefs.base.types import Entry, object_key
+from cachefs.formats.mirror_index import MirrorWindow
+from cachefs.formats.pack_file import WOULD_WAIT, Member, MemberRead
+from cachefs.index import Index
+from cachefs.manifest.dataset import Dataset
+from cachefs.node.budget import Reservation
+from cachefs.node.bytes_lru import BytesLRU
+from cachefs.node.disk_jobs import DiskJobs
+from cachefs.node.eviction import Evictor
+from cachefs.node.flight import SingleFlight
+from cachefs.node.funnel import OriginFunnel
+from cachefs.node.pack_assembly import PackAssemblies
+from cachefs.node.read_stats import ReadStats
+from cachefs.prefetch.directories import DirectoryAhead
+from cachefs.prefetch.prefetcher import Hint, Prefetcher
+from cachefs.read.base import OpenFile, ReadStrategy, ReadStream
+from cachefs.read.pack_reads import PackReads
+from cachefs.read.pending_packs import PendingPacks
+from cachefs.store.base import PackStore
+from cachefs.tiers import Keep, MirrorTier, TierChain, Want
+from cachefs.tiers.mirror import WindowRef
+
+__all__ = ["PackStrategy", "PackedFile"]
+
+log = logging.getLogger(__name__)
+
+
+class PackStrategy(ReadStrategy):
+    packed = True
+
+    def __init__(self, config: Config, store: PackStore, index: Index, chain: TierChain, funnel: OriginFunnel,
+                 evictor: Evictor, disk: DiskJobs, stats: ReadStats, assemblies: PackAssemblies,
+                 prefetcher: Prefetcher) -> None:
+        c = config.cache
+        self.threshold, self.pack_size = c.pack_threshold, c.pack_size
+        self.store, self.index, self.chain, self.funnel, self.disk, self.stats = store, index, chain, funnel, disk, stats
+        self.assemblies, self.prefetcher = assemblies, prefetcher
+        mirror = chain.tier("mirror")
+        self.mirror = mirror if isinstance(mirror, MirrorTier) else None
+        self.pending = PendingPacks(c.pack_size, store, index, evictor, disk)
+        self.directories = DirectoryAhead(config.engine.dir_readahead)
+        # Small files the group's peers sent and this node does not store (cluster.keep_guest off): kept in
+        # memory for a while, as a directory's read-ahead brings them before their readers ask.
+        self.guests = BytesLRU(config.engine.memory_budget // 8)
+        self.reads = PackReads(store, index, self.pending, assemblies, stats, self.guests)
+        self._fetches = SingleFlight()  # object key → bytes
+        self.closing = False
+        removed = self.store.clean(index.has_pack)
+        if removed:
+            log.info("removed %d unfinished or orphaned pack file(s)", removed)
+
+    def packable(self, entry: Entry) -> bool:
+        return entry.size <= self.threshold
+
+    def open(self, ds: Dataset, entry: Entry, *, pin: bool = True) -> PackedFile:
+        return PackedFile(self, ds, entry, ReadStream())
+
+    def oneoff(self, ds: Dataset, entry: Entry, stream: ReadStream | None) -> PackedFile:
+        return PackedFile(self, ds, entry, stream)
+
+    # -- what is here (any thread) --------------------------------------------------------------------------
+    def has(self, okey: bytes) -> bool:
+        return self.reads.has(okey)
+
+    def local(self, ds_id: str, okey: bytes, size: int, *, wait: bool = True
+              ) -> bytes | bytearray | Literal[MemberRead.WOULD_WAIT] | None:
+        return self.reads.local(ds_id, okey, size, wait=wait)
+
+    def cached_bytes(self, ds: Dataset, entry: Entry, okey: bytes) -> int:
+        return entry.size if entry.size == 0 or self.has(okey) else 0
+
+    # -- fetching (event loop) ------------------------------------------------------------------------------
+    async def fetch(self, ds: Dataset, okey: bytes, entry: Entry, *, reader: bool = True) -> tuple[bytes, bool]:
+        """The whole object, fetched if no one has it (single-flight); (bytes, whether this call fetched).
+        ``reader``: for a reader (what comes with it counts as read-ahead), not a prefetch job."""
+        data = self.local(ds.ref.id, okey, entry.size)
+        if data is not None and data is not WOULD_WAIT:
+            return data if type(data) is bytes else bytes(data), False
+        fut = self._fetches.get(okey)
+        started = fut is None
+        if fut is None:
+            fut = self._fetches.start(okey, self._fetch(ds, okey, entry, None, reader=reader))
+        return await asyncio.shield(fut), started
+
+    async def ensure(self, ds: Dataset, entry: Entry, on_bytes: Callable[[int], None] | None = None) -> None:
+        await self.fetch(ds, object_key(ds.ref.id, entry.path, entry.version), entry, reader=False)
+
+    async def _fetch(self, ds: Dataset, okey: bytes, entry: Entry, held: Reservation | None, *,
+                     reader: bool) -> bytes:
+        async with held or await self.funnel.hold(entry.size):
+            served = await self.chain.fetch(Want(ds, entry, okey, 0, entry.size))
+        # A whole small object is handed to readers (and waits in its pending pack) as it is: bytes, not the
+        # bytearray a source may have received the body into.
+        data = served.data if type(served.data) is bytes else bytes(served.data)
+        if served.window is not None:
+            self._install(ds, served.window, okey, reader=reader)
+        if served.keep is Keep.NONE:  # the group member that owns it keeps it
+            self.guests.put(okey, data)
+        elif not self.has(okey):
+            await self.pending.add(ds.ref.id, Member(okey, entry.path, entry.version, block_checksum(data), data),
+                                   guest=served.keep is Keep.GUEST)
+        await self.assemblies.backlog()
+        return data
+
+    def _install(self, ds: Dataset, window: MirrorWindow, asked: bytes | None, *, reader: bool) -> None:
+        """Keep a mirror window here (its members this node lacks), and read the rest of its pack ahead."""
+        keep = [m for m in window.members if m[0] == asked or not self.has(m[0])]
+        if not self.assemblies.accept(window, keep):
+            return  # (another reader of the window installed it)
+        if reader:
+            self.stats.note_ahead([m[0] for m in keep if m[0] != asked])
+        if self.mirror is not None and asked is not None and not self.closing:
+            hints = [self._window_hint(ds, ref, reader) for ref in self.mirror.windows_after(window)
+                     if not self._window_here(ds.ref.id, ref)]
+            if hints:
+                self.prefetcher.offer(hints)
+
+    def _window_here(self, ds_id: str, ref: WindowRef) -> bool:
+        if self.assemblies.accepted(ds_id, ref.pack, ref.window):
+            return True
+        return (ref.first is not None and not self.assemblies.assembling(ds_id, ref.pack)
+                and self.index.packed(ref.first) is not None)
+
+    def _window_hint(self, ds: Dataset, ref: WindowRef, reader: bool) -> Hint:
+        return Hint(("window", ds.ref.id, ref.pack, ref.window), ref.nbytes, "mirror",
+                    functools.partial(self._window_ahead, ds, ref, reader))
+
+    async def _window_ahead(self, ds: Dataset, ref: WindowRef, reader: bool, held: Reservation | None) -> None:
+        """Read a mirror window ahead (the prefetcher runs this with memory ``held`` for it)."""
+        if self.mirror is None or self.closing or self._window_here(ds.ref.id, ref):
+            return
+        window = await self.mirror.window(ds, ref.pack, ref.window, held)
+        if not self.assemblies.accepted(ds.ref.id, ref.pack, ref.window):
+            self._install(ds, window, None, reader=reader)
+        await self.assemblies.backlog()
+
+    # -- directory read-ahead -------------------------------------------------------------------------------
+    def read_ahead(self, ds: Dataset, entry: Entry) -> None:
+        """After a miss on ``entry``: hand the prefetcher the next small files of its directory."""
+        if self.closing:
+            return
+        hints = []
+        for e in self.directories.after_miss(ds, entry):
+            if e.is_dir or not self.packable(e) or e.size == 0:
+                continue
+            okey = object_key(ds.ref.id, e.path, e.version)
+            if okey not in self._fetches and not self.has(okey):
+                hints.append(Hint(okey, e.size, "directory", functools.partial(self._fetch_ahead, ds, okey, e)))
+        if hints:
+            self.prefetcher.offer(hints)
+
+    async def _fetch_ahead(self, ds: Dataset, okey: bytes, entry: Entry, held: Reservation | None) -> None:
+        """Fetch a small file ahead of its reader (the prefetcher runs this with memory ``held`` for it): by now
+        it may have come with a mirror window or a pack, or a reader may be fetching it."""
+        if self.closing or okey in self._fetches or self.has(okey):
+            return
+        self.stats.note_ahead((okey,))  # before its bytes are visible: a reader then counts a miss, not a hit
+        await asyncio.shield(self._fetches.start(okey, self._fetch(ds, okey, entry, held, reader=True)))
+
+    # -- serving peers ----------------------------------------------------------------------------------------
+    async def serve(self, ds: Dataset, entry: Entry, block: int | None, *, fetch: bool) -> tuple[bytes, int] | None:
+        """The whole small file for a peer, verified, with its checksum: from this node, or with ``fetch`` (this
+        node owns its directory) fetched first; None otherwise."""
+        if block is not None:
+            return None
+        okey = object_key(ds.ref.id, entry.path, entry.version)
+        got = await asyncio.to_thread(self.local, ds.ref.id, okey, entry.size)
+        data = bytes(got) if got is not None and got is not WOULD_WAIT else None
+        if data is None and fetch:
+            data, _ = await self.fetch(ds, okey, entry)
+        if data is None:
+            return None
+        return data, block_checksum(data)
+
+    def stop(self) -> list[asyncio.Future]:
+        """Stop starting work; the fetches in flight (for the caller to cancel and await)."""
+        self.closing = True
+        return self._fetches.runs()
+
+    # -- counting -------------------------------------------------------------------------------------------
+    def count(self, ds: Dataset, entry: Entry, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:
+        access = stream is None or not stream.counted
+        if stream is not None:
+            stream.counted = True
+        self.stats.count(ds.ref.id, entry.path if access else None, hit, miss, "small")
+
+
+class PackedFile(OpenFile):
+    """A small file: read whole and verified, later pieces sliced from the whole. With ``stream`` None (a
+    one-off read) every read is an access of its own and starts no read-ahead."""
+
+    packed = True
+
+    def __init__(self, strategy: PackStrategy, ds: Dataset, entry: Entry, stream: ReadStream | None) -> None:
+        self.strategy, self.ds, self.entry, self.stream = strategy, ds, entry, stream
+        self.okey = object_key(ds.ref.id, entry.path, entry.version)
+
+    def read_local(self, start: int, end: int, *, wait: bool = True
+                   ) -> bytes | bytearray | Literal[MemberRead.WOULD_WAIT] | None:
+        end = min(end, self.entry.size)
+        if start >= end:
+            return b""
+        stream, strategy = self.stream, self.strategy
+        member = stream.member if stream is not None else None
+        if stream is not None and member is not None and member[0] == self.okey:
+            whole = member[1]
+            if end == len(whole):
+                stream.member = None  # the last piece: do not hold the bytes as long as the stream lives
+        else:
+            got = strategy.local(self.ds.ref.id, self.okey, self.entry.size, wait=wait)
+            if got is None or got is WOULD_WAIT:
+                return got
+            whole = got
+            self._keep_member(whole, start, end)
+        ahead = strategy.stats.take_ahead(self.okey)
+        strategy.count(self.ds, self.entry, stream, hit=0 if ahead else end - start, miss=end - start if ahead else 0)
+        return whole[start:end] if (start, end) != (0, len(whole)) else whole
+
+    async def read(self, start: int, end: int) -> bytes:
+        end = min(end, self.entry.size)
+        if start >= end:
+            return b""
+        strategy = self.strategy
+        whole, fetched = await strategy.fetch(self.ds, self.okey, self.entry)
+        self._keep_member(whole, start, end)
+        miss = strategy.stats.take_ahead(self.okey) or fetched
+        strategy.count(self.ds, self.entry, self.stream, hit=0 if miss else end - start,
+                       miss=end - start if miss else 0)
+        if fetched and self.stream is not None:
+            strategy.read_ahead(self.ds, self.entry)
+        return whole[start:end]
+
+    def _keep_member(self, whole: bytes | bytearray, start: int, end: int) -> None:
+        """Keep the bytes on the stream when this read took only part of them (more pieces follow)."""
+        if self.stream is not None and end - start < len(whole):
+            self.stream.member = (self.okey, whole)

@@ -1,0 +1,156 @@
+"""Whether a pod, or a whole gang, runs now: the policy behind the extender's ``/filter``.
+
+* **Gangs, all or nothing** (:meth:`Admission.gang_refusal`): a gang is admitted only when every member fits,
+  counted in whole pod slots per node; a gang one topology domain (clique, leaf …) could hold waits up to
+  ``topology_wait`` seconds for such a domain to have room before it is admitted wherever it fits.
+* **Delay scheduling for locality** (:meth:`Admission.locality_refusal`): a pod (or gang) that could run now, but
+  only on nodes holding clearly less of its data (by more than ``locality_slack`` of its bytes) than the best
+  nodes, waits up to ``locality_wait`` seconds for those to have room.
+
+Scores are pure functions (:mod:`.scoring`); what is kept here is the waiting (since when a pod could run, since
+when a gang first fitted) and memos of what repeats pod after pod.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler_hints.gang import GangManager
+from scheduler_hints.memo import replaced, room
+from scheduler_hints.node_cache import NodeCache
+from scheduler_hints.pods import GangRef
+from scheduler_hints.scoring import NodeState, PodNeeds, Weights, best_slots_locality, defer_for_locality, domain_free
+
+__all__ = ["Admission"]
+
+Locality = Callable[[NodeState], float | None]
+
+
+def _same_names(new: list[NodeState], old: list[NodeState]) -> bool:
+    """Whether ``new`` names the same nodes in the same order as ``old``."""
+    return new is old or (len(new) == len(old) and all(new[i].name == old[i].name for i in replaced(new, old)))
+
+
+@dataclass
+class Admission:
+    node_cache: NodeCache
+    gangs: GangManager
+    weights: Weights = field(default_factory=Weights)
+    #: Seconds a gang that fits one topology domain waits for room there before being admitted across domains.
+    topology_wait: float = 60.0
+    #: Delay scheduling: seconds a pod (or gang) that could run now, but only on nodes holding clearly less of its
+    #: data than the best nodes, waits for those to have room (0: never). "Clearly less": by more than
+    #: ``locality_slack`` (fraction of the pod's bytes).
+    locality_wait: float = 300.0
+    locality_slack: float = 0.2
+    clock: Callable[[], float] = time.monotonic
+    _gang_first_seen: dict[str, float] = field(default_factory=dict)
+    _ready_since: dict[str, float] = field(default_factory=dict)
+    _possible_memo: dict[tuple, float] = field(default_factory=dict)
+    _ranked_memo: dict[tuple, tuple[list[tuple[float, str]], set[str]]] = field(default_factory=dict)
+    #: The last call's (candidates, ranking, position by name, those outside the ranking) of :meth:`achievable`:
+    #: kube-scheduler asks pod after pod about the same nodes.
+    _last_candidates: tuple[list[NodeState], set[str], dict[str, int], list[int]] | None = None
+
+    def locality_refusal(self, key: str, needs: PodNeeds, score: Locality, count: int, gpus: int,
+                         candidates: Callable[[], list[NodeState]]) -> str | None:
+        """Delay scheduling (:func:`~scheduler_hints.scoring.defer_for_locality`): say why ``count`` pods of
+        ``gpus`` GPUs each (one pod, or a whole gang under ``key``) wait for nodes holding more of their data, or
+        None to let them run. The wait counts from the first time they could run. ``candidates`` gives the nodes
+        it could run on now, net of held GPUs (asked only when needed): for a pod the nodes kube-scheduler found
+        feasible, for a gang the whole cluster."""
+        if self.locality_wait <= 0 or not needs.datasets:
+            return None
+        now = self.clock()
+        ready = self._ready_since.get(key)
+        if ready is None:
+            ready = room(self._ready_since, 10_000)[key] = now
+        waited = now - ready
+        if waited >= self.locality_wait:
+            return None
+        base_cluster = self.node_cache.cluster()[0]
+        per = max(1, gpus)
+        memo_key = (tuple(sorted(needs.datasets.items())), gpus, count, self.node_cache.generation)
+        possible = self._possible_memo.get(memo_key)
+        if possible is None:  # the best slots as if every node were free: changes only with the node cache
+            possible = room(self._possible_memo, 256)[memo_key] = best_slots_locality(
+                ((score(n), n.gpu_allocatable // per if gpus else 1) for n in base_cluster), count)
+        if possible <= self.locality_slack:  # nowhere holds enough of its data to be worth waiting for
+            return None
+        achievable = self.achievable(needs, score, base_cluster, candidates(), count, per if gpus else 0)
+        if not defer_for_locality(achievable, possible, waited, wait=self.locality_wait, slack=self.locality_slack):
+            return None
+        what = f"gang {key} ({count} pods)" if count > 1 else f"pod {key}"
+        return (f"{what} waits up to {self.locality_wait - waited:.0f}s more for nodes holding its data: the free "
+                f"ones hold {achievable:.0%} of it, the best ones {possible:.0%}")
+
+    def achievable(self, needs: PodNeeds, score: Locality, base_cluster: list[NodeState],
+                   candidates: list[NodeState], count: int, per: int) -> float:
+        """:func:`~scheduler_hints.scoring.best_slots_locality` of the ``candidates``' free slots for ``count``
+        pods of ``per`` GPUs (0: one slot a node). The cluster's nodes ranked by the pod's locality are kept
+        per node-cache generation, and candidates are taken in that order only until ``count`` slots are found:
+        none further down the ranking can be among the best."""
+        key = (tuple(sorted(needs.datasets.items())), self.node_cache.generation)
+        ranked = self._ranked_memo.get(key)
+        if ranked is None:
+            order = sorted(((score(n) or 0.0, n.name) for n in base_cluster), reverse=True)
+            ranked = room(self._ranked_memo, 64)[key] = (order, {name for _, name in order})
+        order, known = ranked
+        # Where each name is among the candidates, and which are outside the ranking: the same for the next
+        # list with the same names in the same order (the same nodes, a few of them holding other GPUs).
+        last = self._last_candidates
+        if last is None or last[1] is not known or not _same_names(candidates, last[0]):
+            last = (candidates, known, {n.name: i for i, n in enumerate(candidates)},
+                    [i for i, n in enumerate(candidates) if n.name not in known])
+        self._last_candidates = (candidates, *last[1:])
+        position, outside = last[2], last[3]
+        best = [(score(candidates[i]), candidates[i].gpu_free // per if per else 1) for i in outside]
+        found = 0
+        for loc, name in order:
+            i = position.get(name)
+            if i is None:
+                continue
+            n = candidates[i]
+            slots = n.gpu_free // per if per else 1
+            if slots > 0:
+                best.append((loc, slots))
+                found += slots
+                if found >= count:
+                    break
+        return best_slots_locality(best, count)
+
+    def gang_refusal(self, gang: GangRef, gpus: int, needs: PodNeeds, score: Locality,
+                     cluster: list[NodeState]) -> str | None:
+        """Admit ``gang`` (every member ``gpus`` GPUs; ``cluster``: every node net of held GPUs) or say why it
+        waits. A gang that fits waits first for nodes holding its data (:meth:`locality_refusal`), then for one
+        topology domain to have room."""
+        slots = sum(n.gpu_free // gpus for n in cluster)
+        need = gang.min_member
+        now = self.clock()
+        if gang.key not in self._gang_first_seen:
+            room(self._gang_first_seen, 10_000)
+        if not self.gangs.fits(gang, gpus, slots * gpus):
+            # It fits nowhere yet: the wait for one domain starts when it first fits, not before. The clock is
+            # cleared, not set to now: kube-scheduler may not ask again for minutes, and a clock set at the last
+            # refusal would have run out by the time GPUs free up one pod at a time (the gang was then admitted
+            # at the first moment the freed GPUs added up, across domains).
+            self._gang_first_seen.pop(gang.key, None)
+            return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
+        reason = self.locality_refusal(gang.key, needs, score, need, gpus, lambda: cluster)
+        if reason:
+            return reason
+        first = self._gang_first_seen.setdefault(gang.key, now)
+        if now - first < self.topology_wait:
+            levels = self.weights.topology_levels
+            index = self.node_cache.domains(levels)
+            cap = domain_free(cluster, levels, gpus, capacity=True, index=index)
+            free = domain_free(cluster, levels, gpus, index=index)
+            if any(c >= need for c in cap.values()) and not any(f >= need for f in free.values()):
+                return (f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting for one topology domain to "
+                        "have room for the whole gang")
+        if self.gangs.admit(gang, gpus, slots * gpus):
+            self._gang_first_seen.pop(gang.key, None)
+            return None
+        return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
