@@ -266,8 +266,8 @@ def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_
     the group). Past the hot threshold its owner says so, readers spread over it and two replicas, the replicas
     take the files from the owner: the owner's share of the requests falls, the origin still sees one GET each."""
     from cachefs.base.types import dataset_id
-    from cachefs.status.summary import cluster_report
     from cachefs.cluster.keys import small_key
+    from cachefs.status.summary import cluster_report
     from tests.integration.test_cluster import HOT_READER
 
     c = cluster

@@ -424,8 +424,8 @@ def test_a_hot_directory_read_by_every_node_gains_replicas_and_its_owner_serves_
             for p in procs:
                 assert finish(p) == expected(files)  # every byte equal to the origin's
 
-        from cachefs.cluster.placement import Placement, Weighted
         from cachefs.cluster.keys import small_key
+        from cachefs.cluster.placement import Placement, Weighted
 
         ranked = Placement([Weighted(n) for n in g.names]).owners(small_key(dataset_id(g.url), "hot/x", 0), 3)
         owner = ranked[0]

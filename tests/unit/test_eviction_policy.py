@@ -53,5 +53,5 @@ def test_staged_bytes_and_what_a_prefetch_brought_are_never_candidates(name):
 
 
 def test_an_unknown_policy_is_a_config_error():
-    with pytest.raises(ConfigError, match="unknown policy 'mru'.*two-touch-lru"):
+    with pytest.raises(ConfigError, match=r"unknown policy 'mru'.*two-touch-lru"):
         policy_named("mru")
