@@ -20,10 +20,14 @@ demo: setup
 	$(BIN)/cachefs demo
 
 ## Every test tier: unit, integration against a real S3 server, crash and full-disk tests (root tiers included).
+## The checks first (lint, import layers, types), then what the tests need from outside Python (tests/prepare.sh),
+## then the tests on two workers, each test file on one of them; the ten slowest tests are listed at the end.
 test: setup-test
 	$(BIN)/ruff check cachefs csi scheduler_hints tests bench
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/mypy
+	tests/prepare.sh
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=10
 
 bench: setup-test
 	$(BIN)/python -m bench.run_all

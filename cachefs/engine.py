@@ -299,7 +299,12 @@ class Engine:
         for (tier, reason), n in fallbacks.items():
             push(metrics.TIER_FALLBACKS, (tier, reason), n)
         push(metrics.DISK_REFUSED, (), self.space.refused)
-        metrics.safely(lambda: (metrics.MEMORY_RESERVED.set(self.budget.used), metrics.MEMORY_BUDGET.set(self.budget.limit)))
+
+        def memory() -> None:
+            metrics.MEMORY_RESERVED.set(self.budget.used)
+            metrics.MEMORY_BUDGET.set(self.budget.limit)
+
+        metrics.safely(memory)
 
     async def start_background(self) -> None:
         """Start the periodic statistics flush now (it otherwise starts with the first read that reaches the
@@ -337,10 +342,10 @@ class Engine:
         await asyncio.gather(*fetches, return_exceptions=True)
         await self.assemblies.drain()
         await self.packs.pending.flush()
-        for task in (self._stats_task, self.evictor.background()):
-            if task is not None and not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        for job in (self._stats_task, self.evictor.background()):
+            if job is not None and not job.done():
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
         await self.disk.drain()  # block writes the cancelled fetches started
         sources, self._sources = list(self._sources.values()), {}
         for src in sources:

@@ -25,7 +25,7 @@ from cachefs.base.aio import run_sync
 from cachefs.base.config import load_config
 from cachefs.base.errors import InvalidURLError, ReadOnlyError
 from cachefs.base.types import Entry, canonical_url
-from cachefs.engine import Dataset, Engine, ReadStream, get_engine
+from cachefs.engine import WOULD_WAIT, Dataset, Engine, ReadStream, get_engine
 
 try:  # fsspec >= 2025.10 marks chaining-aware filesystems with this base class
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -137,10 +137,12 @@ class CacheFileSystem(_Base):
         stack = [(rel, 1)]
         while stack:
             d, depth = stack.pop()
-            dirs, files = {}, {}
+            dirs: dict[str, Entry] = {}
+            files: dict[str, Entry] = {}
             for e in ds.listdir(d):
                 (dirs if e.is_dir else files)[e.name] = e
             root = self._info(ds, ds.stat(d))["name"]
+            out: tuple[str, Any, Any]
             if detail:
                 out = (root, {n: self._info(ds, e) for n, e in dirs.items()},
                        {n: self._info(ds, e) for n, e in files.items()})
@@ -202,11 +204,11 @@ def _norm_range(size: int, start: int | None, end: int | None) -> tuple[int, int
 
 
 def read_range(engine: Engine, ds: Dataset, entry: Entry, start: int, end: int,
-               stream: ReadStream | None = None) -> bytes:
+               stream: ReadStream | None = None) -> bytes | bytearray:
     """Sync read: local blocks from this thread, misses through the engine's loop."""
     data = engine.read_local(ds, entry, start, end, stream)
-    if data is None:
-        data = run_sync(engine.read(ds, entry, start, end, stream))
+    if data is None or data is WOULD_WAIT:  # (a read that may wait never answers WOULD_WAIT)
+        return run_sync(engine.read(ds, entry, start, end, stream))
     return data
 
 
@@ -256,11 +258,11 @@ class CacheFile(io.RawIOBase):
         end = self.size if size is None or size < 0 else min(self.size, self._pos + size)
         if self._pos >= end:
             return b""
-        data = self._file.read_local(self._pos, end)
-        if data is None:
-            data = run_sync(self._file.read(self._pos, end))
-        self._pos += len(data)
-        return data
+        got = self._file.read_local(self._pos, end)
+        data = run_sync(self._file.read(self._pos, end)) if got is None or got is WOULD_WAIT else got
+        out = data if isinstance(data, bytes) else bytes(data)  # (file-like readers expect bytes)
+        self._pos += len(out)
+        return out
 
     read1 = read
 

@@ -93,7 +93,8 @@ def load_kube_config(kubeconfig: str | None = None, *, env: Mapping[str, str] | 
         ctx_name = doc["current-context"]
         ctx = next(c["context"] for c in doc["contexts"] if c["name"] == ctx_name)
         cluster = next(c["cluster"] for c in doc["clusters"] if c["name"] == ctx["cluster"])
-        user = next((u["user"] for u in doc.get("users") or [] if u["name"] == ctx.get("user")), {}) or {}
+        user: dict[str, Any] = next((u["user"] for u in doc.get("users") or [] if u["name"] == ctx.get("user")),
+                                    {}) or {}
         server = cluster["server"]
     except (KeyError, StopIteration, TypeError):
         raise ConfigError(f"kubeconfig {path}: no usable current-context (cluster, server, user)") from None

@@ -145,7 +145,7 @@ class RemoteMounter:
         if not isinstance(reply, dict):
             raise CacheFSError(f"the mounter at {self.socket_path} answered {reply!r}")
         if "error" in reply:  # the same kind of error the mounter met (a dataset not found, refused credentials…)
-            raise _ERROR_KINDS.get(reply.get("kind"), CacheFSError)(str(reply["error"]))
+            raise _ERROR_KINDS.get(str(reply.get("kind")), CacheFSError)(str(reply["error"]))
         return reply
 
     def mount(self, req: MountRequest) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from cachefs.base.errors import ConfigError
 from scheduler_hints.scoring import Weights
@@ -53,7 +54,8 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
     if set(data) - known:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(set(data) - known))}")
     try:
-        weights = Weights(**{k: (float(v) if k != "topology_levels" else v) for k, v in w.items()})
+        given: dict[str, Any] = {k: (float(v) if k != "topology_levels" else v) for k, v in w.items()}
+        weights = Weights(**given)
         cfg = ExtenderConfig(weights=weights, **{k: float(v) for k, v in data.items()})
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from None

@@ -193,7 +193,7 @@ class Extender:
             if last is not None and last[0] is source:
                 self._hold_for_binding(pod, source)
                 return last[1]
-        result = {
+        result: dict[str, Any] = {
             "Nodes": None if by_name else {"metadata": {}, "items": as_sent(passed)},
             "NodeNames": (names if not reason and source is names else
                           [str((n.get("metadata") or {}).get("name", "")) for n in passed]) if by_name else None,

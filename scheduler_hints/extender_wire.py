@@ -149,9 +149,9 @@ class ArgsDecoder:
         except msgspec.ValidationError:  # other keys or shapes: the general path keeps them as sent
             return self._decode_general(data)
         if args.Nodes is None or args.Nodes.items is None:
-            body = self._decode_general(data)
-            self._remember_after_pod(data, args.Pod, body)
-            return body
+            general = self._decode_general(data)
+            self._remember_after_pod(data, args.Pod, general)
+            return general
         nodes: dict[str, Any] = {"items": self._items(args.Nodes.items)}
         for key in ("metadata", "kind", "apiVersion"):
             value = getattr(args.Nodes, key)

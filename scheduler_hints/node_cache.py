@@ -10,6 +10,7 @@ from typing import Any
 
 from scheduler_hints.labels import DATASET_PREFIX, FREE_LABEL, read_node
 from scheduler_hints.scoring import NodeState, domain_index, group_fractions
+from scheduler_hints.topology import DomainIndex
 
 __all__ = ["OWN_LABEL_PREFIXES", "NodeCache"]
 
@@ -39,7 +40,7 @@ class NodeCache:
         self._published = (0, -float("inf"), 0)  # (changes, when, layout changes)
         self._layout: dict[str, tuple] = {}
         self._cluster: tuple[int, list[NodeState], dict, int] | None = None
-        self._domains: tuple[int, tuple[str, ...], list] | None = None
+        self._domains: tuple[int, tuple[str, ...], DomainIndex] | None = None
 
     @property
     def generation(self) -> int:
@@ -81,19 +82,22 @@ class NodeCache:
     def cluster(self) -> tuple[list[NodeState], dict]:
         """Every node's base state and the per-group best holders, as of :attr:`generation`."""
         generation = self.generation
-        if self._cluster is None or self._cluster[0] != generation:
+        cluster = self._cluster
+        if cluster is None or cluster[0] != generation:
             states = [self._parsed[name][1] for name in self.nodes]
-            self._cluster = (generation, states, group_fractions(states), self._layout_changes)
-        return self._cluster[1], self._cluster[2]
+            cluster = self._cluster = (generation, states, group_fractions(states), self._layout_changes)
+        return cluster[1], cluster[2]
 
-    def domains(self, levels: tuple[str, ...]) -> list:
+    def domains(self, levels: tuple[str, ...]) -> DomainIndex:
         """The :func:`~scheduler_hints.scoring.domain_index` of :meth:`cluster` for ``levels``, rebuilt only
         when the nodes or their topology labels changed."""
         states = self.cluster()[0]
+        assert self._cluster is not None
         layout = self._cluster[3]
-        if self._domains is None or self._domains[:2] != (layout, levels):
-            self._domains = (layout, levels, domain_index(states, levels))
-        return self._domains[2]
+        domains = self._domains
+        if domains is None or domains[:2] != (layout, levels):
+            domains = self._domains = (layout, levels, domain_index(states, levels))
+        return domains[2]
 
     def base_state(self, node: Mapping[str, Any]) -> NodeState:
         """The node's NodeState with ``gpu_free`` = allocatable (callers subtract usage)."""

@@ -70,7 +70,8 @@ def pod_datasets(pod: Mapping[str, Any], volumes: VolumeIndex | None = None) -> 
     ann = meta.get("annotations") or {}
     if isinstance(ann, Mapping) and isinstance(ann.get(DATASETS_ANNOTATION), str):
         urls += [u.strip() for u in ann[DATASETS_ANNOTATION].split(",") if u.strip()]
-    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    raw_spec = pod.get("spec")
+    spec: Mapping[str, Any] = raw_spec if isinstance(raw_spec, Mapping) else {}
     namespace = str(meta.get("namespace") or "default")
     for vol in spec.get("volumes") or ():
         if not isinstance(vol, Mapping):
@@ -111,7 +112,8 @@ def _quantity(value: Any) -> int:
 
 def pod_gpus(pod: Mapping[str, Any]) -> int:
     """GPUs the pod requests (``nvidia.com/gpu`` limits or requests; init containers by their maximum)."""
-    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    raw_spec = pod.get("spec")
+    spec: Mapping[str, Any] = raw_spec if isinstance(raw_spec, Mapping) else {}
 
     def per(container: Any) -> int:
         res = container.get("resources") if isinstance(container, Mapping) else None

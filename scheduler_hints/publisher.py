@@ -145,7 +145,7 @@ class Publisher:
         cur_labels, cur_ann = meta.get("labels") or {}, meta.get("annotations") or {}
         now = self._clock()
         labels, annotations = desired_metadata(self.summary.summary(), cur_labels, now=now)
-        patch = metadata_patch(cur_labels, cur_ann, labels, annotations, now=now,
+        patch: dict[str, Any] = metadata_patch(cur_labels, cur_ann, labels, annotations, now=now,
                                annotation_delta=self.annotation_delta, annotation_max_age=self.annotation_max_age)
         if not patch:
             return PublishResult(False)

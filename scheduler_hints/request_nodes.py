@@ -53,7 +53,7 @@ class RequestNodes:
             items = [n for n in items if isinstance(n, Mapping)]
         cached = self.node_cache.nodes
         for n in items:
-            if cached.get((n.get("metadata") or {}).get("name")) is not n:  # not known at this version
+            if cached.get(str((n.get("metadata") or {}).get("name"))) is not n:  # not known at this version
                 self.node_cache.update(n)
         if isinstance(items, NodeItems):  # the decoder's memo: the same object while the bytes match
             self._last = _Resolved(items, self.node_cache.updates, items)

@@ -119,7 +119,7 @@ def locality_scorer(needs: PodNeeds, groups: Mapping[str, Mapping[str, float]] |
     def score(node: NodeState) -> float:
         fractions = node.cache.fractions
         local = sum(wt * fractions.get(d, 0.0) for d, wt in items) if fractions else 0.0
-        group = groups.get(node.cache.cache_group) if use_domain and node.cache.cache_group else None
+        group = groups.get(node.cache.cache_group) if groups and use_domain and node.cache.cache_group else None
         if not group:
             return min(1.0, local)
         domain = sum(wt * max(0.0, group.get(d, 0.0) - fractions.get(d, 0.0)) for d, wt in items)
@@ -211,7 +211,10 @@ def combine(parts: Mapping[str, float | None], w: Weights = Weights()) -> int:
 
 def combine_scores(loc: float | None, packing: float | None, topology: float | None, w: Weights = Weights()) -> int:
     """:func:`combine` with the components as arguments."""
-    return combine_columns(1, *(None if v is None else _floats([v]) for v in (loc, packing, topology)), w)[0]
+    def column(v: float | None) -> np.ndarray | None:
+        return None if v is None else _floats([v])
+
+    return combine_columns(1, column(loc), column(packing), column(topology), w)[0]
 
 
 def combine_columns(size: int, loc: np.ndarray | None, packing: np.ndarray | None, topology: np.ndarray | None,

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
 from scheduler_hints.labels import DatasetCache, NodeCacheSummary, group_totals
+
+if TYPE_CHECKING:
+    from cachefs.status.summary import NodeSummary
 
 __all__ = ["IndexSummary", "StaticSummary", "SummarySource"]
 
@@ -27,7 +31,7 @@ class IndexSummary(SummarySource):
         self._group = cache_group
         self._self = node
         self._group_datasets = group_datasets
-        self._node = None
+        self._node: NodeSummary | None = None
 
     def summary(self) -> NodeCacheSummary:
         from cachefs.base.errors import ObjectNotFoundError
@@ -42,7 +46,7 @@ class IndexSummary(SummarySource):
         datasets = tuple(DatasetCache(d["url"], d["id"], d["cached_bytes"], d["total_bytes"], d["manifest_version"],
                                       d.get("guest_bytes", 0)) for d in rep["datasets"])
         free = max(0, min(rep["capacity_bytes"] - rep["used_bytes"], rep["disk_free_bytes"] - rep["min_free_bytes"]))
-        group = ()
+        group: tuple[DatasetCache, ...] = ()
         if self._group and self._group_datasets is not None:
             members = self._group_datasets()
             members[self._self] = {d.id: (d.cached_bytes - d.guest_bytes, d.total_bytes) for d in datasets}

@@ -90,3 +90,19 @@ def pytest_configure(config):
     os.environ.setdefault("CACHEFS_TEST", "1")
     # The metrics files of the cachefs processes tests start (mounts, CSI) go here, not into /run.
     os.environ.setdefault("CACHEFS_METRICS_DIR", tempfile.mkdtemp(prefix="cachefs-test-metrics-"))
+
+
+#: Test files that drop or measure the kernel's page cache: run one after another on one worker (under
+#: pytest-xdist), never beside each other, since a drop in one would change what another measures.
+PAGE_CACHE_FILES = {"tests/integration/test_metrics.py", "tests/integration/test_fuse.py",
+                    "tests/integration/test_packs.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs two workers with ``--dist loadgroup``) a file's tests run on one
+    worker, in order, so its module fixtures are made once; the page-cache files share one group, and so do the
+    end-to-end files, which share the session's control plane (one per worker that runs any)."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group = "page-cache" if path in PAGE_CACHE_FILES else "e2e" if path.startswith("tests/e2e/") else path
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -25,10 +25,10 @@ from aiohttp import web
 
 from cachefs.agent.peer_server import make_peer_app
 from cachefs.agent.serving import GroupServing
-from cachefs.base.config import Config, hot_bytes_per_s, parse_listen
+from cachefs.base.config import Config, parse_listen
 from cachefs.base.errors import ConfigError
 from cachefs.cluster.auth import SharedSecret, TokenReviewer
-from cachefs.cluster.heat import HeatTracker
+from cachefs.cluster.heat import HeatTracker, hot_bytes_per_s
 from cachefs.cluster.members_file import REWRITE_EVERY, MembersRecord, members_path, placement_path, write_members
 from cachefs.cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTable, parse_peers
 from cachefs.cluster.tls import GroupTLS
@@ -84,11 +84,11 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
         if k.peers:
             raise ConfigError("cachefs agent: no cache group (cluster.group, --group, CACHEFS_CLUSTER_GROUP)")
         log.info("node %s carries no %s label: it reads through no group and serves none", node, GROUP_LABEL)
-        tasks = _start_tasks(AgentContext(config, node, "", None, None, kube))  # (the label publisher)
+        publisher = _start_tasks(AgentContext(config, node, "", None, None, kube))  # (the label publisher)
         try:
             await _until_signalled()
         finally:
-            await _cancel(tasks)
+            await _cancel(publisher)
             if kube is not None:
                 await kube.aclose()
         return 0
@@ -111,11 +111,16 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
         group_datasets = None
     else:
         ns, _, svc = k.service.partition("/")
+        assert kube is not None  # (made above: no static member list)
         watch = EndpointSliceWatch(kube, ns, svc, table, group=k.group)
         synced = watch.synced
         group_datasets = watch.group_datasets
         tasks.append(asyncio.ensure_future(watch.run()))
-    verifier = SharedSecret(k.secret_file) if k.secret_file else TokenReviewer(kube)
+    if k.secret_file:
+        verifier: SharedSecret | TokenReviewer = SharedSecret(k.secret_file)
+    else:
+        assert kube is not None  # (made above: no shared secret)
+        verifier = TokenReviewer(kube)
     serving = GroupServing(engine, k.serve.split(","))
     heat = HeatTracker(hot_requests=k.hot_requests_per_s, hot_bytes=hot_bytes_per_s(k), replicas=k.hot_replicas)
     tls = GroupTLS.of(k.tls_cert, k.tls_key, k.tls_ca)

@@ -17,32 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from cachefs.base.errors import ConfigError
+from cachefs.base.values import (
+    check_endpoint,
+    check_size_or_percent,
+    parse_listen,
+    parse_size,
+    prepare_cache_dir,
+    resolve_size,
+)
 
 __all__ = ["MAX_REPLICAS", "CacheConfig", "ClusterConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig",
-           "default_cache_dir", "default_log_dir", "default_metrics_dir", "hot_bytes_per_s", "load_config",
-           "parse_listen", "parse_replicas", "parse_size", "prepare_cache_dir", "tier_names"]
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
-}
-
-
-def parse_size(value: Any, name: str = "size") -> int:
-    """Parse ``4MiB`` / ``10 GB`` / ``123`` into bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{name}: must not be negative")
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{name}: cannot read {value!r} as a size (examples: 4MiB, 10GB, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
+           "default_cache_dir", "default_log_dir", "default_metrics_dir", "load_config",
+           "parse_listen", "parse_replicas", "parse_size", "prepare_cache_dir", "resolve_size", "tier_names"]
 
 def default_log_dir() -> str:
     """``/var/log/cachefs`` for root, else ``$XDG_STATE_HOME/cachefs`` (``~/.local/state/cachefs``)."""
@@ -252,14 +238,14 @@ class Config:
             raise ConfigError("need 0 < cache.low_watermark < cache.high_watermark <= 1")
         if c.block_size < 64 * 1024 or c.block_size > 256 * 1024 * 1024 or c.block_size & (c.block_size - 1):
             raise ConfigError("cache.block_size must be a power of two between 64KiB and 256MiB")
-        _check_size_or_percent(c.capacity, "cache.capacity")
-        _check_size_or_percent(c.min_free, "cache.min_free")
+        check_size_or_percent(c.capacity, "cache.capacity")
+        check_size_or_percent(c.min_free, "cache.min_free")
         if o.max_attempts < 1:
             raise ConfigError("origin.max_attempts must be at least 1")
         if o.backoff_base <= 0 or o.backoff_max < o.backoff_base:
             raise ConfigError("need 0 < origin.backoff_base <= origin.backoff_max")
         if o.endpoint_url is not None:
-            _check_endpoint(o.endpoint_url)
+            check_endpoint(o.endpoint_url)
         if o.request_timeout <= 0 or o.connect_timeout <= 0:
             raise ConfigError("origin timeouts must be positive")
         if o.list_concurrency < 1:
@@ -317,92 +303,6 @@ class Config:
         tls = (k.tls_cert, k.tls_key, k.tls_ca)
         if any(tls) and not all(tls):
             raise ConfigError("cluster.tls_cert, cluster.tls_key and cluster.tls_ca go together")
-
-
-def hot_bytes_per_s(cluster: ClusterConfig, net_dir: str = "/sys/class/net") -> int:
-    """``cluster.hot_bytes_per_s`` in bytes/s; unset, a quarter of the fastest NIC's speed (10 Gbit/s when no NIC
-    says: veth and some virtual NICs report none)."""
-    if cluster.hot_bytes_per_s:
-        return parse_size(cluster.hot_bytes_per_s, "cluster.hot_bytes_per_s")
-    best = 0
-    try:
-        names = os.listdir(net_dir)
-    except OSError:
-        names = []
-    for name in names:
-        if name == "lo":
-            continue
-        try:
-            with open(os.path.join(net_dir, name, "speed")) as f:
-                best = max(best, int(f.read().strip()))  # Mbit/s; -1 when unknown
-        except (OSError, ValueError):
-            continue
-    mbit = best if best > 0 else 10_000
-    return mbit * 1_000_000 // 8 // 4
-
-
-def parse_listen(value: str, flag: str) -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 host in brackets) → (host, port); ConfigError naming ``flag`` otherwise."""
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{flag} {value!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def prepare_cache_dir(path: str) -> None:
-    """Create the cache directory (0700) if needed and check that it is writable; ConfigError naming the
-    setting if not."""
-    what = f"cache.dir (--cache-dir, CACHEFS_CACHE_DIR) {path}"
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{what}: cannot create it ({exc.strerror})") from None
-    if not os.path.isdir(path):
-        raise ConfigError(f"{what}: not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        why = "read-only file system" if _read_only_fs(path) else "permission denied"
-        raise ConfigError(f"{what}: not writable ({why})")
-
-
-def _read_only_fs(path: str) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def _check_endpoint(url: str) -> None:
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"origin.endpoint_url (--endpoint-url, CACHEFS_ORIGIN_ENDPOINT_URL): {url!r} is not an "
-                          "http:// or https:// URL with a host")
-
-
-def _check_size_or_percent(value: str, name: str) -> None:
-    s = str(value).strip()
-    if s.endswith("%"):
-        try:
-            pct = float(s[:-1])
-        except ValueError:
-            raise ConfigError(f"{name}: cannot read {value!r}") from None
-        if not 0 <= pct <= 100:
-            raise ConfigError(f"{name}: percentage must be within 0–100")
-    else:
-        parse_size(s, name)
-
-
-def resolve_size(value: str, fs_total: int, name: str) -> int:
-    """A size or ``N%`` of ``fs_total`` in bytes."""
-    s = str(value).strip()
-    if s.endswith("%"):
-        return int(fs_total * float(s[:-1]) / 100)
-    return parse_size(s, name)
 
 
 _SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfig, "metrics": MetricsConfig,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections.abc import Iterator
 
 __all__ = [
     "AccessDeniedError",
@@ -107,6 +108,8 @@ class CorruptBlockError(CacheFSError):
     """A cached block failed its checksum; it is dropped and fetched again."""
 
     default_errno = errno.EBADMSG
+    #: The block that failed, when one did.
+    block: int | None = None
 
 
 class CacheFullError(CacheFSError):
@@ -162,12 +165,13 @@ def _client_error_codes(exc: BaseException) -> list[str]:
     return [str(c) for c in codes if c]
 
 
-def _walk_causes(exc: BaseException):
+def _walk_causes(exc: BaseException) -> Iterator[BaseException]:
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
 
 
 def translate_origin_error(exc: BaseException, what: str) -> CacheFSError:

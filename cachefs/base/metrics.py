@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import functools
 import logging
 import os
 import threading
@@ -181,7 +182,7 @@ class BatchedHistogram:
         with self._lock:
             taken, self._counts = self._counts, {}
         for label, (counts, total) in taken.items():
-            safely(lambda label=label, counts=counts, total=total: self._add(label, counts, total))
+            safely(functools.partial(self._add, label, counts, total))
 
     def _add(self, label: str, counts: list[int], total: float) -> None:
         child = self.histogram.labels(label)

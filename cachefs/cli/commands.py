@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from cachefs.base.config import Config
-from cachefs.base.errors import ConfigError
+from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.base.types import DatasetRef
 from cachefs.cli.output import print_json
 from cachefs.cli.progress import ProgressPrinter, human_bytes
@@ -102,6 +102,8 @@ async def refresh(args: argparse.Namespace, config: Config) -> int:
     finally:
         await engine.aclose()
     m = rec.manifest()
+    if m is None:  # (a snapshot just taken is the dataset's current manifest)
+        raise CacheFSError(f"{rec.url}: no current manifest after the refresh")
     print(f"{rec.url}: manifest v{m.version}: {m.files} files, {human_bytes(m.bytes)}"
           + (f", {m.skipped} names skipped (see -v)" if m.skipped else ""))
     return 0

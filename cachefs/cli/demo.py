@@ -52,11 +52,11 @@ async def run_demo(args: argparse.Namespace, config: Config) -> int:
         print(f"demo: local S3 server at {server.endpoint}, uploaded in {time.monotonic() - t0:.1f}s")
 
         cache_dir = args.cache_dir or f"{tmp}/cache"
-        creds = {"access_key_id": "testing", "secret_access_key": "testing"}
         cfg = dataclasses.replace(
             config,
             cache=dataclasses.replace(config.cache, dir=cache_dir),
-            origin=dataclasses.replace(config.origin, endpoint_url=server.endpoint, region="us-east-1", **creds),
+            origin=dataclasses.replace(config.origin, endpoint_url=server.endpoint, region="us-east-1",
+                                       access_key_id="testing", secret_access_key="testing"),
         ).validate()
         url = f"s3://{BUCKET}/{PREFIX}"
 

@@ -15,10 +15,13 @@ Memory is bounded: at most ``max_keys`` directories are tracked; past that the c
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["HOT_HEADER", "HeatTracker", "HotKey"]
+from cachefs.base.config import ClusterConfig, parse_size
+
+__all__ = ["HOT_HEADER", "HeatTracker", "HotKey", "hot_bytes_per_s"]
 
 #: Answer header: the directory is hot, spread over this many extra holders.
 HOT_HEADER = "X-Cachefs-Hot"
@@ -128,3 +131,25 @@ class HeatTracker:
             self._decayed(h, now)
         keep = sorted(self._keys.items(), key=lambda kv: -kv[1].requests)[: self.max_keys * 3 // 4]
         self._keys = dict(keep)
+
+
+def hot_bytes_per_s(cluster: ClusterConfig, net_dir: str = "/sys/class/net") -> int:
+    """``cluster.hot_bytes_per_s`` in bytes/s; unset, a quarter of the fastest NIC's speed (10 Gbit/s when no NIC
+    says: veth and some virtual NICs report none)."""
+    if cluster.hot_bytes_per_s:
+        return parse_size(cluster.hot_bytes_per_s, "cluster.hot_bytes_per_s")
+    best = 0
+    try:
+        names = os.listdir(net_dir)
+    except OSError:
+        names = []
+    for name in names:
+        if name == "lo":
+            continue
+        try:
+            with open(os.path.join(net_dir, name, "speed")) as f:
+                best = max(best, int(f.read().strip()))  # Mbit/s; -1 when unknown
+        except (OSError, ValueError):
+            continue
+    mbit = best if best > 0 else 10_000
+    return mbit * 1_000_000 // 8 // 4

@@ -21,6 +21,7 @@ import os
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachefs.base.types import Entry
@@ -71,7 +72,7 @@ class Handle:
     page_cache: bool = False
     #: The whole file, to put into the kernel's page cache before the open is answered (FUSE_NOTIFY_STORE), so
     #: that reading it costs no READ request: a packed small file at its first open (see CacheFS.open).
-    prefill: bytes | None = None
+    prefill: bytes | bytearray | None = None
     #: The file as the engine opened it (its read strategy, read-ahead state, and the hold that keeps eviction
     #: away while it is open); made at the first read for handles that saw no OPEN.
     file: OpenFile | None = None
@@ -97,14 +98,14 @@ class CacheFS:
         self._lock = threading.Lock()
         #: Set by the session once INIT said passthrough is on; ``backing_open/close`` are its ioctls.
         self.passthrough = False
-        self.backing_open = None
-        self.backing_close = None
+        self.backing_open: Callable[[int], int] | None = None
+        self.backing_close: Callable[[int], None] | None = None
         #: Whether packed small files are stored into the page cache at their first open (``Handle.prefill``);
         #: the session turns it off if the kernel refuses FUSE_NOTIFY_STORE.
         self.prefill = True
         self._walked_at = -1  # the dataset's cached bytes when opens_needed last walked the manifest
-        self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "userspace_read_bytes": 0, "prefilled_bytes": 0,
-                      "disk_waits": 0, "opens_refused": 0}
+        self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "page_cache_opens": 0, "userspace_read_bytes": 0,
+                      "prefilled_bytes": 0, "disk_waits": 0, "opens_refused": 0}
 
     # -- inodes ---------------------------------------------------------------------------------------------
     def node(self, ino: int) -> Node:
@@ -130,6 +131,7 @@ class CacheFS:
         """Take over from a previous daemon: the inodes and backing ids its journal lists. Files it opened
         stay open in the kernel, uncounted here, so inherited backing ids are dropped only when the kernel
         forgets the inode (then no file of it can be open)."""
+        assert self.journal is not None, "a restored mount has its journal"
         state = self.journal.state
         self._restored = dict(state.inodes)
         for ino, backing in state.backing.items():
@@ -206,7 +208,8 @@ class CacheFS:
         n = self.node(ino)
         if n.entry.is_dir:
             raise IsADirectoryError(errno.EISDIR, n.path)
-        h = Handle(n, file=self.engine.open(self.ds, n.entry))
+        file = self.engine.open(self.ds, n.entry)
+        h = Handle(n, file=file)
         with self._lock:
             fh = self._next_fh
             self._next_fh += 1
@@ -214,19 +217,20 @@ class CacheFS:
             n.opens += 1
             first, n.unopened = n.unopened, False
             self._idle.pop(n.ino, None)
-        if self.passthrough and (n.backing_id or self._register_backing(n, h.file)):
+        if self.passthrough and (n.backing_id or self._register_backing(n, file)):
             h.passthrough = True
         if not h.passthrough:
             # Only at the first open: a page another open cached, or a READ the kernel has in flight for it,
             # would make the store wait on a locked page, and the request thread holding the device with it.
-            if first and self.prefill and n.entry.size > 0 and h.file.packed:
-                whole = h.file.read_local(0, n.entry.size, wait=False)
+            if first and self.prefill and n.entry.size > 0 and file.packed:
+                whole = file.read_local(0, n.entry.size, wait=False)
                 packed = whole is not None  # WOULD_WAIT: here, but on disk only; its READ will not hold the device
                 h.prefill = None if whole is WOULD_WAIT else whole
             else:
                 packed = self.passthrough and self._packed_here(n.entry)
             h.page_cache = not self.passthrough or packed
         self.stats["passthrough_opens" if h.passthrough else "userspace_opens"] += 1
+        self.stats["page_cache_opens"] += h.page_cache
         return fh, h
 
     def opens_needed(self, check_local: bool = True) -> bool:
@@ -260,8 +264,12 @@ class CacheFS:
             return False
         if fd is None:
             return False
+        open_backing = self.backing_open
+        if open_backing is None:
+            os.close(fd)
+            return False
         try:
-            backing = self.backing_open(fd)
+            backing = open_backing(fd)
         except OSError:
             self.passthrough = False  # e.g. EPERM without CAP_SYS_ADMIN: userspace from now on
             return False
@@ -281,8 +289,7 @@ class CacheFS:
     def read_local(self, ino: int, fh: int, offset: int, size: int, *, wait: bool = True) -> LocalRead:
         """The bytes if every block is in the local store, else None: use :meth:`fetch`. Without ``wait``,
         WOULD_WAIT if a packed file's bytes are on disk but not in the page cache (see Engine.read_local)."""
-        h = self._handle(ino, fh)
-        data = h.file.read_local(offset, offset + size, wait=wait)
+        data = self._file(ino, fh).read_local(offset, offset + size, wait=wait)
         if data is WOULD_WAIT:
             self.stats["disk_waits"] += 1
         elif data is not None:
@@ -291,10 +298,14 @@ class CacheFS:
 
     async def fetch(self, ino: int, fh: int, offset: int, size: int) -> bytes | bytearray:
         """The bytes, fetching what is missing from the origin (runs on the cachefs event loop)."""
-        h = self._handle(ino, fh)
-        data = await h.file.read(offset, offset + size)
+        data = await self._file(ino, fh).read(offset, offset + size)
         self.stats["userspace_read_bytes"] += len(data)
         return data
+
+    def _file(self, ino: int, fh: int) -> OpenFile:
+        h = self._handle(ino, fh)
+        assert h.file is not None  # (made by _handle)
+        return h.file
 
     def _handle(self, ino: int, fh: int) -> Handle:
         if not fh:  # no OPEN was sent (open-less mode): the inode's own read state
@@ -357,8 +368,11 @@ class CacheFS:
                 self.journal.backing_closed(n.ino)
 
     def _backing_close_quietly(self, backing_id: int) -> None:
+        close = self.backing_close
+        if close is None:
+            return
         try:
-            self.backing_close(backing_id)
+            close(backing_id)
         except OSError:
             pass
 

@@ -270,14 +270,14 @@ class MountHolder:
         os.chmod(self.socket_path, 0o600)  # the descriptor is the whole file system: owner only
         lst.listen(8)
         self._listener = lst
-        threading.Thread(target=self._hand_over_loop, name="cachefs-fuse-holder", daemon=True).start()
+        threading.Thread(target=self._hand_over_loop, args=(lst,), name="cachefs-fuse-holder", daemon=True).start()
 
-    def _hand_over_loop(self) -> None:
+    def _hand_over_loop(self, listener: socket.socket) -> None:
         # SIGTERM/SIGINT must reach the main thread, which waits for the daemon: a handler only runs there.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         while not self._stopping.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return  # closed
             with conn:
@@ -298,7 +298,8 @@ class MountHolder:
         if op == "ready":
             with self._responder_lock:  # (so that _fail_open cannot start answering again meanwhile)
                 self._ready.set()
-                self.responder.stop()  # before the daemon reads its first request
+                if self.responder is not None:
+                    self.responder.stop()  # before the daemon reads its first request
             self._served = True
             self._set_state("serving", "")
         elif op == "failed":
@@ -366,9 +367,11 @@ class MountHolder:
     def _wait_daemon(self, down_since: float) -> int:
         """Wait for the daemon to exit; meanwhile start answering requests once the mount has gone unserved
         for ``answer_after`` seconds."""
+        daemon = self.daemon
+        assert daemon is not None, "a daemon was started"
         while True:
             try:
-                return self.daemon.wait(timeout=0.25)
+                return daemon.wait(timeout=0.25)
             except subprocess.TimeoutExpired:
                 if not self._ready.is_set():
                     self._fail_open(down_since)
@@ -377,12 +380,13 @@ class MountHolder:
         """Answer the kernel's requests here (with errors) if the mount was served once and no daemon has
         served it for ``answer_after`` seconds."""
         with self._responder_lock:
-            if self._ready.is_set() or not self._served or self.responder.running \
+            responder = self.responder
+            if responder is None or self._ready.is_set() or not self._served or responder.running \
                     or time.monotonic() - down_since < self.answer_after:
                 return
             log.error("%s: no FUSE daemon for %.0f s; answering requests with errors until one starts",
                       self.mountpoint, time.monotonic() - down_since)
-            self.responder.start()
+            responder.start()
         self._set_state("failing", self.reason or "the FUSE daemon cannot start (see the mount's log)")
 
     def stop(self) -> None:

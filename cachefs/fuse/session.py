@@ -5,6 +5,7 @@ the file system (:mod:`.fs`) and write replies. Errors become errno once, here (
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import fcntl
 import logging
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Final, Literal, TypeAlias
 
 from cachefs.base.aio import get_loop
 from cachefs.engine import WOULD_WAIT
@@ -22,6 +24,7 @@ from cachefs.fuse.errno_map import to_errno
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.kernel_abi import InitFlag, Op, OpenFlag
 from cachefs.fuse.request_metrics import RequestMetrics
+from cachefs.fuse.tree import TreeReplies
 
 __all__ = ["FuseSession"]
 
@@ -29,8 +32,15 @@ log = logging.getLogger("cachefs.fuse")
 
 MAX_WRITE = abi.MAX_WRITE
 MAX_PAGES = 256
-#: A handler's answer that comes later (from a callback), not now.
-DEFERRED = object()
+class Deferred(enum.Enum):
+    """A handler's answer that comes later (from a callback), not now."""
+
+    DEFERRED = "deferred"
+
+
+DEFERRED: Final = Deferred.DEFERRED
+#: What a request's handler answers now: the reply's payload, or DEFERRED.
+Answer: TypeAlias = "bytes | bytearray | Literal[Deferred.DEFERRED]"
 #: READs larger than this are answered while another thread reads the next request (see ``_worker``).
 HANDOVER_READ = 128 * 1024
 #: Set in ``unique`` of requests the kernel sends again after FUSE_NOTIFY_RESEND.
@@ -53,21 +63,16 @@ class FuseSession:
         self.stopped = threading.Event()
         #: Called with the session once INIT is answered (the mount is usable, ``mode`` is known).
         self.on_init: Callable[[FuseSession], None] | None = None
-        self._dirs: dict[int, list] = {}
-        self._next_dir = ((fs.journal.state.generation if fs.journal else 0) << 40) + 1
+        self.tree = TreeReplies(fs, timeout)
         self._lock = threading.Lock()
         self._turn = threading.Lock()  # held by the thread reading /dev/fuse (see _worker)
         self._inflight: dict[int, Future] = {}  # READs waiting on the origin, by unique (INTERRUPT cancels them)
         self._started: dict[int, float] = {}  # READs not answered yet: when they were read
         #: Requests answered, by opcode, and their times (kept here, added to the metrics once a second).
         self.metrics = RequestMetrics()
-        self.ops: dict[int, Callable[[int, int, memoryview], bytes | None]] = {
-            Op.INIT: self._init, Op.LOOKUP: self._lookup, Op.GETATTR: self._getattr, Op.OPEN: self._open,
-            Op.READ: self._read, Op.RELEASE: self._release, Op.OPENDIR: self._opendir,
-            Op.READDIR: self._readdir, Op.READDIRPLUS: self._readdirplus, Op.RELEASEDIR: self._releasedir,
-            Op.STATFS: self._statfs, Op.ACCESS: self._access,
-            Op.GETXATTR: self._getxattr, Op.LISTXATTR: self._listxattr, Op.DESTROY: self._destroy,
-            Op.FSYNC: self._empty, Op.FSYNCDIR: self._empty,
+        self.ops: dict[int, Callable[[int, int, memoryview], Answer | _Later | None]] = {
+            Op.INIT: self._init, Op.OPEN: self._open, Op.READ: self._read, Op.RELEASE: self._release,
+            Op.DESTROY: self._destroy, **self.tree.ops(),
         }  # FLUSH is not here: answered ENOSYS, the kernel never sends it again (read-only, nothing to flush)
 
     # -- loop -----------------------------------------------------------------------------------------------
@@ -152,8 +157,10 @@ class FuseSession:
             self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
             self._answered(unique, opcode, started, ok=False)
             return None
-        if payload is DEFERRED or type(payload) is _Later:
-            return payload if payload is not DEFERRED else None  # answered when its fetch or read completes
+        if payload is DEFERRED:
+            return None  # answered when its fetch completes
+        if isinstance(payload, _Later):
+            return payload  # answered once the device is handed on
         if payload is not None:
             self._reply(unique, 0, payload)
         self._answered(unique, opcode, started)
@@ -172,7 +179,9 @@ class FuseSession:
         self._reply(unique, errno.EINTR)
 
     def _resume(self) -> None:
-        init = self.fs.journal.state.init
+        journal = self.fs.journal
+        assert journal is not None, "a resumed session has its mount's journal"
+        init = journal.state.init
         self.fs.backing_open = self._backing_open
         self.fs.backing_close = self._backing_close
         if init is not None:  # the previous daemon answered INIT; the kernel will not send it again
@@ -180,16 +189,16 @@ class FuseSession:
             self.mode = init["mode"]
             self.fs.restore()
         # Whether a previous daemon refused an OPEN (then the kernel sends none, whatever we decide now).
-        self.opens_skipped = self.fs.journal.state.opens_skipped
+        self.opens_skipped = journal.state.opens_skipped
         try:
             os.write(self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size, abi.NOTIFY_RESEND, 0))
         except OSError as exc:  # kernels before 6.9: requests the old daemon had read stay unanswered
             log.warning("cannot ask the kernel to resend pending requests: %s", exc)
-        log.info("resumed mount (daemon generation %d, mode %s)", self.fs.journal.state.generation, self.mode)
+        log.info("resumed mount (daemon generation %d, mode %s)", journal.state.generation, self.mode)
         if init is not None and self.on_init is not None:
             self.on_init(self)
 
-    def _reply(self, unique: int, err: int, payload: bytes = b"") -> None:
+    def _reply(self, unique: int, err: int, payload: bytes | bytearray = b"") -> None:
         try:
             head = abi.OUT_HEADER.pack(abi.OUT_HEADER.size + len(payload), -err, unique)
             if len(payload) > 4096:  # large READ answers: gather, do not copy the payload behind the header
@@ -230,21 +239,6 @@ class FuseSession:
                                   agreed & 0xFFFFFFFF, 64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
                                   abi.MAX_STACK_DEPTH if passthrough else 0)
 
-    def _entry(self, ino: int) -> bytes:
-        mode, size, mtime_ns, nlink = self.fs.attr(ino)
-        attr = abi.pack_attr(ino, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid)
-        return abi.pack_entry(ino, attr, self.timeout, self.timeout)
-
-    def _lookup(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        name = bytes(body).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        ino, _ = self.fs.lookup(nodeid, name)
-        return self._entry(ino)
-
-    def _getattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        mode, size, mtime_ns, nlink = self.fs.attr(nodeid)
-        return abi.pack_attr_out(abi.pack_attr(nodeid, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid),
-                                  self.timeout)
-
     def maybe_skip_opens(self) -> bool:
         """From now on answer OPEN with ENOSYS, so that the kernel stops sending OPEN and RELEASE, if no file
         needs them (CacheFS.opens_needed; may walk the manifest, so not from a request thread). True if so."""
@@ -271,7 +265,7 @@ class FuseSession:
         cache = OpenFlag.KEEP_CACHE if h.page_cache else OpenFlag.DIRECT_IO  # see Handle.page_cache
         return abi.OPEN_OUT.pack(fh, cache | OpenFlag.NOFLUSH, 0)
 
-    def _store(self, nodeid: int, data: bytes) -> None:
+    def _store(self, nodeid: int, data: bytes | bytearray) -> None:
         """Put ``data`` (the whole file) into the inode's page cache. Then the reader's first read is a page
         cache hit: a small file costs LOOKUP, OPEN and RELEASE through here, not a READ as well. Any failure
         leaves the pages to be read the usual way."""
@@ -285,7 +279,7 @@ class FuseSession:
                 log.warning("the kernel refused FUSE_NOTIFY_STORE (%s): small files are read by READ", exc)
                 self.fs.prefill = False
 
-    def _read(self, nodeid: int, unique: int, body: memoryview) -> bytes | object:
+    def _read(self, nodeid: int, unique: int, body: memoryview) -> Answer | _Later:
         """Bytes in the page cache are answered at once; large reads and reads from the disk after the device
         is handed on (:class:`_Later`); a fetch from the origin when it completes, so a slow origin never holds
         a request thread (and an INTERRUPT can cancel it)."""
@@ -297,11 +291,13 @@ class FuseSession:
             return _Later(unique, nodeid, fh, offset, size)
         return self._fetch(unique, nodeid, fh, offset, size) if data is None else data
 
-    def _read_waiting(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> bytes | object:
+    def _read_waiting(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> Answer:
         data = self.fs.read_local(nodeid, fh, offset, size)
-        return self._fetch(unique, nodeid, fh, offset, size) if data is None else data
+        if data is None or data is WOULD_WAIT:  # (a read that may wait never answers WOULD_WAIT)
+            return self._fetch(unique, nodeid, fh, offset, size)
+        return data
 
-    def _fetch(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> object:
+    def _fetch(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> Literal[Deferred.DEFERRED]:
         with self._lock:  # held until registered: the completion callback takes the same lock
             fut = asyncio.run_coroutine_threadsafe(self.fs.fetch(nodeid, fh, offset, size), get_loop())
             self._inflight[unique] = fut
@@ -346,73 +342,6 @@ class FuseSession:
         self.fs.release(nodeid, abi.RELEASE_IN.unpack_from(body)[0])
         return b""
 
-    def _opendir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        entries = self.fs.listdir(nodeid)
-        with self._lock:
-            fh = self._next_dir
-            self._next_dir += 1
-            self._dirs[fh] = entries
-        return abi.OPEN_OUT.pack(fh, OpenFlag.CACHE_DIR | OpenFlag.KEEP_CACHE, 0)
-
-    def _dir_entries(self, nodeid: int, body: memoryview, plus: bool) -> bytes:
-        """Entries from ``offset`` on ("." and ".." first), as many as fit in ``size``. With ``plus`` each
-        carries its entry (a lookup the kernel will FORGET); "." and ".." carry none (nodeid 0)."""
-        fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
-        entries = self._dirs.get(fh)
-        if entries is None:  # opened under a previous daemon
-            entries = self._dirs.setdefault(fh, self.fs.listdir(nodeid))
-        out = bytearray()
-        for i in range(offset, len(entries) + 2):
-            child = entries[i - 2] if i >= 2 else None
-            name = child.name.encode("utf-8", "surrogateescape") if child else b"." * (i + 1)
-            if len(out) + abi.dirent_size(name, plus) > size:
-                break
-            dtype = abi.DT_REG if child and not child.is_dir else abi.DT_DIR
-            if child is None:
-                ino = nodeid
-                if plus:
-                    out += abi.pack_entry(0, bytes(abi.ATTR.size), 0, 0)
-            elif plus:
-                ino = self.fs.adopt(child)
-                out += self._entry(ino)
-            else:
-                ino = 0xFFFFFFFF  # not looked up yet; readers must not rely on d_ino (stat gives the inode)
-            out += abi.pack_dirent(ino, i + 1, name, dtype)
-        return bytes(out)
-
-    def _readdir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        return self._dir_entries(nodeid, body, plus=False)
-
-    def _readdirplus(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        return self._dir_entries(nodeid, body, plus=True)
-
-    def _releasedir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        with self._lock:
-            self._dirs.pop(abi.RELEASE_IN.unpack_from(body)[0], None)
-        return b""
-
-    def _statfs(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        used, avail, files, bsize = self.fs.statfs()
-        free = avail // bsize
-        return abi.KSTATFS.pack((used + bsize - 1) // bsize + free, free, free, files, 0, bsize, 255, bsize)
-
-    def _empty(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        return b""
-
-    def _access(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        mask, _ = abi.ACCESS_IN.unpack_from(body)
-        if mask & os.W_OK:
-            raise OSError(errno.EROFS, "read-only file system")
-        self.fs.node(nodeid)
-        return b""
-
-    def _getxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        raise OSError(errno.ENOTSUP, "no extended attributes")
-
-    def _listxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        size, _ = abi.GETXATTR_IN.unpack_from(body)
-        return abi.GETXATTR_OUT.pack(0, 0) if size == 0 else b""
-
     def _destroy(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         self.stopped.set()
         return b""
@@ -436,7 +365,7 @@ class _Later:
         self.unique, self.nodeid, self.fh, self.offset, self.size = unique, nodeid, fh, offset, size
 
     def finish(self, session: FuseSession) -> None:
-        started = session._started.get(self.unique)
+        started = session._started.get(self.unique, time.perf_counter())
         try:
             payload = session._read_waiting(self.unique, self.nodeid, self.fh, self.offset, self.size)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller

@@ -25,11 +25,11 @@ DB_NAMES = ("meta", "datasets", "ds_stats", "manifest", "objects", "blocks", "pa
 # virtual, and 1 TiB holds index records for billions of blocks and manifest entries.
 _MAP_SIZE = 1 << 40
 
-_envs: dict[str, tuple[lmdb.Environment, dict[str, object]]] = {}
+_envs: dict[str, tuple[lmdb.Environment, dict[str, lmdb._Database]]] = {}
 _envs_lock = threading.Lock()
 
 
-def open_env(path: str) -> tuple[lmdb.Environment, dict[str, object]]:
+def open_env(path: str) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
     """The process-wide LMDB environment at ``path`` and its named databases."""
     real = os.path.realpath(path)
     with _envs_lock:

@@ -416,10 +416,10 @@ class Index:
                 raw = txn.get(okey, db=self._objects)
                 if raw is None:
                     continue
-                rec = ObjectRecord.unpack(raw)
-                rec.last_access = max(rec.last_access, last)
-                rec.hits += hits
-                txn.put(okey, rec.pack(), db=self._objects)
+                obj = ObjectRecord.unpack(raw)
+                obj.last_access = max(obj.last_access, last)
+                obj.hits += hits
+                txn.put(okey, obj.pack(), db=self._objects)
             for ds, (hit, miss) in datasets.items():
                 self._add_stats(txn, ds, hit=hit, miss=miss)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from cachefs.base.errors import CacheFSError, CacheFullError, CredentialsError, 
 from cachefs.base.types import Entry
 from cachefs.engine import Engine
 from cachefs.manifest.dataset import Dataset
+from cachefs.node.budget import Reservation
 from cachefs.prefetch.prefetcher import Hint
 
 __all__ = ["Progress", "select_files", "warm"]
@@ -104,9 +106,11 @@ async def warm(
         if on_progress:
             on_progress(prog)
 
+    async def fetch(e: Entry, _held: Reservation | None) -> None:
+        await engine.ensure_cached(ds, e, functools.partial(on_bytes, e.path))
+
     def hint(e: Entry) -> Hint:
-        return Hint(("job", ds.ref.id, e.path), 0, "job",
-                    lambda _held, e=e: engine.ensure_cached(ds, e, lambda n: on_bytes(e.path, n)))
+        return Hint(e.path, 0, "job", functools.partial(fetch, e))
 
     def settle(path: str, exc: BaseException | None) -> None:
         if isinstance(exc, CacheFullError | CredentialsError | OriginUnavailableError):
@@ -133,7 +137,7 @@ async def warm(
             todo = (hint(e) for e in files if e.path in left)
             async with contextlib.aclosing(engine.prefetcher.run_job(todo, concurrency=workers)) as jobs:
                 async for done, exc in jobs:
-                    settle(done.key[2], exc)
+                    settle(str(done.key), exc)
             await engine.persist()  # small files wait in memory for their pack: on disk before we say "done"
         finally:
             engine.flush_stats()

@@ -59,7 +59,9 @@ async def write_mirror(engine: Engine, ds: Dataset, to_url: str, *,
         elif e.size:
             summary.skipped_large += 1
     files.sort(key=lambda e: e.path)
-    groups, group, size = [], [], 0
+    groups: list[list[Entry]] = []
+    group: list[Entry] = []
+    size = 0
     for e in files:
         if group and size + e.size > engine.config.cache.pack_size:
             groups.append(group)

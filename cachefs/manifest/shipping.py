@@ -55,3 +55,6 @@ class ReceivedListing(Source):
 
     async def read(self, url: str, version: str, start: int, end: int) -> bytes:
         raise CacheFSError("a received listing has no objects to read")
+
+    async def write(self, url: str, data: bytes) -> Entry:
+        raise CacheFSError("a received listing takes no writes")

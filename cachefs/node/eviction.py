@@ -209,24 +209,24 @@ class Evictor:
         blocks, pack_keys = self.index.guests()
         if not (blocks or pack_keys):
             return 0
-        victims: list[tuple[float, bytes | None, object]] = []
+        victims: list[tuple[float, PackRecord | tuple[bytes, ObjectRecord, list[int]]]] = []
         for pkey in pack_keys:
-            rec = self.index.pack(pkey)
-            if rec is not None:
-                victims.append((rec.last_access, None, rec))
+            pack = self.index.pack(pkey)
+            if pack is not None:
+                victims.append((pack.last_access, pack))
         for okey, idxs in blocks.items():
-            rec = self.index.object(okey)
-            if rec is not None:
-                victims.append((rec.last_access, okey, (rec, idxs)))
+            obj = self.index.object(okey)
+            if obj is not None:
+                victims.append((obj.last_access, (okey, obj, idxs)))
         freed = 0
-        for _, okey, what in sorted(victims, key=lambda v: v[0]):
+        for _, what in sorted(victims, key=lambda v: v[0]):
             if self._under(target, floor):
                 break
             try:
-                if okey is None:
+                if isinstance(what, PackRecord):
                     freed += self._evict_one(None, what)
                 else:
-                    freed += self._evict_guest_blocks(okey, *what)
+                    freed += self._evict_guest_blocks(*what)
             except CacheFullError as exc:
                 log.error("eviction stopped: %s", exc)
                 break
@@ -249,6 +249,7 @@ class Evictor:
 
     def _evict_one(self, okey: bytes | None, rec: ObjectRecord | PackRecord) -> int:
         if okey is None:  # a pack: the index forgets it and its members, then the file goes
+            assert isinstance(rec, PackRecord)
             freed = self.index.remove_pack(rec.dataset, rec.pack_id)
             self.packs.remove(rec.dataset, rec.pack_id)
             return freed

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from cachefs.node.budget import MemoryBudget, Reservation
@@ -154,7 +154,7 @@ class Prefetcher:
 
     # -- jobs ---------------------------------------------------------------------------------------------------
     async def run_job(self, hints: Iterable[Hint], *, concurrency: int
-                      ) -> AsyncIterator[tuple[Hint, BaseException | None]]:
+                      ) -> AsyncGenerator[tuple[Hint, BaseException | None], None]:
         """Run every hint, ``concurrency`` at a time, and yield each with how it ended (None: done). Hints take
         their own memory as demand reads do. Stopping the iteration cancels what still runs."""
         pending = iter(hints)

@@ -296,7 +296,8 @@ class BlockStrategy(ReadStrategy):
                     self.objects.release(fresh)
         return data, stored, guest  # (a guest a full disk could not take is no error: its owner keeps it)
 
-    async def _store(self, ob: OpenObject, idx: int, data: bytes, checksum: int, *, guest: bool = False) -> bool:
+    async def _store(self, ob: OpenObject, idx: int, data: bytes | bytearray, checksum: int, *,
+                     guest: bool = False) -> bool:
         """Write block ``idx`` and record it (as guest data: evicted first), if the disk has room; whether it did."""
         if self.closing or ob.stale:
             return False

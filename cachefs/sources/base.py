@@ -49,6 +49,11 @@ class Source(abc.ABC):
         """Bytes ``[start, end)`` of ``version`` of the object at ``url``; exactly ``end - start`` bytes (a
         ``bytearray`` where the body was received straight into one)."""
 
+    @abc.abstractmethod
+    async def write(self, url: str, data: bytes) -> Entry:
+        """Replace the whole object at ``url`` with ``data`` (readers see the old object or the new one); its new
+        entry."""
+
     async def connect(self) -> None:  # noqa: B027 - optional hook
         """Set up the client (sessions, credentials) ahead of the first read; sends no request."""
 
@@ -103,7 +108,12 @@ async def with_retries(
 
 def _count(kind: str, result: str, started: float) -> None:
     seconds = time.perf_counter() - started
-    safely(lambda: (ORIGIN_SECONDS.labels(kind).observe(seconds), ORIGIN_REQUESTS.labels(kind, result).inc()))
+
+    def update() -> None:
+        ORIGIN_SECONDS.labels(kind).observe(seconds)
+        ORIGIN_REQUESTS.labels(kind, result).inc()
+
+    safely(update)
 
 
 class RetryingSource(Source):

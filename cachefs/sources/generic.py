@@ -30,9 +30,9 @@ def info_version(info: dict[str, Any]) -> str:
 
 
 def info_mtime(info: dict[str, Any]) -> float:
-    raw = info.get("mtime") or info.get("LastModified") or info.get("updated") or info.get("created")
+    raw: Any = info.get("mtime") or info.get("LastModified") or info.get("updated") or info.get("created")
     if hasattr(raw, "timestamp"):
-        return raw.timestamp()
+        return float(raw.timestamp())
     try:
         return float(raw)
     except (TypeError, ValueError):

@@ -205,9 +205,9 @@ class Http1Pool:
                 if self._ssl is None:  # once: it loads the system's trust store
                     self._ssl = ssl.create_default_context()
                 tls = self._ssl
-            _, conn = await asyncio.wait_for(loop.create_connection(_Connection, where[1], where[2], ssl=tls),
-                                             self._connect_timeout)
-            return await self._exchange(conn, where, head, max_body)
+            _, new = await asyncio.wait_for(loop.create_connection(_Connection, where[1], where[2], ssl=tls),
+                                            self._connect_timeout)
+            return await self._exchange(new, where, head, max_body)
 
     def _idle_connection(self, where: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(where)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -80,7 +81,7 @@ class S3Source(Source):
         self._options = dict(storage_options or {})
         self._policy = RetryPolicy(origin.max_attempts, origin.backoff_base, origin.backoff_max)
         self._fs = None
-        self._client = None
+        self._client: Any = None
         self._client_lock = asyncio.Lock()
         self._direct: SignedGet | None = None
 
@@ -120,7 +121,7 @@ class S3Source(Source):
                     if nested in user:
                         kw[nested] = {**kw.get(nested, {}), **user.pop(nested)}
                 kw.update(user)
-                fs = s3fs.S3FileSystem(**kw)
+                fs: Any = s3fs.S3FileSystem(**kw)  # (set_session returns the client; fsspec's base says None)
                 if fs.session is None:  # the session s3fs would make, with our timestamp parser
                     from aiobotocore.session import AioSession
 
@@ -149,7 +150,7 @@ class S3Source(Source):
             async with sem:
                 while True:
                     page = await with_retries(
-                        lambda token=token: self._list_page(client, bucket, pfx, delimiter, token),
+                        functools.partial(self._list_page, client, bucket, pfx, delimiter, token),
                         what=f"list s3://{bucket}/{pfx}",
                         policy=self._policy,
                         timeout=self._origin.request_timeout,

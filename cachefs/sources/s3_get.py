@@ -117,8 +117,13 @@ def parse_list_page(body: bytes, parse_time: Callable[[str], Any]) -> dict | Non
             fields = {el.tag: el.text or "" for el in obj}
             contents.append({"Key": decode(fields[key_tag]), "Size": int(fields[size_tag]),
                              "ETag": fields.get(etag_tag), "LastModified": parse_time(fields[time_tag])})
-        prefixes = [{"Prefix": decode(p.findtext(tags["Prefix"]))} for p in root.iterfind(tags["CommonPrefixes"])]
-    except (KeyError, TypeError, ValueError, AttributeError):  # AttributeError: a CommonPrefixes without Prefix
+        prefixes = []
+        for p in root.iterfind(tags["CommonPrefixes"]):
+            text = p.findtext(tags["Prefix"])
+            if text is None:  # a CommonPrefixes without Prefix: not a page read here
+                return None
+            prefixes.append({"Prefix": decode(text)})
+    except (KeyError, TypeError, ValueError):
         return None
     page: dict = {"Contents": contents, "CommonPrefixes": prefixes,
                   "IsTruncated": root.findtext(tags["IsTruncated"]) == "true"}
@@ -184,9 +189,9 @@ class SignedGet:
         self._sent: dict[str, str] = {}  # URL -> Authorization of GETs botocore sent, until their bucket's route is known
         self._sent_lists: dict[str, str] = {}  # the same for listings (URL without its query)
         self._keys: dict = {}
-        self._session = None  # aiohttp, for listing pages
+        self._session: Any = None  # aiohttp, for listing pages
         self._gets: Http1Pool | None = None  # for GETs
-        self._url = None  # yarl.URL, imported with aiohttp on the first listing
+        self._url: Any = None  # yarl.URL, imported with aiohttp on the first listing
         client.meta.events.register("before-send.s3.GetObject", self._observe)
         client.meta.events.register("before-send.s3.ListObjectsV2", self._observe_list)
 

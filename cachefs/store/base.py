@@ -30,7 +30,7 @@ class StoredObject(abc.ABC):
     path: str
 
     @abc.abstractmethod
-    def write_block(self, idx: int, data: bytes) -> None:
+    def write_block(self, idx: int, data: bytes | bytearray) -> None:
         """Store block ``idx``. Raises CacheFullError when the disk is full."""
 
     @abc.abstractmethod

@@ -49,7 +49,7 @@ class DiskObject(StoredObject):
         self._fd, self._bs = fd, block_size
         self._verified: set[int] = set()
 
-    def write_block(self, idx: int, data: bytes) -> None:
+    def write_block(self, idx: int, data: bytes | bytearray) -> None:
         try:
             n = os.pwrite(self._fd, data, idx * self._bs)
         except OSError as exc:
@@ -66,7 +66,7 @@ class DiskObject(StoredObject):
         # Verify block by block in pieces below glibc's (pinned) mmap threshold: a block-sized buffer would be
         # a fresh mmap per read, every page of it faulted in, zeroed and unmapped again, which cost more than
         # the disk read itself. The pieces that overlap the range asked for are the answer.
-        parts = []
+        parts: list[bytes] = []
         for i in range(first, last + 1):
             lo = i * bs
             hi = min(self.size, lo + bs)

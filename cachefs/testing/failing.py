@@ -55,7 +55,7 @@ class FailingSource(Source):
     async def write(self, url: str, data: bytes) -> Entry:
         return await self.inner.write(url, data)
 
-    async def read(self, url: str, version: str, start: int, end: int) -> bytes:
+    async def read(self, url: str, version: str, start: int, end: int) -> bytes | bytearray:
         self.reads += 1
         self.read_ranges.append((url, start, end))
         if self.delay:

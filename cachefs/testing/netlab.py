@@ -190,6 +190,7 @@ class TcpForwarder:
 
     @property
     def port(self) -> int:
+        assert self._server is not None, "the forwarder is not started"
         return self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     if delay > 0:
         inner = app
 
-        def app(environ, start_response):  # type: ignore[no-redef]
+        def app(environ, start_response):
             time.sleep(delay)
             return inner(environ, start_response)
 
@@ -246,7 +246,9 @@ def _fast_list(inner):
         else:
             i = bisect.bisect_left(keys, prefix)
         enc = (lambda v: quote(v, safe="/")) if "encoding-type" in arg else escape
-        contents, prefixes, truncated = [], [], False
+        contents: list[str] = []
+        prefixes: list[str] = []
+        truncated = False
         while i < len(keys) and keys[i].startswith(prefix):
             if len(contents) + len(prefixes) >= max_keys:
                 truncated = True
@@ -312,6 +314,7 @@ class S3Server:
         if self.auth_after is not None:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("PORT "):
             self.stop()

@@ -303,7 +303,12 @@ def test_eviction_prefers_objects_read_once(config, s3):
         for i in range(1, 10):  # a one-off scan, oldest-first would evict s0 first
             e = ds.file(f"s{i}.bin")
             await engine.read(ds, e, 0, e.size, ReadStream())
-            await asyncio.sleep(0.01)
+            # Eviction in the background takes what no write holds at that moment: wait for it, so that it
+            # always sees the scan's files idle (on a busy machine it otherwise ran while they were being
+            # written, found them held, and went on to s0: the policy is what this test is about).
+            await engine.prefetcher.drain()
+            if (background := engine.evictor.background()) is not None:
+                await background
         engine.close()  # flush access statistics, release handles
         await engine.evict()
         assert engine.cached_bytes(ds, hot) == hot.size

@@ -7,10 +7,10 @@ import collections
 
 import pytest
 
-from cachefs.base.config import MAX_REPLICAS, ClusterConfig, hot_bytes_per_s, parse_replicas
+from cachefs.base.config import MAX_REPLICAS, ClusterConfig, parse_replicas
 from cachefs.base.errors import ConfigError
 from cachefs.base.types import DatasetRef, Entry
-from cachefs.cluster.heat import HeatTracker
+from cachefs.cluster.heat import HeatTracker, hot_bytes_per_s
 from cachefs.cluster.keys import ASKED_AS_REPLICA, block_key
 from cachefs.cluster.membership import MemberTable, parse_peers
 from cachefs.cluster.placement import RANK

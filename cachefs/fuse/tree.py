@@ -1,0 +1,118 @@
+"""The FUSE replies about the tree (lookups, attributes, directories, file system statistics, access checks and
+extended attributes): answered from the frozen manifest through :class:`~cachefs.fuse.fs.CacheFS`, never waiting on
+the origin."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable
+
+from cachefs.base.types import Entry
+from cachefs.fuse import kernel_abi as abi
+from cachefs.fuse.fs import CacheFS
+from cachefs.fuse.kernel_abi import Op, OpenFlag
+
+__all__ = ["TreeReplies"]
+
+
+class TreeReplies:
+    """Each method answers one request (``nodeid``, ``unique``, the request's body) with its reply's payload, or
+    raises OSError. Directory handles live here: the listing an OPENDIR took, read by READDIR(PLUS)."""
+
+    def __init__(self, fs: CacheFS, timeout: float) -> None:
+        self.fs, self.timeout = fs, timeout
+        self._lock = threading.Lock()
+        self._dirs: dict[int, list[Entry]] = {}
+        # Directory handles carry the daemon generation, so a restarted daemon never reuses an old one's number.
+        self._next_dir = ((fs.journal.state.generation if fs.journal else 0) << 40) + 1
+
+    def ops(self) -> dict[int, Callable[[int, int, memoryview], bytes]]:
+        """The handlers by opcode."""
+        return {Op.LOOKUP: self.lookup, Op.GETATTR: self.getattr, Op.OPENDIR: self.opendir,
+                Op.READDIR: self.readdir, Op.READDIRPLUS: self.readdirplus, Op.RELEASEDIR: self.releasedir,
+                Op.STATFS: self.statfs, Op.ACCESS: self.access, Op.GETXATTR: self.getxattr,
+                Op.LISTXATTR: self.listxattr, Op.FSYNC: self.empty, Op.FSYNCDIR: self.empty}
+
+    def entry(self, ino: int) -> bytes:
+        mode, size, mtime_ns, nlink = self.fs.attr(ino)
+        attr = abi.pack_attr(ino, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid)
+        return abi.pack_entry(ino, attr, self.timeout, self.timeout)
+
+    def lookup(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        name = bytes(body).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        ino, _ = self.fs.lookup(nodeid, name)
+        return self.entry(ino)
+
+    def getattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        mode, size, mtime_ns, nlink = self.fs.attr(nodeid)
+        return abi.pack_attr_out(abi.pack_attr(nodeid, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid),
+                                  self.timeout)
+
+    def opendir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        entries = self.fs.listdir(nodeid)
+        with self._lock:
+            fh = self._next_dir
+            self._next_dir += 1
+            self._dirs[fh] = entries
+        return abi.OPEN_OUT.pack(fh, OpenFlag.CACHE_DIR | OpenFlag.KEEP_CACHE, 0)
+
+    def dir_entries(self, nodeid: int, body: memoryview, plus: bool) -> bytes:
+        """Entries from ``offset`` on ("." and ".." first), as many as fit in ``size``. With ``plus`` each
+        carries its entry (a lookup the kernel will FORGET); "." and ".." carry none (nodeid 0)."""
+        fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
+        entries = self._dirs.get(fh)
+        if entries is None:  # opened under a previous daemon
+            entries = self._dirs.setdefault(fh, self.fs.listdir(nodeid))
+        out = bytearray()
+        for i in range(offset, len(entries) + 2):
+            child = entries[i - 2] if i >= 2 else None
+            name = child.name.encode("utf-8", "surrogateescape") if child else b"." * (i + 1)
+            if len(out) + abi.dirent_size(name, plus) > size:
+                break
+            dtype = abi.DT_REG if child and not child.is_dir else abi.DT_DIR
+            if child is None:
+                ino = nodeid
+                if plus:
+                    out += abi.pack_entry(0, bytes(abi.ATTR.size), 0, 0)
+            elif plus:
+                ino = self.fs.adopt(child)
+                out += self.entry(ino)
+            else:
+                ino = 0xFFFFFFFF  # not looked up yet; readers must not rely on d_ino (stat gives the inode)
+            out += abi.pack_dirent(ino, i + 1, name, dtype)
+        return bytes(out)
+
+    def readdir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return self.dir_entries(nodeid, body, plus=False)
+
+    def readdirplus(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return self.dir_entries(nodeid, body, plus=True)
+
+    def releasedir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        with self._lock:
+            self._dirs.pop(abi.RELEASE_IN.unpack_from(body)[0], None)
+        return b""
+
+    def statfs(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        used, avail, files, bsize = self.fs.statfs()
+        free = avail // bsize
+        return abi.KSTATFS.pack((used + bsize - 1) // bsize + free, free, free, files, 0, bsize, 255, bsize)
+
+    def empty(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return b""
+
+    def access(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        mask, _ = abi.ACCESS_IN.unpack_from(body)
+        if mask & os.W_OK:
+            raise OSError(errno.EROFS, "read-only file system")
+        self.fs.node(nodeid)
+        return b""
+
+    def getxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        raise OSError(errno.ENOTSUP, "no extended attributes")
+
+    def listxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        size, _ = abi.GETXATTR_IN.unpack_from(body)
+        return abi.GETXATTR_OUT.pack(0, 0) if size == 0 else b""
