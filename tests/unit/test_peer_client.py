@@ -39,7 +39,7 @@ def trickle(body: bytes, checksum: int):
     (DATA, block_checksum(DATA), True),
     (DATA[:-1] + b"\0", block_checksum(DATA), False),  # damaged on the way
     (DATA[:-5], block_checksum(DATA[:-5]), False),  # short
-])
+], ids=["whole", "damaged", "short"])
 def test_a_block_that_arrives_in_pieces_is_read_whole_and_checked(body, checksum, ok):
     async def go():
         runner, address = await serve(trickle(body, checksum))
