@@ -300,12 +300,19 @@ def test_a_forged_bind_of_a_pod_the_extender_never_filtered_binds_nothing(k8s):
 
 def test_scheduler_accepted_every_extender_response(k8s):
     """After the tests above, kube-scheduler logged no extender failure other than the deliberate outage."""
-    lines = k8s.log("kube-scheduler").splitlines()
-    trouble = [line for line in lines if "Skipping extender" in line or "Failed to run extender" in line
-               or ("extender" in line.lower() and " err=" in line)]
-    # The outage in the locality test shows up (so these lines are what we think they are) ...
-    assert any("connection refused" in line and "filter" in line for line in trouble)
-    assert any("Skipping extender in bind" in line for line in trouble)
+    def trouble_lines() -> list[str]:
+        return [line for line in k8s.log("kube-scheduler").splitlines()
+                if "Skipping extender" in line or "Failed to run extender" in line
+                or ("extender" in line.lower() and " err=" in line)]
+
+    def outage_seen(lines: list[str]) -> bool:
+        return (any("connection refused" in line and "filter" in line for line in lines)
+                and any("Skipping extender in bind" in line for line in lines))
+
+    # The outage in the locality test shows up (so these lines are what we think they are; kube-scheduler's log
+    # reaches its file within klog's flush interval, 5 s) ...
+    trouble = wait_for(lambda: (lines := trouble_lines()) and outage_seen(lines) and lines, 30,
+                       "the extender outage in kube-scheduler's log")
     # ... and nothing else: every filter, prioritize and bind answer was accepted.
     bad = [line for line in trouble if "connection refused" not in line]
     assert not bad, "\n".join(bad[:20])
