@@ -30,11 +30,12 @@ from typing import Any
 
 from cachefs.base import metrics
 from cachefs.base.config import Config, prepare_cache_dir, resolve_size, tier_names
-from cachefs.base.errors import ConfigError
+from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.base.memory import bound_allocator
 from cachefs.base.types import DatasetRef, Entry, object_key
 from cachefs.cluster.link import GroupLink
 from cachefs.index import DatasetRecord, Index
+from cachefs.index.counters import NodeCounters
 from cachefs.manifest import ManifestStore, take_snapshot
 from cachefs.manifest.dataset import Dataset
 from cachefs.manifest.shipping import ReceivedListing
@@ -98,6 +99,8 @@ class Engine:
         #: The packed mirror tier, when the small files' chain has one.
         self.mirror = mirror if isinstance(mirror, MirrorTier) else None
         self._metric_deltas = metrics.Deltas()
+        self.counters = NodeCounters(self.index)
+        self._tiers_counted: dict[str, int] = {}
         self._sources: dict[tuple, Source] = {}
         self._first_snapshot: dict[str, asyncio.Lock] = {}
         self._stats_task: asyncio.Task | None = None
@@ -281,17 +284,35 @@ class Engine:
         self.objects.close_evicted()
         self.evictor.flush_stats()
         self._push_metrics()
+        self._count_tiers()
         try:
             total, free = self.store.disk_usage()
             self.index.keep_reserve(total, free - self.min_free)
         except OSError as exc:
             log.debug("index reserve: %s", exc)
 
+    def _count_tiers(self) -> None:
+        """Bytes served by tier and corrupt reads since the last flush, into the index (this cache directory's
+        figures, whichever process counted them)."""
+        served = dict(self.stats.served)
+        tiers, _ = self.tier_counts.snapshot()
+        now = {**{f"tier:{k}": n for k, n in tiers.items()},
+               "tier:local": sum(n for (_k, result), n in served.items() if result == "hit"),
+               **{f"corrupt:{k}": n for k, n in dict(self.stats.corrupt).items()}}
+        deltas = {k: n - self._tiers_counted.get(k, 0) for k, n in now.items()}
+        try:
+            self.counters.add(deltas)
+            self._tiers_counted = now
+        except CacheFSError as exc:  # (a full disk: counted at the next flush)
+            log.debug("tier bytes not recorded: %s", exc)
+
     def _push_metrics(self) -> None:
         push = self._metric_deltas.push
         served = dict(self.stats.served)
         for (kind, result), n in served.items():
             push(metrics.READ_BYTES, (kind, result), n)
+        for kind, n in dict(self.stats.corrupt).items():
+            push(metrics.CORRUPT_READS, (kind,), n)
         push(metrics.TIER_BYTES, ("local",), sum(n for (_k, result), n in served.items() if result == "hit"))
         tiers, fallbacks = self.tier_counts.snapshot()
         for tier, n in tiers.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import signal
@@ -25,9 +26,9 @@ from aiohttp import web
 
 from cachefs.agent.peer_server import make_peer_app
 from cachefs.agent.serving import GroupServing
-from cachefs.base.config import Config, parse_listen
+from cachefs.base.config import ClusterConfig, Config, parse_listen, prepare_cache_dir
 from cachefs.base.errors import ConfigError
-from cachefs.cluster.auth import SharedSecret, TokenReviewer
+from cachefs.cluster.auth import SharedSecret, TokenReviewer, check_credentials
 from cachefs.cluster.heat import HeatTracker, hot_bytes_per_s
 from cachefs.cluster.members_file import REWRITE_EVERY, MembersRecord, members_path, placement_path, write_members
 from cachefs.cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTable, parse_peers
@@ -73,7 +74,40 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
                     ready_file: str | None = None) -> int:
     """Run until SIGTERM/SIGINT."""
     k = config.cluster
+    token_named = k.token_file != ClusterConfig().token_file
+    if k.secret_file or token_named:  # named on the command line or in the config: wrong at once is wrong
+        check_credentials(k.secret_file, k.token_file, token_named=token_named)
     node = node_name(config)
+    lock = _lock_cache_dir(config, node)  # one agent per cache directory: a second one would fight the first
+    try:
+        return await _run_agent(config, node, kubeconfig=kubeconfig, metrics_listen=metrics_listen,
+                                ready_file=ready_file, token_named=token_named)
+    finally:
+        os.close(lock)
+
+
+def _lock_cache_dir(config: Config, node: str) -> int:
+    """Hold ``<cache dir>/cluster/agent.lock`` (an exclusive flock, until this process ends) with who holds it
+    written inside; ConfigError naming the other agent when one holds it already."""
+    path = os.path.join(config.cache.dir, "cluster", "agent.lock")
+    prepare_cache_dir(config.cache.dir)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"cache directory {config.cache.dir} is already served by an agent ({other}); give each "
+                          "agent a cache directory of its own (--cache-dir)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}, node {node}, listening on {config.cluster.listen}\n".encode(), 0)
+    return fd
+
+
+async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metrics_listen: str | None,
+                     ready_file: str | None, token_named: bool) -> int:
+    k = config.cluster
     kube = None
     if not k.peers or not k.secret_file:
         from cachefs.kube import KubeClient, load_kube_config
@@ -94,6 +128,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
         return 0
     config = dataclasses.replace(config, cluster=dataclasses.replace(k, group=group))
     k = config.cluster
+    check_credentials(k.secret_file, k.token_file, token_named=token_named)  # (in a group, the default token too)
     engine = get_engine(config)
     engine.fetch_for_group()
     await engine.start_background()
@@ -121,7 +156,7 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
     else:
         assert kube is not None  # (made above: no shared secret)
         verifier = TokenReviewer(kube)
-    serving = GroupServing(engine, k.serve.split(","))
+    serving = GroupServing(engine, k.serve)
     heat = HeatTracker(hot_requests=k.hot_requests_per_s, hot_bytes=hot_bytes_per_s(k), replicas=k.hot_replicas)
     tls = GroupTLS.of(k.tls_cert, k.tls_key, k.tls_ca)
     app = make_peer_app(serving, table, verifier, weight=float(engine.capacity), ready=synced.is_set, heat=heat,

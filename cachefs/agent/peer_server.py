@@ -36,7 +36,7 @@ from cachefs.base.errors import CacheFSError
 from cachefs.base.types import Entry, object_key
 from cachefs.cluster.auth import Forbidden, Unauthorized
 from cachefs.cluster.heat import HOT_HEADER, HeatTracker
-from cachefs.cluster.keys import ASKED_AS_REPLICA, OWNERS_THAT_FETCH, DirectoryWindows, block_key
+from cachefs.cluster.keys import ASKED_AS_REPLICA, ASKED_BY, OWNERS_THAT_FETCH, DirectoryWindows, block_key
 from cachefs.cluster.membership import MemberTable
 from cachefs.cluster.peer_client import CHECKSUM_HEADER, MEMBER_HEADER
 from cachefs.cluster.placement import RANK
@@ -130,9 +130,11 @@ class PeerHandlers:
     async def _bytes(self, request: web.Request, ds: Dataset, entry: Entry, idx: int | None,
                      key: bytes) -> tuple[bytes, int] | None:
         token = ASKED_AS_REPLICA.set(request.query.get("replica", "0") == "1")
+        asker = ASKED_BY.set(request["member"])
         try:
             return await self.serving.bytes_for(ds, entry, idx, fetch=self._fetches(request, key))
         finally:
+            ASKED_BY.reset(asker)
             ASKED_AS_REPLICA.reset(token)
 
     async def _file(self, request: web.Request, *, block: bool) -> tuple[Dataset, Entry, int | None] | web.Response:

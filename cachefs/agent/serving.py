@@ -1,10 +1,11 @@
 """What the agent serves its cache group, apart from HTTP: which datasets, which files, which bytes.
 
 A request names a dataset by id, a file by its dataset-relative path and version (ETag), and a block by its
-index. All of it is looked up in the manifests this node holds; nothing in a request is ever used as a path or a
-URL to fetch. A dataset the node does not know yet is opened only if its URL (sent along) hashes to the id and
-starts with one of the prefixes this node serves (``cluster.serve``): a peer cannot make a node fetch
-arbitrary URLs, and the node fetches with its own origin settings.
+index. All of it is looked up in the manifests this node holds; nothing in a request is ever used as a path. A
+dataset the node does not know yet is opened only if its URL (sent along) hashes to the id and this node serves it
+(``cluster.serve``: by default any dataset its group reads, on a remote origin, so that the group reads each byte
+from the origin once whichever node reads first; or URL prefixes; or none). The node fetches with its own origin
+settings, and never a local path (``file://``) for a member.
 """
 
 from __future__ import annotations
@@ -23,16 +24,27 @@ __all__ = ["GroupServing"]
 log = logging.getLogger(__name__)
 
 
+#: Schemes of datasets on this node's own file system: never fetched on a member's behalf.
+LOCAL_SCHEMES = ("file", "local")
+
+
 class GroupServing:
-    def __init__(self, engine: Engine, serve_prefixes: list[str]) -> None:
+    """``serve``: ``cluster.serve`` ("*", "none", or URL prefixes separated by commas)."""
+
+    def __init__(self, engine: Engine, serve: str = "*") -> None:
         self.engine = engine
-        self.prefixes = [p.rstrip("/") for p in serve_prefixes if p.strip()]
+        spec = serve.strip()
+        self.any_remote = spec == "*"
+        self.prefixes = [] if spec in ("*", "none", "") else [p.strip().rstrip("/") for p in spec.split(",") if p.strip()]
         self._open: dict[str, Dataset] = {}
         self._opening: dict[str, asyncio.Lock] = {}
 
     def serves(self, url: str) -> bool:
-        """Whether this node fetches ``url`` for the group when it owns a key of it."""
-        return any(url == p or url.startswith(p + "/") for p in self.prefixes)
+        """Whether this node fetches ``url`` for the group when it owns a key of it (datasets a reader on this node
+        opened are served whatever this says)."""
+        if url.split("://", 1)[0].lower() in LOCAL_SCHEMES:
+            return False
+        return self.any_remote or any(url == p or url.startswith(p + "/") for p in self.prefixes)
 
     async def dataset(self, ds_id: str, url: str = "") -> Dataset | None:
         """The dataset ``ds_id``, opened here: one this node knows, or ``url`` if it is that dataset and one
@@ -83,10 +95,14 @@ class GroupServing:
         return raw, block_checksum(raw)
 
     async def take_pushed(self, ds_id: str, url: str, raw: bytes) -> bool:
-        """A manifest a member took of a dataset this node knows (``cachefs refresh`` there): it becomes this
-        node's current version too (pinned versions stay). False for a dataset this node does not know."""
+        """A manifest a member took (``cachefs refresh`` there): it becomes this node's current version of the
+        dataset (pinned versions stay), if this node knows the dataset or serves it. False otherwise."""
         rec = self.engine.dataset_record(ds_id)
-        if rec is None or not rec.manifests or (url and url != rec.url):
+        if rec is None or not rec.manifests:
+            if not url or dataset_id(url) != ds_id or not self.serves(url):
+                return False
+        elif url and url != rec.url:
             return False
-        await self.engine.adopt_manifest(rec.url, unpack_manifest(raw, rec.url))
+        target = rec.url if rec is not None and rec.manifests else url
+        await self.engine.adopt_manifest(target, unpack_manifest(raw, target))
         return True

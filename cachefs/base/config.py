@@ -166,10 +166,11 @@ class ClusterConfig:
     listen: str = "0.0.0.0:7480"
     #: How the other members reach this one, HOST:PORT ("" = ``$POD_IP`` and the listen port).
     advertise: str = ""
-    #: Datasets this node fetches from the origin for the group when it owns a key, as URL prefixes separated
-    #: by commas, with the node's own origin settings. "" = only datasets a reader on this node opened itself.
-    #: A peer can never make a node fetch anything else.
-    serve: str = ""
+    #: Datasets this node fetches from the origin for the group when it owns a key of them, with the node's own
+    #: origin settings: "*" any dataset a member of the group reads (learnt from the members' requests and pushed
+    #: manifests; never file:// or local://), or URL prefixes separated by commas, or "none": only datasets a
+    #: reader on this node opened itself (docs/SECURITY.md: what a member can make another fetch).
+    serve: str = "*"
     #: A static member list, ``name=host:port[@weight],…`` (one host, tests); "" = the Kubernetes API.
     peers: str = ""
     #: The headless Service over the node pods, NAMESPACE/NAME: its ready endpoints on nodes of this group (by
@@ -300,6 +301,10 @@ class Config:
         if not 0 <= k.hot_replicas <= MAX_REPLICAS:
             raise ConfigError(f"cluster.hot_replicas must be between 0 and {MAX_REPLICAS}")
         parse_replicas(k.replicas)
+        if k.serve.strip() not in ("*", "none", "") and any(
+                "://" not in p for p in k.serve.split(",") if p.strip()):
+            raise ConfigError(f"cluster.serve {k.serve!r}: expected *, none, or dataset URL prefixes separated by "
+                              "commas (s3://bucket/prefix,…)")
         tls = (k.tls_cert, k.tls_key, k.tls_ca)
         if any(tls) and not all(tls):
             raise ConfigError("cluster.tls_cert, cluster.tls_key and cluster.tls_ca go together")

@@ -36,7 +36,7 @@ from cachefs.base.errors import (
     TruncatedBodyError,
 )
 
-__all__ = ["BatchedHistogram", "Deltas", "multiprocess", "node_totals", "result_of", "safely"]
+__all__ = ["BatchedHistogram", "Deltas", "multiprocess", "result_of", "safely"]
 
 #: Latency buckets of origin requests: a local S3 answers in a millisecond, a cross-region one in a second.
 _ORIGIN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -47,6 +47,8 @@ FUSE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 READ_BYTES = Counter("cachefs_read_bytes", "Bytes served to readers (mount, cachefs::), by file kind and whether they "
                      "were on this node before the read asked (hit) or fetched for it (miss)", ["kind", "result"])
 TIER_BYTES = Counter("cachefs_tier_bytes", "Bytes served to the read paths, by where they came from", ["tier"])
+CORRUPT_READS = Counter("cachefs_corrupt_reads", "Cached blocks or small files that failed their checksum on this "
+                        "node's disk (dropped and fetched again), by file kind", ["kind"])
 TIER_FALLBACKS = Counter("cachefs_tier_fallbacks", "Times a tier could not serve and the next one was asked, by "
                          "tier and reason", ["tier", "reason"])
 ORIGIN_REQUESTS = Counter("cachefs_origin_requests", "Requests to the origin (each attempt), by kind and result",
@@ -97,27 +99,6 @@ def safely(update: Callable[[], object]) -> None:
 def multiprocess() -> bool:
     """Whether this process writes its metrics for a node-wide endpoint (PROMETHEUS_MULTIPROC_DIR is set)."""
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-
-
-def node_totals(metric: str, directory: str) -> dict[tuple[str, ...], float]:
-    """The sums over the node's processes of one counter (its ``_total`` samples by label values), read from
-    their multiprocess files in ``directory`` (``metrics.dir``); empty without them. What ``cachefs status``
-    shows of the metrics."""
-    d = directory
-    if not d or not os.path.isdir(d):
-        return {}
-    from prometheus_client import CollectorRegistry
-    from prometheus_client import multiprocess as mp
-
-    registry = CollectorRegistry()
-    mp.MultiProcessCollector(registry, path=d)
-    out: dict[tuple[str, ...], float] = {}
-    for family in registry.collect():
-        if family.name == metric:
-            for sample in family.samples:
-                if sample.name == metric + "_total":
-                    out[tuple(sample.labels.values())] = sample.value
-    return out
 
 
 def _forget_at_exit() -> None:

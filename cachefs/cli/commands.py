@@ -64,6 +64,10 @@ async def status(args: argparse.Namespace, config: Config) -> int:
         opens = ", opens skipped" if m.get("opens_skipped") else ""
         serving = f"mode {m['mode']}{opens}  pid {m['pid']}" if m.get("pid") else m.get("state", "starting")
         print(f"mount      {m['mountpoint']}  {m['url']}  {serving}")
+    corrupt = sum(rep.get("corrupt_reads", {}).values())
+    if corrupt:
+        print(f"disk       {corrupt} cached block(s) or file(s) failed their checksum and were fetched again "
+              "(see the logs: is the cache disk healthy?)")
     if not rep["datasets"]:
         print("no datasets cached")
         return 0
@@ -164,7 +168,7 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
                                 passthrough=not args.no_passthrough, prefill=not args.no_prefill,
                                 skip_opens=not args.keep_opens)
         return 0
-    await asyncio.to_thread(_check_mountpoint, config, mnt)
+    await asyncio.to_thread(_check_mountpoint, config, mnt, args.nonempty)
     # The dataset opens (credentials, bucket, a manifest on this node) before anything is mounted, so a typo
     # is one line and an exit code, never a mount that hangs.
     engine = Engine(config)
@@ -175,7 +179,8 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
             *_mount_options(args, config)]
     if args.foreground:  # this process holds the mount; the daemon serving it is its child
-        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after)
+        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
+                          nonempty=args.nonempty)
     # Background: the same command in the foreground, in its own session; return once it serves.
     log_path = mount_log_path(config, mnt)
     proc = await asyncio.to_thread(start_holder, argv, mnt, log_path, cache_dir=config.cache.dir)
@@ -193,7 +198,7 @@ def mount_log_path(config: Config, mountpoint: str) -> str:
     return os.path.join(config.cache.log_dir, os.path.basename(mount_file("", mountpoint, ".log")))
 
 
-def _check_mountpoint(config: Config, mnt: str) -> None:
+def _check_mountpoint(config: Config, mnt: str, nonempty: bool = False) -> None:
     """An existing directory that no live cachefs mount occupies; never waits on a hung mount."""
     import os
 
@@ -215,6 +220,10 @@ def _check_mountpoint(config: Config, mnt: str) -> None:
         raise ConfigError(f"mount point {mnt} does not exist")
     if not os.path.isdir(mnt):
         raise ConfigError(f"mount point {mnt} is not a directory")
+    if not nonempty:
+        from cachefs.fuse.holder import check_empty
+
+        check_empty(mnt)
 
 
 def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
@@ -231,6 +240,10 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
         out.append("--no-prefill")
     if args.keep_opens:
         out.append("--keep-opens")
+    if args.allow_other:
+        out.append("--allow-other")
+    if args.nonempty:
+        out.append("--nonempty")
     if args.verbose:
         out.append("-" + "v" * args.verbose)
     return out

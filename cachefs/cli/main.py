@@ -143,6 +143,11 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--answer-after", type=float, default=10.0, metavar="SECONDS",
                     help="when the serving daemon dies and cannot be started again, readers wait this long, then "
                          "get errors (EIO; ENOTCONN for statfs) until it can (default 10)")
+    mt.add_argument("--allow-other", action="store_true",
+                    help="let every user of this machine read the mount (by default only the user who mounted it; "
+                         "as another user than root, /etc/fuse.conf must say user_allow_other)")
+    mt.add_argument("--nonempty", action="store_true",
+                    help="mount over a directory that has entries (they are hidden until unmounted)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
 
     um = sub.add_parser("umount", parents=[base], help="unmount a cachefs mount")
@@ -170,7 +175,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--service", dest="cluster_service",
                    help="NAMESPACE/NAME of the headless Service over the node pods (default cachefs-system/cachefs-peers)")
     g.add_argument("--serve", dest="cluster_serve",
-                   help="dataset URL prefixes this node fetches for the group, comma-separated")
+                   help="datasets this node fetches for the group: * (default: any the group reads), URL prefixes "
+                        "separated by commas, or none (only datasets a reader on this node opened)")
     g.add_argument("--secret-file", dest="cluster_secret_file",
                    help="a secret shared by the group instead of ServiceAccount tokens (one host, tests)")
     g.add_argument("--token-file", dest="cluster_token_file", help="this node's projected ServiceAccount token")

@@ -9,8 +9,11 @@ short while, and then checks that the node is a member of its group:
 * a valid token of another service account (any pod may ask kubelet for a token with our audience, but only node
   pods run as ``cachefs-system/cachefs-node``), or of a node outside this group: 403.
 
-Without Kubernetes (``--peers``, one host, tests) the group shares a secret in a file (``--peer-token-file``): a
-token equal to it authenticates, and the member's name comes from the ``X-Cachefs-Member`` header.
+Without Kubernetes (``--peers``, one host, tests) the group shares a secret in a file (``--secret-file``,
+``cluster.secret_file``): a token equal to it authenticates, and the member's name comes from the
+``X-Cachefs-Member`` header. Either way is checked when the agent starts (:func:`check_credentials`): a secret file
+that is missing or empty, or a secret and a token both named, stop it with one line instead of 401s between peers
+later.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import hmac
 import time
 from dataclasses import dataclass
 
+from cachefs.base.errors import ConfigError
 from cachefs.kube import ApiError, KubeClient
 
-__all__ = ["AUDIENCE", "NODE_ACCOUNT", "Forbidden", "Identity", "SharedSecret", "TokenReviewer", "Unauthorized", "read_token"]
+__all__ = ["AUDIENCE", "NODE_ACCOUNT", "Forbidden", "Identity", "SharedSecret", "TokenReviewer", "Unauthorized",
+           "check_credentials", "read_token"]
 
 #: The audience of the tokens node pods present to each other.
 AUDIENCE = "cachefs.io/peer"
@@ -52,6 +57,24 @@ class Identity:
 def read_token(path: str) -> str:
     with open(path) as f:
         return f.read().strip()
+
+
+def check_credentials(secret_file: str, token_file: str, *, token_named: bool) -> None:
+    """ConfigError unless this member can prove itself to its group: a readable, non-empty ``secret_file``, or (no
+    secret) a readable ``token_file``; never both named (``token_named``: the token file was set, not defaulted)."""
+    if secret_file and token_named:
+        raise ConfigError("cluster.secret_file (--secret-file) and cluster.token_file (--token-file) both given: a "
+                          "group authenticates with one or the other")
+    path, what = (secret_file, "cluster.secret_file (--secret-file)") if secret_file else \
+        (token_file, "cluster.token_file (--token-file)")
+    try:
+        value = read_token(path)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path}: not text") from None
+    if not value:
+        raise ConfigError(f"{what} {path}: empty")
 
 
 class SharedSecret:

@@ -14,7 +14,7 @@ from contextvars import ContextVar
 
 from cachefs.manifest.dataset import Dataset
 
-__all__ = ["ASKED_AS_REPLICA", "MANIFEST_CANDIDATES", "OWNERS_THAT_FETCH", "SMALL_WINDOW", "DirectoryWindows",
+__all__ = ["ASKED_AS_REPLICA", "ASKED_BY", "MANIFEST_CANDIDATES", "OWNERS_THAT_FETCH", "SMALL_WINDOW", "DirectoryWindows",
            "block_key", "manifest_key", "small_key"]
 
 #: A key's first candidates fetch it from the origin when asked (the owner, and the one asked when it fails).
@@ -24,6 +24,8 @@ MANIFEST_CANDIDATES = 4
 #: Set while the agent answers a reader that chose this node as a replica of a hot key: what is missing is asked
 #: of the key's owners (one origin fetch per group), never straight from the origin first.
 ASKED_AS_REPLICA: ContextVar[bool] = ContextVar("asked_as_replica", default=False)
+#: Set while the agent answers a member: its name (that member does not hold what it asks for).
+ASKED_BY: ContextVar[str] = ContextVar("asked_by", default="")
 #: Small files are placed by windows of this many names of their directory (sorted): neighbours, read ahead and
 #: packed together, share an owner, and a directory of a million files still spreads over the group.
 SMALL_WINDOW = 256

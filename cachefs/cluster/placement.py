@@ -125,7 +125,7 @@ class Placement:
         """Write the table (atomically) for the node's other processes: a reader in a group of thousands of
         members then loads it instead of building it (10 s at 5,000 members)."""
         atomic_write(path, lambda f: np.savez(f, names=np.array(self.names, dtype=str), weights=self._weights,
-                                              who=self._who, score=self._score))
+                                              who=self._who, score=self._score), dir_mode=0o700)
 
     @classmethod
     def load(cls, path: str, members: Sequence[Weighted]) -> Placement | None:

@@ -29,12 +29,15 @@ __all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_moun
 log = logging.getLogger("cachefs.fuse")
 
 
-def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str], *, answer_after: float = 10.0) -> int:
+def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str], *, answer_after: float = 10.0,
+               allow_other: bool = False, nonempty: bool = False) -> int:
     """Mount ``mountpoint`` and keep it mounted until unmounted, serving it by running ``daemon_argv`` (plus
     ``--attach SOCKET``) and restarting that daemon whenever it dies: readers wait, they never see ENOTCONN
-    (unless no daemon can start for a while; see :mod:`.holder`)."""
+    (unless no daemon can start for a while; see :mod:`.holder`). Only the mounting user may read it unless
+    ``allow_other``."""
     holder = MountHolder(mountpoint, socket_path_for(mount_file(config.cache.dir, mountpoint, ".sock")), url=url,
-                         cache_dir=config.cache.dir, answer_after=answer_after)
+                         cache_dir=config.cache.dir, answer_after=answer_after, allow_other=allow_other,
+                         nonempty=nonempty)
     holder.mount()
     return holder.run([*daemon_argv, "--attach", holder.socket_path])
 

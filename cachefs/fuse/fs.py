@@ -219,6 +219,7 @@ class CacheFS:
             self._idle.pop(n.ino, None)
         if self.passthrough and (n.backing_id or self._register_backing(n, file)):
             h.passthrough = True
+            file.read_by_kernel()
         if not h.passthrough:
             # Only at the first open: a page another open cached, or a READ the kernel has in flight for it,
             # would make the store wait on a locked page, and the request thread holding the device with it.

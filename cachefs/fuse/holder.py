@@ -32,6 +32,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -60,9 +61,36 @@ _SUN_PATH_MAX = 107
 
 
 def socket_path_for(path: str) -> str:
-    """``path`` for a unix socket, or a short name in /tmp derived from it if it is too long to bind."""
+    """``path`` for a unix socket, or, when it is too long to bind (108 bytes), a short name derived from it in
+    this user's runtime directory (:func:`runtime_dir`)."""
     if len(path.encode()) > _SUN_PATH_MAX:
-        path = os.path.join("/tmp", f"cachefs-{hashlib.blake2b(path.encode(), digest_size=8).hexdigest()}.sock")
+        path = os.path.join(runtime_dir(), f"{hashlib.blake2b(path.encode(), digest_size=8).hexdigest()}.sock")
+    return path
+
+
+def check_empty(mountpoint: str) -> None:
+    """ConfigError if ``mountpoint`` has entries: a mount over them would hide them until unmounted (fusermount
+    refuses this too, without ``-o nonempty``)."""
+    with os.scandir(mountpoint) as it:
+        if next(it, None) is not None:
+            raise ConfigError(f"mount point {mountpoint} is not empty (a mount would hide what is in it until "
+                              "unmounted); choose an empty directory, or pass --nonempty")
+
+
+def runtime_dir() -> str:
+    """A directory only this user can enter, for sockets: ``/run/cachefs`` for root, ``$XDG_RUNTIME_DIR/cachefs``
+    otherwise, else ``/tmp/cachefs-<uid>``; made (0700) if missing, refused if it is someone else's."""
+    if os.geteuid() == 0:
+        path = "/run/cachefs"
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = os.path.join(os.environ["XDG_RUNTIME_DIR"], "cachefs")
+    else:
+        path = f"/tmp/cachefs-{os.geteuid()}"
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o077:
+        raise ConfigError(f"{path}: not a private directory of this user (owner uid {st.st_uid}, mode "
+                          f"{stat.S_IMODE(st.st_mode):o}); cannot put the mount's socket there")
     return path
 
 
@@ -221,8 +249,11 @@ class MountHolder:
 
     def __init__(self, mountpoint: str, socket_path: str, *, url: str = "", cache_dir: str | None = None,
                  restart_delay: float = 0.2, max_restart_delay: float = 5.0, answer_after: float = 10.0,
-                 max_failing_delay: float = 30.0) -> None:
+                 max_failing_delay: float = 30.0, allow_other: bool = False, nonempty: bool = False) -> None:
+        """``allow_other``: every user of the node may read the mount (by default only the one who mounted it);
+        ``nonempty``: mount over a directory that has entries (hidden until unmounted)."""
         self.mountpoint = os.path.abspath(mountpoint)
+        self.allow_other, self.nonempty = allow_other, nonempty
         self.socket_path = socket_path
         self.url, self.cache_dir = url, cache_dir
         self.restart_delay, self.max_restart_delay = restart_delay, max_restart_delay
@@ -253,11 +284,18 @@ class MountHolder:
             raise ConfigError(f"mount point {self.mountpoint} does not exist")
         if not os.path.isdir(self.mountpoint):
             raise ConfigError(f"mount point {self.mountpoint} is not a directory")
-        self.fd = open_and_mount(self.mountpoint)
-        self.responder = ErrorResponder(self.fd)
-        set_read_ahead(self.mountpoint, READ_AHEAD_KIB)
-        self._listen()
-        self._set_state("starting", "")
+        if not self.nonempty:
+            check_empty(self.mountpoint)
+        self.fd = open_and_mount(self.mountpoint, allow_other=self.allow_other)
+        try:
+            self.responder = ErrorResponder(self.fd)
+            set_read_ahead(self.mountpoint, READ_AHEAD_KIB)
+            self._listen()
+            self._set_state("starting", "")
+        except BaseException:  # a mount that cannot be served is never left behind
+            unmount(self.mountpoint)
+            self.close()
+            raise
 
     def _listen(self) -> None:
         os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)

@@ -43,7 +43,7 @@ def open_fuse_device() -> int:
                            "passed into this container?)", errno_=exc.errno) from None
 
 
-def open_and_mount(mountpoint: str, *, allow_other: bool = True) -> int:
+def open_and_mount(mountpoint: str, *, allow_other: bool = False) -> int:
     """Mount a new FUSE file system at ``mountpoint`` (read-only, nosuid, nodev) and return its ``/dev/fuse``
     descriptor: by mount(2) as root, through ``fusermount3`` otherwise."""
     if os.geteuid() != 0:
@@ -91,7 +91,7 @@ def _user_allow_other() -> bool:
         return False
 
 
-def mount_fuse(fd: int, mountpoint: str, *, fsname: str = "cachefs", allow_other: bool = True) -> None:
+def mount_fuse(fd: int, mountpoint: str, *, fsname: str = "cachefs", allow_other: bool = False) -> None:
     """Mount the session on ``fd`` at ``mountpoint``, read-only, nosuid, nodev (needs root)."""
     st = os.stat(mountpoint)
     opts = f"fd={fd},rootmode={st.st_mode & 0o170000:o},user_id=0,group_id=0,default_permissions"

@@ -36,6 +36,9 @@ class ReadStats:
         #: object key (directory read-ahead, the rest of a mirror window), and blocks of large files.
         self._came_ahead: set[bytes] = set()
         self._blocks_ahead: dict[bytes, set[int]] = {}
+        #: Cached bytes that failed their checksum on this node's disk since start, by file kind (block, small):
+        #: a disk that rots shows here (cachefs_corrupt_reads_total, cachefs status).
+        self.corrupt: dict[str, int] = {}
 
     def count(self, ds_id: str, accessed_path: str | None, hit: int, miss: int, kind: str = "block") -> None:
         """Hit and miss bytes of a dataset (``kind``: a ``block`` or a ``small`` file's), and (``accessed_path``)
@@ -60,6 +63,10 @@ class ReadStats:
             if acc is None:
                 acc = self._packs[pkey] = [0.0, 0]
             acc[0], acc[1] = time.time(), acc[1] + 1
+
+    def note_corrupt(self, kind: str) -> None:
+        with self._lock:
+            self.corrupt[kind] = self.corrupt.get(kind, 0) + 1
 
     def note_ahead(self, okeys: Iterable[bytes]) -> None:
         """These small files came by read-ahead."""

@@ -61,6 +61,10 @@ class OpenFile(abc.ABC):
         """A new read-only descriptor of the complete local file (for FUSE passthrough), or None."""
         return None
 
+    def read_by_kernel(self) -> None:  # noqa: B027 - optional hook
+        """The kernel reads this file from its local file itself from now on (FUSE passthrough), unseen here: count
+        it as one access whose bytes are all hits (what a reader of a passthrough file reads cannot be known)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """The reader closed the file (eviction may take it now)."""
 

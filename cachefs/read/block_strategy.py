@@ -203,8 +203,10 @@ class BlockStrategy(ReadStrategy):
         return b"".join(parts)
 
     def _drop_corrupt(self, ob: OpenObject, exc: CorruptBlockError) -> None:
-        idx = getattr(exc, "block", None)
-        log.warning("%s; dropping the block so it is fetched again", exc)
+        idx = exc.block
+        self.stats.note_corrupt("block")
+        log.warning("dataset %s, %s: block %s failed its checksum on this node's disk (%s); dropped, fetched again",
+                    ob.record.dataset, ob.record.path, idx, ob.stored.path)
         if idx is None:
             return
         ob.present.pop(idx, None)
@@ -431,6 +433,11 @@ class BlockFile(OpenFile):
         if start >= end:
             return b""
         return await self.strategy.read(self.ds, self.entry, start, end, self.stream, self.okey)
+
+    def read_by_kernel(self) -> None:
+        ob = self.pin
+        if ob is not None:
+            self.strategy._count(ob, self.ds.ref.id, self.stream, hit=self.entry.size)
 
     def local_fd(self) -> int | None:
         """A new descriptor of the pinned, complete cache file (a descriptor, not a path eviction could swap)."""

@@ -99,7 +99,9 @@ class PackReads:
         finally:
             self._put_back(pkey, fd)
         if member is CORRUPT:
-            log.warning("pack %016x: a member failed its checksum; dropping it so it is fetched again", pack_id)
+            self.stats.note_corrupt("small")
+            log.warning("dataset %s: a small file (object key %s) failed its checksum in pack %016x on this node's "
+                        "disk; dropped, fetched again", ds_id, okey.hex(), pack_id)
             self.index.drop_packed(ds_id, okey)
             return None
         return member

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachefs.base.config import Config
-from cachefs.base.errors import InvalidURLError
+from cachefs.base.errors import InvalidURLError, translate_origin_error
 from cachefs.sources.base import RetryingSource, RetryPolicy, Source, with_retries
 
 __all__ = ["RetryPolicy", "RetryingSource", "Source", "open_origin", "open_raw_origin", "with_retries"]
@@ -36,6 +36,11 @@ def open_raw_origin(url: str, config: Config, storage_options: dict[str, Any] | 
     from cachefs.sources.generic import FsspecSource
 
     try:
-        return FsspecSource(scheme, config.origin, storage_options)
+        return FsspecSource(scheme, config.origin, storage_options, url=url)
     except ImportError as exc:
-        raise InvalidURLError(f"{url!r}: the {scheme}:// backend is not installed ({exc.name})") from None
+        raise InvalidURLError(f"{url!r}: the {scheme}:// backend is not installed ({exc.msg or exc.name})") from None
+    except OSError as exc:  # a backend that connects as it starts (ftp://, sftp://): the origin's failure
+        raise translate_origin_error(exc, url) from None
+    except Exception as exc:  # noqa: BLE001 - a backend refusing its arguments: a bad URL or option, said in one line
+        raise InvalidURLError(f"{url!r}: cannot open the {scheme}:// file system ({type(exc).__name__}: {exc})"
+                              ) from None

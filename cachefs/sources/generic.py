@@ -42,12 +42,15 @@ def info_mtime(info: dict[str, Any]) -> float:
 class FsspecSource(Source):
     verifies_version = False
 
-    def __init__(self, protocol: str, origin: OriginConfig, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, protocol: str, origin: OriginConfig, storage_options: dict[str, Any] | None = None, *,
+                 url: str = "") -> None:
+        """``url``: a URL of the origin, whose host, port or user go to the file system as fsspec's own URL handling
+        would pass them (``ftp://host/…``, ``sftp://user@host/…``)."""
         import fsspec
 
         self._protocol = protocol
         cls = fsspec.get_filesystem_class(protocol)
-        opts = dict(storage_options or {})
+        opts = {**(cls._get_kwargs_from_urls(url) if url else {}), **(storage_options or {})}
         if getattr(cls, "async_impl", False):
             opts.setdefault("asynchronous", True)
         opts.setdefault("skip_instance_cache", True)

@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client import multiprocess as mp
 
 from cachefs.base.config import Config
+from cachefs.base.errors import ConfigError
 from cachefs.status.collector import NodeCollector
 
 __all__ = ["node_registry", "serve_metrics"]
@@ -29,5 +30,9 @@ def node_registry(config: Config) -> CollectorRegistry:
 
 
 def serve_metrics(config: Config, host: str, port: int):
-    """Serve ``/metrics`` on ``host:port`` from a thread of its own; returns (server, thread)."""
-    return start_http_server(port, addr=host, registry=node_registry(config))
+    """Serve ``/metrics`` on ``host:port`` from a thread of its own; returns (server, thread). ConfigError naming the
+    address when it cannot listen there (in use, not an address of this host)."""
+    try:
+        return start_http_server(port, addr=host, registry=node_registry(config))
+    except OSError as exc:
+        raise ConfigError(f"metrics endpoint {host}:{port}: {exc.strerror or exc}") from None

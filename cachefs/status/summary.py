@@ -14,8 +14,8 @@ import time
 from cachefs.base.config import Config, resolve_size
 from cachefs.base.errors import ObjectNotFoundError
 from cachefs.base.files import atomic_write
-from cachefs.base.metrics import node_totals
 from cachefs.index import Index
+from cachefs.index.counters import NodeCounters
 from cachefs.index.mounts import list_mounts
 
 __all__ = ["HEAT_STALE_AFTER", "NodeSummary", "cluster_report", "heat_path", "status_report", "write_heat"]
@@ -116,9 +116,12 @@ class NodeSummary:
             "mounts": list_mounts(c.dir),
             # The cache group, from what the node's agent wrote (None outside a group, or without an agent).
             "cluster": self.cluster(urls),
-            # From the metrics of this node's cachefs processes (docs/METRICS.md), when they share metrics.dir.
-            "tier_bytes": {labels[0]: int(v) for labels, v in node_totals("cachefs_tier_bytes",
-                                                                          self.config.metrics.dir).items()},
+            # Bytes served to readers of this cache directory by where they came from (every process adds to these
+            # in the index; a file read by FUSE passthrough counts whole, at its open).
+            "tier_bytes": NodeCounters(self.index).read("tier:"),
+            # Cached blocks and small files that failed their checksum on this node's disk (dropped, fetched
+            # again), by file kind: a disk that rots shows here.
+            "corrupt_reads": NodeCounters(self.index).read("corrupt:"),
         }
 
 

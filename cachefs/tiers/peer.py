@@ -27,21 +27,30 @@ saying so, or :data:`HOT_TTL` seconds after the owner last said it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import random
 import time
 from collections.abc import Callable
 
 from cachefs.base.config import parse_replicas
 from cachefs.base.errors import CacheFSError
-from cachefs.cluster.keys import ASKED_AS_REPLICA, OWNERS_THAT_FETCH, DirectoryWindows, block_key
+from cachefs.cluster.keys import ASKED_AS_REPLICA, ASKED_BY, OWNERS_THAT_FETCH, DirectoryWindows, block_key
 from cachefs.cluster.link import GroupView
 from cachefs.tiers.base import Keep, Kind, Served, Tier, TierParts, Want
 
-__all__ = ["BREAKER_FAILURES", "HOT_TTL", "Breaker", "PeerTier"]
+__all__ = ["BREAKER_FAILURES", "COLD_AFTER", "COLD_FOR", "HOLDER_ASKS", "HOT_TTL", "Breaker", "PeerTier"]
+
+log = logging.getLogger(__name__)
 
 BREAKER_FAILURES = 3
 #: Seconds a reader keeps spreading a hot directory after its owner last said it is hot.
 HOT_TTL = 10.0
+#: Members an owner asks whether they hold a key before it fetches the key from the origin.
+HOLDER_ASKS = 8
+#: A dataset whose holders' answers missed this many times in a row is cold for COLD_FOR seconds.
+COLD_AFTER = 16
+COLD_FOR = 30.0
 
 
 class Breaker:
@@ -93,6 +102,10 @@ class PeerTier(Tier):
         #: Requests that hedging sent to a second candidate; requests sent to a replica rather than the owner.
         self.hedged = 0
         self.spread = 0
+        #: Keys this agent took from members holding a copy instead of the origin.
+        self.from_holders = 0
+        #: Per dataset: holders' asks that missed in a row, and until when it is cold (see _from_holders).
+        self._cold: dict[str, tuple[int, float]] = {}
 
     @classmethod
     def build(cls, parts: TierParts, kind: Kind) -> PeerTier:
@@ -150,32 +163,88 @@ class PeerTier(Tier):
                 return None
             key = self.windows.key(want.ds, want.entry.path)
         if self.group.serving:
-            return self._served(await self._as_replica(key, want))
+            if ASKED_AS_REPLICA.get():
+                return self._served(await self._as_replica(key, want))
+            got = await self._from_holders(key, want)
+            return Served(got, self.name, Keep.OWN) if got is not None else None  # (the owner keeps its own)
         order = self._order(key, 1 + self.replicas(want))[: self.candidates]
         if not order:
             return None
         return self._served(await self._hedged(order, want, owner=table.placement.owner(key)))
 
+    async def _from_holders(self, key: bytes, want: Want) -> bytes | None:
+        """In the agent, about to fetch a key of its own from the origin: first from members that may hold a copy
+        (after a member left or joined, the keys that moved are mostly still in the group: the old owner's
+        replicas, the readers' guest copies). Up to :data:`HOLDER_ASKS` members (the one asking aside) are asked
+        at once whether they hold it, never to fetch it; the first to answer within ``hedge_after`` wins. A dataset
+        whose last :data:`COLD_AFTER` asks all missed is cold: its keys go to the origin at once for
+        :data:`COLD_FOR` seconds (a first epoch costs the group no more than a few asks), except keys this node
+        fetches in place of their owner (the owner is down: what it held is likely elsewhere too)."""
+        table = self.group.table
+        if table is None:
+            return None
+        ds_id = want.ds.ref.id
+        cold = self._cold.get(ds_id)
+        ranked = table.placement.owners(key)
+        in_place_of_owner = bool(ranked) and ranked[0] != table.self_name
+        if cold is not None and cold[1] > self.clock() and not in_place_of_owner:
+            return None
+        asker = ASKED_BY.get()
+        names = [n for n in table.members if n not in (table.self_name, asker) and table.active(n)
+                 and self.breaker.closed(n)]
+        names.sort(key=lambda n: hashlib.blake2b(key + n.encode(), digest_size=8).digest())  # spread, stable per key
+        tasks = [asyncio.ensure_future(self._ask(n, want, False, None)) for n in names[:HOLDER_ASKS]]
+        got = None
+        try:
+            pending = set(tasks)
+            deadline = self.clock() + self.hedge_after
+            while pending and got is None:
+                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - self.clock()),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    break  # the holders are slow: the origin then
+                for t in done:
+                    if not t.cancelled() and t.exception() is None and t.result() is not None:
+                        got = t.result()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        misses = 0 if got is not None else (cold[0] if cold is not None else 0) + 1
+        if misses >= COLD_AFTER:
+            self._cold[ds_id] = (0, self.clock() + COLD_FOR)
+        else:
+            self._cold[ds_id] = (misses, 0.0)
+        if got is not None:
+            self.from_holders += 1
+        return got
+
     async def _as_replica(self, key: bytes, want: Want) -> bytes | None:
         """In the agent, asked as a replica: the key from the members ranked before this one among those that
-        fetch from the origin (the owner first). Otherwise nothing: the agent fetches for the group itself."""
+        fetch from the origin (the owner first)."""
         table = self.group.table
-        if table is None or not ASKED_AS_REPLICA.get():
+        if table is None:
             return None
         ranked = table.placement.owners(key)
         if table.self_name not in ranked:
             return None
         before = ranked[: min(ranked.index(table.self_name), OWNERS_THAT_FETCH)]
         order = [n for n in before if self.breaker.closed(n) and table.active(n)]
-        return await self._hedged(order, want, owner=ranked[0]) if order else None
+        try:
+            got = await self._hedged(order, want, owner=ranked[0]) if order else None
+        except CacheFSError as exc:  # the owner is down: its copies may still be elsewhere in the group
+            log.info("asked as a replica, the owner failed (%s); asking the members that may hold a copy", exc)
+            got = None
+        return got if got is not None else await self._from_holders(key, want)
 
-    async def _ask(self, name: str, want: Want, fetch: bool, owner: str | None) -> bytes | None:
+    async def _ask(self, name: str, want: Want, fetch: bool, owner: str | None, *, replica: bool = False
+                   ) -> bytes | None:
         table, client = self.group.table, self.group.client
         member = table.member(name) if table is not None else None
         if member is None or client is None:
             return None
         ds, e = want.ds, want.entry
-        replica = name != owner and not self.group.serving
+        replica = replica and name != owner and not self.group.serving
         self.spread += replica
         self.in_flight[name] = self.in_flight.get(name, 0) + 1
         try:
@@ -207,8 +276,11 @@ class PeerTier(Tier):
         pending_names = list(order)
 
         def start_next(fetch: bool) -> None:
+            # Only the first ask can be a replica's (a hot directory spread over its holders); the next ones stand
+            # in for a slow or failed candidate: asked as such, they take copies from holders before the origin.
+            first = len(pending_names) == len(order)
             name = pending_names.pop(0)
-            tasks[asyncio.ensure_future(self._ask(name, want, fetch, owner))] = name
+            tasks[asyncio.ensure_future(self._ask(name, want, fetch, owner, replica=first))] = name
 
         start_next(True)
         try:

@@ -164,7 +164,11 @@ def test_pinned_manifest_keeps_old_bytes_new_manifest_sees_new(config, dataset):
     run(engine, scenario, src)
 
 
-def test_corrupt_block_is_refetched(config, dataset):
+def test_corrupt_block_is_refetched_counted_and_named(config, dataset, caplog):
+    """A block rotten on the disk is caught, fetched again (only that block), logged naming the object, and
+    counted: in the metrics' figures and, for the whole cache directory, in `cachefs status`."""
+    from cachefs.status.summary import status_report
+
     url, files, *_ = dataset
     engine = Engine(config)
     src, failing = sources(config)
@@ -181,6 +185,10 @@ def test_corrupt_block_is_refetched(config, dataset):
         before = failing.reads
         assert await engine.read(ds, e, 0, e.size) == files["big/0.bin"]
         assert failing.reads == before + 1  # just the bad block
+        assert engine.stats.corrupt == {"block": 1}
+        engine.flush_stats()
+        assert status_report(config)["corrupt_reads"] == {"block": 1}
+        assert any("big/0.bin: block 1 failed its checksum" in r.getMessage() for r in caplog.records)
 
     run(engine, scenario, src)
 

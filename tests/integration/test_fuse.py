@@ -120,6 +120,31 @@ def test_every_file_reads_back_byte_for_byte_large_ones_by_passthrough_packed_on
     assert stats["userspace_opens"] - before["userspace_opens"] == len(files) - len(large)
 
 
+def test_status_counts_what_the_kernel_reads_by_passthrough(mounted):
+    """A warm read through the mount, whose large files the kernel reads itself (passthrough), shows as hits in
+    `cachefs status`: each passthrough open counts as an access of the whole file (the daemon never sees those
+    reads), so the hit ratio is not 0 % and two-touch eviction sees the file used again."""
+    m, files = mounted
+    for _ in range(2):
+        for rel, data in files.items():
+            with open(m.path(rel), "rb") as f:
+                assert f.read() == data, rel
+    large = sum(len(d) for d in files.values() if len(d) > 1024 * 1024)
+    deadline = time.monotonic() + 30
+    while True:  # (the daemon writes its statistics to the index every couple of seconds)
+        r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--json", "--cache-dir", m.cache_dir],
+                           capture_output=True, text=True, timeout=60)
+        rep = json.loads(r.stdout)
+        if rep["datasets"] and rep["datasets"][0]["hit_bytes"] >= large:
+            break
+        assert time.monotonic() < deadline, rep["datasets"]
+        time.sleep(0.2)
+    assert rep["tier_bytes"]["local"] >= large and rep["tier_bytes"]["origin"] >= sum(map(len, files.values()))
+    table = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--cache-dir", m.cache_dir],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert table.splitlines()[-1].split()[-1] not in ("0.0%", "-"), table
+
+
 def test_a_packed_file_is_in_the_page_cache_when_its_first_open_returns(mounted):
     """On a warm cache, a packed small file's bytes are stored into the kernel's page cache before its first open
     is answered (FUSE_NOTIFY_STORE), so reading it costs no READ request; with ``--no-prefill`` its reads come

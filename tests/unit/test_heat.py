@@ -98,10 +98,14 @@ class FakeClient:
         self.asked: list[tuple[str, bool, bool]] = []
         self.owner_says = owner_says
         self.owner = ""
+        #: Members that hold nothing: asked without a fetch, they answer None (a 404).
+        self.empty: set[str] = set()
 
     async def block(self, address, ds_id, url, path, version, idx, length, *, fetch=True, replica=False):
         name = address.rpartition(":")[0]
         self.asked.append((name, fetch, replica))
+        if not fetch and name in self.empty:
+            return None, 0
         return b"x" * length, (self.owner_says if name == self.owner else 0)
 
 
@@ -183,7 +187,9 @@ def test_the_agent_asks_peers_only_as_a_replica_and_only_those_ranked_before_it(
     for rank, me in enumerate(ranked):
         group = FakeGroup(names, me, serving=True)
         tier = PeerTier(group, kind="block", block_size=4096)
-        assert asyncio.run(tier.fetch(w)) is None  # not asked as a replica: the agent fetches itself
+        group.client.empty = set(names)  # no member holds it: the agent fetches it itself
+        assert asyncio.run(tier.fetch(w)) is None
+        assert not any(fetch for _, fetch, _ in group.client.asked)  # (members were only asked what they hold)
         group.client.asked.clear()
 
         async def as_replica(tier=tier):
@@ -191,10 +197,49 @@ def test_the_agent_asks_peers_only_as_a_replica_and_only_those_ranked_before_it(
             return await tier.fetch(w)
 
         got = asyncio.run(as_replica())
-        asked = [a for a, _, _ in group.client.asked]
+        fetching = [a for a, fetch, _ in group.client.asked if fetch]
         if rank == 0:
-            assert got is None and asked == []  # the owner goes to the origin
+            assert got is None and fetching == []  # the owner goes to the origin (after asking for copies only)
         else:
-            assert got.data == b"x" * 4096 and asked == [ranked[0]]  # from the owner, which alone fetches
+            assert got.data == b"x" * 4096 and fetching == [ranked[0]]  # from the owner, which alone fetches
             assert got.keep is Keep.GUEST  # the agent keeps what a replica brings, as guest data
             assert not any(replica for _, _, replica in group.client.asked)
+
+
+def test_an_owner_that_misses_takes_a_copy_a_member_holds_before_the_origin_and_a_cold_dataset_goes_straight_on():
+    """After a member died (or joined), the keys that moved are mostly still in the group: the agent that now owns
+    one asks members whether they hold it (never to fetch: one origin read per group), keeps what one sends as its
+    own, and skips the asking for a dataset whose asks keep missing (a first epoch)."""
+    from cachefs.cluster.keys import ASKED_BY
+    from cachefs.tiers.peer import COLD_AFTER, HOLDER_ASKS
+
+    names = [f"n{i}" for i in range(12)]
+    clock = Clock()
+    group = FakeGroup(names, "n0", serving=True)
+    tier = PeerTier(group, kind="block", block_size=4096, clock=clock)
+    ds = FakeDataset("s3://b/ds")
+    group.client.empty = set(names[:-3])  # three members kept a guest copy
+
+    async def as_asked_by(member: str, w: Want):
+        ASKED_BY.set(member)
+        return await tier.fetch(w)
+
+    served = asyncio.run(as_asked_by("n3", want(ds, 1)))
+    asked = [a for a, _, _ in group.client.asked]
+    assert "n0" not in asked and "n3" not in asked and len(asked) == min(HOLDER_ASKS, len(names) - 2)
+    assert not any(fetch or replica for _, fetch, replica in group.client.asked)
+    holders_asked = set(asked) & set(names[-3:])
+    assert (served is not None) == bool(holders_asked)
+    if served is not None:
+        assert served.data == b"x" * 4096 and served.keep is Keep.OWN
+    group.client.empty = set(names)  # a cold dataset: nobody holds anything
+    # Keys this node owns first (a key it fetches in place of a down owner is always asked about).
+    own = (w for w in (want(ds, i) for i in range(100, 100_000))
+           if group.table.placement.owner(block_key(w.okey, 0)) == "n0")
+    for _ in range(COLD_AFTER):
+        assert asyncio.run(as_asked_by("n3", next(own))) is None
+    group.client.asked.clear()
+    assert asyncio.run(as_asked_by("n3", next(own))) is None and group.client.asked == []  # cold: no asks
+    clock.t += 31
+    asyncio.run(as_asked_by("n3", next(own)))
+    assert group.client.asked  # asked again once the cold spell is over
