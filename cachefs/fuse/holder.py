@@ -78,19 +78,25 @@ def check_empty(mountpoint: str) -> None:
 
 
 def runtime_dir() -> str:
-    """A directory only this user can enter, for sockets: ``/run/cachefs`` for root, ``$XDG_RUNTIME_DIR/cachefs``
-    otherwise, else ``/tmp/cachefs-<uid>``; made (0700) if missing, refused if it is someone else's."""
+    """A directory only this user can enter, for sockets: ``sockets`` under ``/run/cachefs`` for root, under
+    ``$XDG_RUNTIME_DIR/cachefs`` otherwise, else ``/tmp/cachefs-<uid>``; made (0700) if missing, refused if it is
+    someone else's or others may enter it. (The parent is shared with the metrics directory and the CSI mounter's
+    socket, so it may be 0755; this leaf never is.)"""
     if os.geteuid() == 0:
-        path = "/run/cachefs"
+        base = "/run/cachefs"
     elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = os.path.join(os.environ["XDG_RUNTIME_DIR"], "cachefs")
+        base = os.path.join(os.environ["XDG_RUNTIME_DIR"], "cachefs")
     else:
-        path = f"/tmp/cachefs-{os.geteuid()}"
+        base = f"/tmp/cachefs-{os.geteuid()}"
+    path = os.path.join(base, "sockets")
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o077:
-        raise ConfigError(f"{path}: not a private directory of this user (owner uid {st.st_uid}, mode "
-                          f"{stat.S_IMODE(st.st_mode):o}); cannot put the mount's socket there")
+    for part, private in ((base, False), (path, True)):
+        st = os.lstat(part)
+        bad_mode = st.st_mode & (0o077 if private else 0o022)
+        if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode) or bad_mode:
+            raise ConfigError(f"{part}: not a {'private ' if private else ''}directory of this user (owner uid "
+                              f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); cannot put the mount's socket "
+                              "there")
     return path
 
 

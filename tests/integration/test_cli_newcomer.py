@@ -133,3 +133,88 @@ def test_hit_ratio_means_what_users_think(s3, tmp_path):
     fs2.engine.flush_stats()
     (d,) = json.loads(cli("status", "--cache-dir", cache2, "--json").stdout)["datasets"]
     assert d["hit_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("argv, rc, says", [
+    (["mount", "ftp://127.0.0.1:1/ds", "{mnt}"], 4, "cannot reach the origin"),
+    (["mount", "gs://bucket/ds", "{mnt}"], 2, "backend is not installed (Please install gcsfs"),
+    (["mount", "sftp://"], 2, ""),  # (argparse: the mount point is missing)
+])
+def test_a_url_a_backend_refuses_is_one_line(tmp_path, argv, rc, says):
+    """ftp:// printed a Python traceback (the file system wants its host, which the URL carries); gs:// without
+    gcsfs said '(None)'."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = cli(*[a.replace("{mnt}", str(mnt)) for a in argv], "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == rc, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    if says:
+        assert says in _one_line(r)
+
+
+def test_a_mount_over_a_directory_with_files_is_refused_unless_asked_for(small, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (mnt / "precious.txt").write_text("hidden by a mount until unmounted")
+    r = cli("mount", f"s3://{small}/data", str(mnt), "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == 2 and "is not empty" in _one_line(r) and "--nonempty" in r.stderr
+    assert (mnt / "precious.txt").read_text().startswith("hidden")
+
+
+def test_a_busy_metrics_port_is_named_with_exit_2(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = cli("metrics", "--listen", f"127.0.0.1:{port}", "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == 2 and f"127.0.0.1:{port}" in _one_line(r), r.stderr
+
+
+@pytest.mark.parametrize("secret, extra, says", [
+    ("/nonexistent/secret", [], "No such file or directory"),
+    ("{empty}", [], "empty"),
+    ("{secret}", ["--token-file", "{secret}"], "both given"),
+])
+def test_agent_credentials_that_cannot_work_stop_it_at_start(tmp_path, secret, extra, says):
+    """A missing or empty secret file, or a secret and a token together, used to start an agent whose peers then
+    answered 401."""
+    (tmp_path / "empty").write_text("")
+    (tmp_path / "secret").write_text("s3cret\n")
+
+    def fill(a: str) -> str:
+        return a.replace("{empty}", str(tmp_path / "empty")).replace("{secret}", str(tmp_path / "secret"))
+
+    r = cli("agent", "--group", "g", "--node", "n1", "--listen", "127.0.0.1:1", "--peers", "n1=127.0.0.1:1",
+            "--cache-dir", str(tmp_path / "cache"), "--secret-file", fill(secret), *map(fill, extra), timeout=60)
+    assert r.returncode == 2 and says in _one_line(r), r.stderr
+
+
+def test_a_second_agent_on_one_cache_directory_is_refused_naming_the_first(tmp_path):
+    import socket
+    import sys
+    import time
+
+    (tmp_path / "secret").write_text("s3cret\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--group", "g", "--peers", f"n1=127.0.0.1:{port}", "--cache-dir", str(tmp_path / "cache"),
+              "--secret-file", str(tmp_path / "secret")]
+    ready = tmp_path / "ready"
+    first = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "agent", "--node", "n1", "--listen",
+                              f"127.0.0.1:{port}", "--ready-file", str(ready), *common],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
+            time.sleep(0.05)
+        r = cli("agent", "--node", "n1", "--listen", "127.0.0.1:1", *common, timeout=60)
+        assert r.returncode == 2 and f"pid {first.pid}" in _one_line(r) and "--cache-dir" in r.stderr
+        assert first.poll() is None  # the first one is untouched
+    finally:
+        first.terminate()
+        _, err = first.communicate(timeout=30)
+    assert "cannot write" not in err  # (the members file's first write)

@@ -88,3 +88,62 @@ def test_a_mounts_hand_over_socket_refuses_other_users(s3, open_dir):
         assert connect_as(NOBODY, path) == "PermissionError"
     finally:
         m.close()
+
+
+def read_as(uid: int, path: str) -> str:
+    code = ("import os, sys\nos.setgid({0}); os.setgroups([]); os.setuid({0})\ntry:\n"
+            "    print(open(sys.argv[1], 'rb').read().decode())\nexcept OSError as e:\n    print(type(e).__name__)")
+    return subprocess.run([sys.executable, "-c", code.format(uid), path], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+@pytest.mark.parametrize("allow_other", [False, True], ids=["default", "allow-other"])
+def test_a_mount_is_its_users_alone_unless_allow_other(s3, open_dir, allow_other):
+    """With allow_other and mode 0444 any user of the node could read a private bucket through someone else's
+    mount; by default only the mounting user (here root) reads it, --allow-other widens it deliberately."""
+    _, client, bucket = s3
+    put_tree(client, bucket, "private", {"a.txt": b"secret"})
+    cache, mnt = os.path.join(open_dir, "cache"), os.path.join(open_dir, "mnt")
+    os.makedirs(mnt)
+    m = Mounted(cache, f"s3://{bucket}/private", mnt, *(["--allow-other"] if allow_other else []))
+    try:
+        assert read_as(0, m.path("a.txt")) == "secret"
+        assert read_as(NOBODY, m.path("a.txt")) == ("secret" if allow_other else "PermissionError")
+    finally:
+        m.close()
+
+
+def test_a_long_cache_directory_puts_the_hand_over_socket_in_the_runtime_directory(s3, open_dir):
+    """A cache directory whose socket path would pass the 108 bytes a unix socket may have: the socket goes to
+    /run/cachefs/sockets (root's, 0700) under a short name, and the mount works."""
+    _, client, bucket = s3
+    put_tree(client, bucket, "long", {"a.txt": b"hello"})
+    cache = os.path.join(open_dir, "c" * 120)
+    mnt = os.path.join(open_dir, "mnt")
+    os.makedirs(mnt)
+    assert len(mount_file(cache, mnt, ".sock").encode()) > 108
+    m = Mounted(cache, f"s3://{bucket}/long", mnt)
+    try:
+        with open(m.path("a.txt"), "rb") as f:
+            assert f.read() == b"hello"
+        path = socket_path_for(mount_file(cache, mnt, ".sock"))
+        assert path.startswith("/run/cachefs/sockets/") and os.path.exists(path)
+        assert os.stat("/run/cachefs/sockets").st_mode & 0o777 == 0o700
+    finally:
+        m.close()
+
+
+def test_a_mount_that_cannot_be_served_is_never_left_behind(open_dir):
+    """Mounted, but its hand-over socket cannot be made (its directory is a file): the holder takes the mount down
+    again, instead of leaving a dead FUSE mount on the directory."""
+    from cachefs.fuse.holder import MountHolder
+    from cachefs.fuse.mount import is_fuse_mount
+
+    mnt = os.path.join(open_dir, "mnt")
+    os.makedirs(mnt)
+    blocker = os.path.join(open_dir, "not-a-dir")
+    open(blocker, "w").close()
+    holder = MountHolder(mnt, os.path.join(blocker, "x.sock"))
+    with pytest.raises(OSError):
+        holder.mount()
+    assert not is_fuse_mount(mnt)
