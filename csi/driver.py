@@ -245,7 +245,8 @@ class NodeService(rpc.NodeServicer):
 
     @_rpc
     def NodeGetCapabilities(self, request):
-        types = (pb.NodeServiceCapability.RPC.GET_VOLUME_STATS, pb.NodeServiceCapability.RPC.VOLUME_CONDITION)
+        types = (pb.NodeServiceCapability.RPC.GET_VOLUME_STATS, pb.NodeServiceCapability.RPC.VOLUME_CONDITION,
+                 pb.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP)
         return pb.NodeGetCapabilitiesResponse(capabilities=[
             pb.NodeServiceCapability(rpc=pb.NodeServiceCapability.RPC(type=t)) for t in types])
 
@@ -260,7 +261,8 @@ class NodeService(rpc.NodeServicer):
         _require(request.target_path, "target_path")
         _require(request.HasField("volume_capability"), "volume_capability")
         _check_capability(request.volume_capability)
-        vol = volume_of(request.volume_id, dict(request.volume_context))
+        vol = volume_of(request.volume_id, dict(request.volume_context)).for_group(
+            _mount_group(request.volume_capability.mount.volume_mount_group))
         target = os.path.abspath(request.target_path)
         if os.path.lexists(target) and not os.path.isdir(target):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"target path {target} exists and is not a directory")
@@ -308,6 +310,15 @@ class NodeService(rpc.NodeServicer):
     @_rpc
     def NodeUnstageVolume(self, request):
         raise _Abort(grpc.StatusCode.UNIMPLEMENTED, "cachefs volumes need no staging")
+
+
+def _mount_group(value: str) -> int | None:
+    """The pod's fsGroup, which kubelet passes as the mount group (VOLUME_MOUNT_GROUP); None if it has none."""
+    if not value:
+        return None
+    if not value.isdigit() or int(value) >= 2**32 - 1:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"volume_mount_group {value[:64]!r} is not a group id")
+    return int(value)
 
 
 def volume_of(volume_id: str, context: dict[str, str]) -> DatasetVolume:

@@ -15,7 +15,8 @@ Two implementations of one interface, :class:`Mounter`:
 * :class:`RemoteMounter` asks a mounter server over its socket.
 
 The protocol: one JSON object per connection, one line each way. Request ``{"op": "mount", "url": …,
-"mountpoint": …, "endpoint_url": …, "region": …, "env": {…}}`` or ``{"op": "ping"}``; reply ``{"ok": true}``
+"mountpoint": …, "endpoint_url": …, "region": …, "group": gid or null, "mode": read bits, "env": {…}}`` or
+``{"op": "ping"}``; reply ``{"ok": true}``
 or ``{"error": "message"}``. The socket is root-only (0600); ``env`` carries the volume's credentials, which
 are never logged. Mount points must lie under the server's ``root`` (the plugin's sessions directory).
 """
@@ -59,6 +60,8 @@ class MountRequest:
     endpoint_url: str = ""
     region: str = ""
     env: dict[str, str] = field(default_factory=dict, repr=False)  # credentials: kept out of repr and logs
+    group: int | None = None  # the files' group (a pod's fsGroup); None: root's
+    mode: int = 0o444  # the files' read bits
 
 
 #: The errors a mounter's answer may name (its ``kind``), so that the plugin answers kubelet with their code.
@@ -68,7 +71,8 @@ _ERROR_KINDS: dict[str, type[CacheFSError]] = {name: getattr(_errors, name) for 
 
 class Mounter(Protocol):
     def mount(self, req: MountRequest) -> None:
-        """Mount ``req.url`` read-only at ``req.mountpoint`` (held by a long-lived holder); raise
+        """Mount ``req.url`` read-only at ``req.mountpoint`` (held by a long-lived holder) for pods: any user the
+        files' group and mode let in (allow_other); raise
         :class:`CacheFSError` with a clear message on failure."""
 
     def healthy(self) -> tuple[bool, str]:
@@ -88,7 +92,9 @@ class LocalMounter:
 
     def mount(self, req: MountRequest) -> None:
         argv = [sys.executable, "-m", "cachefs.cli.main", "mount", req.url, req.mountpoint, "--foreground",
-                "--cache-dir", self.cache_dir]
+                "--cache-dir", self.cache_dir, "--allow-other", "--mode", f"0{req.mode:o}"]
+        if req.group is not None:
+            argv += ["--group", str(req.group)]
         if req.endpoint_url:
             argv += ["--endpoint-url", req.endpoint_url]
         if req.region:
@@ -150,7 +156,8 @@ class RemoteMounter:
 
     def mount(self, req: MountRequest) -> None:
         self._call({"op": "mount", "url": req.url, "mountpoint": req.mountpoint, "endpoint_url": req.endpoint_url,
-                    "region": req.region, "env": req.env}, timeout=MOUNT_TIMEOUT + 10)
+                    "region": req.region, "group": req.group, "mode": req.mode, "env": req.env},
+                   timeout=MOUNT_TIMEOUT + 10)
 
     def healthy(self) -> tuple[bool, str]:
         try:
@@ -179,12 +186,17 @@ def parse_request(raw: bytes, root: str) -> MountRequest | None:
     env = msg.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("env must be an object of strings")
+    group, mode = msg.get("group"), msg.get("mode", 0o444)
+    if group is not None and not (type(group) is int and 0 <= group < 2**32 - 1):
+        raise ValueError("group must be a group id or null")
+    if not (type(mode) is int and mode & ~0o444 == 0 and mode & 0o400):
+        raise ValueError("mode must be read bits (0444 at most, 0400 at least)")
     if not strings["url"] or not strings["mountpoint"]:
         raise ValueError("url and mountpoint are required")
     mnt = os.path.realpath(strings["mountpoint"])
     if os.path.commonpath([mnt, root]) != root or mnt == root:
         raise ValueError(f"mount point {strings['mountpoint']!r} is outside {root}")
-    return MountRequest(strings["url"], mnt, strings["endpoint_url"], strings["region"], env)
+    return MountRequest(strings["url"], mnt, strings["endpoint_url"], strings["region"], env, group, mode)
 
 
 def serve_mounter(socket_path: str, root: str, cache_dir: str, *, ready: threading.Event | None = None,

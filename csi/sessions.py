@@ -39,6 +39,9 @@ class SessionManager:
         self.state_dir, self.cache_dir = os.path.abspath(state_dir), os.path.abspath(cache_dir)
         self.sessions_dir = os.path.join(self.state_dir, "sessions")
         os.makedirs(self.sessions_dir, exist_ok=True)
+        # Sessions are mounted allow_other (pods read as any user): only root may walk to them on the node; pods
+        # reach them through their own bind mounts.
+        os.chmod(self.sessions_dir, 0o700)
         self.mounter = mounter or LocalMounter(self.cache_dir)
         # The credentials each session was first mounted with, to mount it again if its holder dies (memory
         # only: secrets are not written to the node's disk; after a restart of both this plugin and the mounter,
@@ -64,7 +67,8 @@ class SessionManager:
             if env:
                 self._env[vol.session_key] = dict(env)
             self.mounter.mount(MountRequest(vol.url, mnt, vol.endpoint_url, vol.region,
-                                            dict(env or self._env.get(vol.session_key, {}))))
+                                            dict(env or self._env.get(vol.session_key, {})),
+                                            group=vol.group, mode=vol.file_mode))
             log.info("session for %s mounted at %s", vol.url, mnt)
             return mnt
 
@@ -75,7 +79,7 @@ class SessionManager:
     def stop_idle_sessions(self, idle_for: float) -> list[str]:
         """Unmount sessions that no recorded publish and no bind mount has used for ``idle_for`` seconds (their
         holders and daemons exit; the cache stays); returns their keys. Called by the repair loop."""
-        in_use = {DatasetVolume.from_attributes(rec["attributes"]).session_key for rec in self.publishes.values()}
+        in_use = {_recorded_volume(rec).session_key for rec in self.publishes.values()}
         stopped, now = [], time.monotonic()
         with self._lock:
             for key in sorted(os.listdir(self.sessions_dir)):
@@ -102,7 +106,7 @@ class SessionManager:
     # -- publishes ------------------------------------------------------------------------------------------
     def is_published(self, target: str, vol: DatasetVolume) -> bool:
         rec = self.publishes.get(target)
-        return bool(rec and rec["volume_id"] == vol.volume_id and is_mount_point(target)
+        return bool(rec and rec["volume_id"] == vol.volume_id and rec.get("group") == vol.group and is_mount_point(target)
                     and not is_stale_mount(target))
 
     def publish(self, vol: DatasetVolume, target: str, env: dict[str, str] | None = None) -> None:
@@ -112,7 +116,7 @@ class SessionManager:
         if is_mount_point(target):  # a broken earlier bind (stale session): replace it
             unmount(target)
         bind_mount(src, target, readonly=True)
-        self._record(target, {"volume_id": vol.volume_id, "attributes": vol.attributes()})
+        self._record(target, {"volume_id": vol.volume_id, "attributes": vol.attributes(), "group": vol.group})
 
     def unpublish(self, target: str) -> None:
         """Remove the bind mount at ``target`` and the directory; the shared session stays."""
@@ -132,7 +136,7 @@ class SessionManager:
         targets."""
         repaired = []
         for target, rec in list(self.publishes.items()):
-            vol = DatasetVolume.from_attributes(rec["attributes"])
+            vol = _recorded_volume(rec)
             if self.is_published(target, vol) and self.session_healthy(vol):
                 continue
             if not os.path.isdir(os.path.dirname(target)):
@@ -173,3 +177,8 @@ class SessionManager:
                 self.publishes[target] = rec
             # The publish record must outlive the node's processes (kubelet asks again after a reboot).
             atomic_write(self._record_path, json.dumps(self.publishes, indent=1, sort_keys=True), fsync=True)
+
+
+def _recorded_volume(rec: dict) -> DatasetVolume:
+    """The volume a publish record names, for the group it was published for."""
+    return DatasetVolume.from_attributes(rec["attributes"]).for_group(rec.get("group"))

@@ -7,7 +7,15 @@ Volume attributes (a PV's ``volumeAttributes``, an inline volume's ``volumeAttri
 ``url``        dataset URL (required): ``s3://bucket/prefix``, ``gs://…``, ``file:///…``
 ``endpointUrl`` S3 endpoint (MinIO, Ceph, a local server); default: the node's AWS settings
 ``region``     S3 region
+``mode``       read bits of the files (``0444``, ``0440``, ``0400``): default ``0440``
+               (owner root, group the pod's ``fsGroup``) when the pod has an fsGroup,
+               else ``0444`` (a pod's processes may run as any user). ``0444`` widens a
+               group's volume to every user in the pod on purpose.
 ============== =====================================================================
+
+Who reads: the pod's ``fsGroup`` reaches NodePublishVolume as the mount group (``VOLUME_MOUNT_GROUP``; the
+CSIDriver says ``fsGroupPolicy: File``), and a volume published for one group gets its own FUSE session whose
+files belong to that group (:attr:`DatasetVolume.group`, part of the session key, not of the volume id).
 
 Credentials come from the secret kubelet passes (``awsAccessKeyID`` / ``awsSecretAccessKey`` /
 ``awsSessionToken``, or the same names as the AWS environment variables) and are never logged.
@@ -20,13 +28,17 @@ copied) yet checkable (an id we did not make is NOT_FOUND).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
 
+from cachefs.base.errors import ConfigError
+from cachefs.base.values import parse_read_mode
+
 __all__ = ["ATTRIBUTES", "KUBE_ADDED", "DatasetVolume", "VolumeError", "credentials_env"]
 
-ATTRIBUTES = ("url", "endpointUrl", "region")
+ATTRIBUTES = ("url", "endpointUrl", "region", "mode")
 _ID_PREFIX = "cfs1."
 _SECRET_KEYS = {
     "awsAccessKeyID": "AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
@@ -44,6 +56,10 @@ class DatasetVolume:
     url: str
     endpoint_url: str = ""
     region: str = ""
+    mode: str = ""  # the ``mode`` attribute as given ("" = the default for the pod's group)
+    #: The group (a pod's fsGroup) this volume is published for: who reads it, not what it is, so it is kept
+    #: out of the attributes and the volume id.
+    group: int | None = None
 
     @classmethod
     def from_attributes(cls, attrs: dict[str, str]) -> DatasetVolume:
@@ -58,7 +74,24 @@ class DatasetVolume:
         scheme = url.split("://", 1)[0]
         if not _known_scheme(scheme):
             raise VolumeError(f"url {url!r}: no storage is known for the scheme {scheme!r} (e.g. s3, gs, file)")
-        return cls(url, attrs.get("endpointUrl", "").strip(), attrs.get("region", "").strip())
+        mode = attrs.get("mode", "").strip()
+        if mode:
+            try:
+                parse_read_mode(mode, "volume attribute 'mode'")
+            except ConfigError as exc:
+                raise VolumeError(str(exc)) from None
+        return cls(url, attrs.get("endpointUrl", "").strip(), attrs.get("region", "").strip(), mode)
+
+    def for_group(self, group: int | None) -> DatasetVolume:
+        """This volume as published for a pod whose fsGroup is ``group`` (None: no fsGroup)."""
+        return dataclasses.replace(self, group=group)
+
+    @property
+    def file_mode(self) -> int:
+        """The read bits its files get: the ``mode`` attribute, else 0440 for a group and 0444 without."""
+        if self.mode:
+            return parse_read_mode(self.mode)
+        return 0o440 if self.group is not None else 0o444
 
     def attributes(self) -> dict[str, str]:
         out = {"url": self.url}
@@ -66,6 +99,8 @@ class DatasetVolume:
             out["endpointUrl"] = self.endpoint_url
         if self.region:
             out["region"] = self.region
+        if self.mode:
+            out["mode"] = self.mode
         return out
 
     @property
@@ -91,8 +126,10 @@ class DatasetVolume:
 
     @property
     def session_key(self) -> str:
-        """Volumes with the same key share one FUSE session (and cache) on a node."""
-        return hashlib.blake2b(json.dumps(self.attributes(), sort_keys=True).encode(), digest_size=10).hexdigest()
+        """Volumes with the same key share one FUSE session on a node (all sessions share the node's cache): the
+        same dataset, origin options and readers."""
+        key = hashlib.blake2b(json.dumps(self.attributes(), sort_keys=True).encode(), digest_size=10).hexdigest()
+        return key if self.group is None else f"{key}-g{self.group}"
 
 
 #: Attributes Kubernetes adds on its own (podInfoOnMount, ephemeral volumes, external-provisioner).

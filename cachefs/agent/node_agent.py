@@ -22,12 +22,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from aiohttp import web
-
+from cachefs.agent.peer_listener import PeerListener, raise_fd_limit
 from cachefs.agent.peer_server import make_peer_app
 from cachefs.agent.serving import GroupServing
 from cachefs.base.config import ClusterConfig, Config, parse_listen, prepare_cache_dir
 from cachefs.base.errors import ConfigError
+from cachefs.base.log_limits import limit_logs
+from cachefs.base.values import parse_size
 from cachefs.cluster.auth import SharedSecret, TokenReviewer, check_credentials
 from cachefs.cluster.heat import HeatTracker, hot_bytes_per_s
 from cachefs.cluster.members_file import REWRITE_EVERY, MembersRecord, members_path, placement_path, write_members
@@ -160,15 +161,15 @@ async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metri
     heat = HeatTracker(hot_requests=k.hot_requests_per_s, hot_bytes=hot_bytes_per_s(k), replicas=k.hot_replicas)
     tls = GroupTLS.of(k.tls_cert, k.tls_key, k.tls_ca)
     app = make_peer_app(serving, table, verifier, weight=float(engine.capacity), ready=synced.is_set, heat=heat,
-                        tls=tls is not None)
+                        tls=tls is not None, max_manifest=parse_size(k.max_manifest_push))
     host, port = parse_listen(k.listen, "cluster.listen")
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
+    limit_logs()
+    raise_fd_limit()
+    listener = PeerListener(app, host, port, max_per_client=k.max_client_connections, idle_timeout=k.idle_timeout,
+                            ssl_context=tls.server() if tls is not None else None)
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True,
-                          ssl_context=tls.server() if tls is not None else None).start()
+        await listener.start()
     except OSError as exc:
-        await runner.cleanup()
         raise ConfigError(f"cluster.listen {k.listen}: {exc.strerror}") from None
     if metrics_listen:
         from cachefs.status.server import serve_metrics
@@ -192,7 +193,7 @@ async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metri
         await _cancel(tasks)
         with contextlib.suppress(OSError):  # readers stop asking a group this node no longer serves
             os.unlink(members_path(config.cache.dir))
-        await runner.cleanup()
+        await listener.close()
         if kube is not None:
             await kube.aclose()
         await engine.aclose()

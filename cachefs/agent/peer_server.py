@@ -18,12 +18,20 @@ other names lead nowhere (400 for names no manifest could hold, 404 for the rest
 as present are sent: a hole in a cache file is never served as zeros. Every request must carry a member's token
 (:mod:`cachefs.cluster.auth`): 401 without a valid one, 403 for a node outside the group.
 
+What a client gets wrong is a 4xx naming it, never a 500: a bad URL, path, version or block number is a 400; a
+manifest push over ``cluster.max_manifest_push`` a 413 before its body is read (pushes are taken one at a time,
+and a body that stalls for :data:`BODY_STALL` seconds is dropped); a token the API server cannot check right now
+a 503 with Retry-After; trouble with the origin or this node's disk a 503. Every answer is counted by route and
+status class (``cachefs_peer_requests_total``), and refusals are logged at a bounded rate
+(:mod:`cachefs.base.log_limits`).
+
 Every answer is counted against its directory (:class:`~cachefs.cluster.heat.HeatTracker`); an answer of a
 hot directory says how many replicas its keys have (``X-Cachefs-Hot``), and readers spread over them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Callable
@@ -32,9 +40,10 @@ from aiohttp import web
 
 from cachefs.agent.serving import GroupServing
 from cachefs.base.checksum import block_checksum
-from cachefs.base.errors import CacheFSError
-from cachefs.base.types import Entry, object_key
-from cachefs.cluster.auth import Forbidden, Unauthorized
+from cachefs.base.errors import CacheFSError, InvalidURLError, ObjectNotFoundError
+from cachefs.base.metrics import PEER_REQUESTS, safely
+from cachefs.base.types import Entry, dataset_id, object_key
+from cachefs.cluster.auth import Forbidden, ReviewUnavailable, Unauthorized
 from cachefs.cluster.heat import HOT_HEADER, HeatTracker
 from cachefs.cluster.keys import ASKED_AS_REPLICA, ASKED_BY, OWNERS_THAT_FETCH, DirectoryWindows, block_key
 from cachefs.cluster.membership import MemberTable
@@ -49,13 +58,38 @@ __all__ = ["PeerHandlers", "make_peer_app"]
 log = logging.getLogger(__name__)
 
 _DATASET = re.compile(r"[0-9a-f]{16}")
-#: The largest manifest a member may push (10 million files are ~1 GiB packed).
-MAX_MANIFEST = 2 << 30
+#: The largest manifest a member may push by default (cluster.max_manifest_push; 2.5 million files or so).
+MAX_MANIFEST = 256 << 20
+#: Seconds a manifest push may go without sending a byte of its body before it is dropped.
+BODY_STALL = 30.0
 _MAX_VERSION = 1024
+_MAX_URL = 4096
 
 
 def _bad(why: str) -> web.Response:
     return web.json_response({"error": why}, status=400)
+
+
+def _url_problem(url: str, ds_id: str) -> str:
+    """Why ``url`` cannot name dataset ``ds_id`` ("" if it can; an empty URL names none and is fine)."""
+    if not url:
+        return ""
+    if len(url) > _MAX_URL or not url.isprintable():
+        return "url: malformed"
+    try:
+        if dataset_id(url) != ds_id:
+            return "url: not the URL of that dataset"
+    except InvalidURLError as exc:
+        return f"url: {exc}"
+    return ""
+
+
+def _route(request: web.Request) -> str:
+    """The route's name for the metrics: its first two path parts (``/v1/block``), never a client's string."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return "unknown"
+    return "/".join(resource.canonical.split("/")[:3])
 
 
 class PeerHandlers:
@@ -64,10 +98,37 @@ class PeerHandlers:
     (served over the group's TLS) every ``/v1/`` request must come with the group's client certificate."""
 
     def __init__(self, serving: GroupServing, table: MemberTable, verifier, *, weight: float = 1.0,
-                 ready: Callable[[], bool] = lambda: True, heat: HeatTracker | None = None, tls: bool = False) -> None:
+                 ready: Callable[[], bool] = lambda: True, heat: HeatTracker | None = None, tls: bool = False,
+                 max_manifest: int = MAX_MANIFEST) -> None:
         self.serving, self.table, self.verifier, self.weight = serving, table, verifier, weight
         self.ready, self.heat, self.tls = ready, heat, tls
         self.windows = DirectoryWindows()
+        self.max_manifest = max_manifest
+        self._push_lock = asyncio.Lock()  # one pushed manifest in memory at a time
+
+    @web.middleware
+    async def answer_errors(self, request: web.Request, handler):
+        """Our errors become the status they stand for, once, here; every answer is counted."""
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            response = exc
+        except ObjectNotFoundError as exc:
+            response = web.json_response({"error": str(exc)}, status=404)
+        except InvalidURLError as exc:
+            response = _bad(str(exc))
+        except ReviewUnavailable as exc:
+            response = web.json_response({"error": str(exc)}, status=503, headers={"Retry-After": "5"})
+        except (CacheFSError, OSError) as exc:  # the origin or this node's disk, not the request
+            log.warning("%s %s: %s", request.method, _route(request), exc)
+            response = web.json_response({"error": str(exc)}, status=503, headers={"Retry-After": "1"})
+        status = response.status
+        if status in (401, 403, 413):
+            log.warning("refused %s %s from %s: %d", request.method, _route(request), request.remote, status)
+        elif status == 400:
+            log.info("bad request %s %s from %s", request.method, _route(request), request.remote)
+        safely(PEER_REQUESTS.labels(_route(request), f"{status // 100}xx").inc)
+        return response
 
     @web.middleware
     async def authenticate(self, request: web.Request, handler):
@@ -101,12 +162,13 @@ class PeerHandlers:
             return _bad(f"path: {why}")
         if not version or len(version) > _MAX_VERSION or not version.isprintable():
             return _bad("version: missing or malformed")
-        if len(url) > 4096 or not url.isprintable():
-            return _bad("url: malformed")
+        why = _url_problem(url, ds_id)
+        if why:
+            return _bad(why)
         if not block:
             return ds_id, url, path, version, None
         raw = q.get("block", "")
-        if not raw.isdigit() or len(raw) > 10:
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 10:
             return _bad("block: not a block number")
         return ds_id, url, path, version, int(raw)
 
@@ -174,8 +236,9 @@ class PeerHandlers:
         ds_id, url = request.match_info["dataset"], request.query.get("url", "")
         if not _DATASET.fullmatch(ds_id):
             return _bad("not a dataset id")
-        if len(url) > 4096 or not url.isprintable():
-            return _bad("url: malformed")
+        why = _url_problem(url, ds_id)
+        if why:
+            return _bad(why)
         got = await self.serving.manifest(ds_id, url)
         if got is None:
             return web.json_response({"error": "no manifest of that dataset here"}, status=404)
@@ -186,12 +249,33 @@ class PeerHandlers:
     async def pushed_manifest(self, request: web.Request) -> web.Response:
         """A member took a new manifest of a dataset (``cachefs refresh``): take it too, if this node knows it."""
         ds_id, url = request.match_info["dataset"], request.query.get("url", "")
-        if not _DATASET.fullmatch(ds_id) or len(url) > 4096 or not url.isprintable():
-            return _bad("not a dataset id and URL")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return web.json_response({"error": f"a manifest over {MAX_MANIFEST} bytes"}, status=413)
+        if not _DATASET.fullmatch(ds_id) or not url or _url_problem(url, ds_id):
+            return _bad("not a dataset id and its URL")
+        too_big = web.json_response({"error": f"a manifest over {self.max_manifest} bytes (cluster.max_manifest_push "
+                                              "of this member)"}, status=413)
+        if (request.content_length or 0) > self.max_manifest:
+            return too_big
+        async with self._push_lock:
+            raw = await self._body(request)
+            if raw is None:
+                return too_big
+            return await self._take(request, ds_id, url, raw)
+
+    async def _body(self, request: web.Request) -> bytes | None:
+        """The request's body, read as it comes (None past the limit); TimeoutError if it stalls."""
+        body = bytearray()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), BODY_STALL)
+            except TimeoutError:
+                raise web.HTTPRequestTimeout(text=f"the body stalled for {BODY_STALL:.0f} s") from None
+            if not chunk:
+                return bytes(body)
+            if len(body) + len(chunk) > self.max_manifest:
+                return None
+            body += chunk
+
+    async def _take(self, request: web.Request, ds_id: str, url: str, raw: bytes) -> web.Response:
         try:
             if int(request.headers.get(CHECKSUM_HEADER, ""), 16) != block_checksum(raw):
                 return _bad("the manifest failed its checksum")
@@ -221,11 +305,12 @@ class PeerHandlers:
 
 def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight: float = 1.0,
                   ready: Callable[[], bool] = lambda: True, heat: HeatTracker | None = None,
-                  tls: bool = False) -> web.Application:
+                  tls: bool = False, max_manifest: int = MAX_MANIFEST) -> web.Application:
     """The peer server's application (:class:`PeerHandlers`)."""
-    h = PeerHandlers(serving, table, verifier, weight=weight, ready=ready, heat=heat, tls=tls)
-    # Requests carry no bodies, except a manifest a member pushes after a refresh.
-    app = web.Application(middlewares=[h.authenticate], client_max_size=MAX_MANIFEST)
+    h = PeerHandlers(serving, table, verifier, weight=weight, ready=ready, heat=heat, tls=tls,
+                     max_manifest=max_manifest)
+    # Requests carry no bodies, except a manifest a member pushes after a refresh (read by its handler, bounded).
+    app = web.Application(middlewares=[h.answer_errors, h.authenticate], client_max_size=max_manifest)
     app.router.add_get("/v1/block/{dataset}", h.block)
     app.router.add_get("/v1/small/{dataset}", h.small)
     app.router.add_get("/v1/manifest/{dataset}", h.manifest)

@@ -201,6 +201,12 @@ class ClusterConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    #: The largest manifest another member may push to this one (413 past it; the member then lists for itself).
+    max_manifest_push: str = "256MiB"
+    #: Open connections one client address may hold to the peer server (more are closed at once).
+    max_client_connections: int = 128
+    #: Seconds a connection to the peer server may go without a whole request (idle, or a head half sent).
+    idle_timeout: float = 30.0
 
 
 def tier_names(spec: str) -> tuple[str, ...]:
@@ -298,6 +304,12 @@ class Config:
             raise ConfigError("cluster.hot_requests_per_s must be positive")
         if k.hot_bytes_per_s and parse_size(k.hot_bytes_per_s, "cluster.hot_bytes_per_s") <= 0:
             raise ConfigError("cluster.hot_bytes_per_s must be positive")
+        if parse_size(k.max_manifest_push, "cluster.max_manifest_push") < 1 << 20:
+            raise ConfigError("cluster.max_manifest_push must be at least 1MiB")
+        if k.max_client_connections < 1:
+            raise ConfigError("cluster.max_client_connections must be at least 1")
+        if not k.idle_timeout > 0:
+            raise ConfigError("cluster.idle_timeout must be positive")
         if not 0 <= k.hot_replicas <= MAX_REPLICAS:
             raise ConfigError(f"cluster.hot_replicas must be between 0 and {MAX_REPLICAS}")
         parse_replicas(k.replicas)

@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, values
 
 from cachefs.base.errors import (
     AccessDeniedError,
@@ -37,6 +37,31 @@ from cachefs.base.errors import (
 )
 
 __all__ = ["BatchedHistogram", "Deltas", "multiprocess", "result_of", "safely"]
+
+
+def multiprocess() -> bool:
+    """Whether this process writes its metrics for a node-wide endpoint (PROMETHEUS_MULTIPROC_DIR is set)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+def _name_files_by_process_and_namespace() -> None:
+    """Before any metric exists: this process's files are named by pid and pid namespace, and a lock says it is
+    alive (:mod:`cachefs.base.metrics_files`)."""
+    from cachefs.base.metrics_files import hold_live_lock, live_identity, process_identity
+
+    directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    try:
+        hold_live_lock(directory, process_identity())
+    except OSError as exc:  # a metric must never stop the process: keep them to ourselves
+        logging.getLogger(__name__).info("metrics stay in this process: %s: %s", directory, exc.strerror)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        values.ValueClass = values.MutexValue
+        return
+    values.ValueClass = values.MultiProcessValue(process_identifier=live_identity)
+
+
+if multiprocess():
+    _name_files_by_process_and_namespace()
 
 #: Latency buckets of origin requests: a local S3 answers in a millisecond, a cross-region one in a second.
 _ORIGIN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -76,6 +101,12 @@ FUSE_RESTARTS = Counter("cachefs_fuse_daemon_restarts", "FUSE daemons a mount's 
 FUSE_FAILING = Gauge("cachefs_fuse_mounts_failing", "Mounts whose holder answers requests itself because no daemon "
                      "can start", multiprocess_mode="livesum")
 
+# -- the peer server -------------------------------------------------------------------------------------------
+PEER_REQUESTS = Counter("cachefs_peer_requests", "Requests the peer server answered, by route and status class "
+                        "(2xx, 4xx, 5xx)", ["route", "status"])
+PEER_REFUSED_CONNECTIONS = Counter("cachefs_peer_refused_connections", "Connections to the peer server closed at "
+                                   "once: their client already held as many as one client may")
+
 # -- CSI -------------------------------------------------------------------------------------------------------
 CSI_CALLS = Counter("cachefs_csi_calls", "CSI calls answered, by method and gRPC code", ["method", "code"])
 
@@ -96,16 +127,13 @@ def safely(update: Callable[[], object]) -> None:
             _log.warning("metrics not recorded: %s", exc)
 
 
-def multiprocess() -> bool:
-    """Whether this process writes its metrics for a node-wide endpoint (PROMETHEUS_MULTIPROC_DIR is set)."""
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-
-
 def _forget_at_exit() -> None:
     from prometheus_client import multiprocess as mp
 
+    from cachefs.base.metrics_files import process_identity
+
     try:
-        mp.mark_process_dead(os.getpid())  # its live gauges go; its counters keep counting in the sums
+        mp.mark_process_dead(process_identity())  # its live gauges go; its counters keep counting in the sums
     except OSError:
         pass
 

@@ -1,16 +1,18 @@
 """Values the configuration reads and checks: sizes (``4MiB``, ``10GB``, ``90%`` of a file system), listen addresses,
-endpoint URLs, and the cache directory itself."""
+endpoint URLs, the cache directory itself, and who may read a mount."""
 
 from __future__ import annotations
 
+import grp
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from cachefs.base.errors import ConfigError
 
-__all__ = ["check_endpoint", "check_size_or_percent", "parse_listen", "parse_size", "prepare_cache_dir",
-           "resolve_size"]
+__all__ = ["ReadAccess", "check_endpoint", "check_size_or_percent", "parse_group", "parse_listen", "parse_read_mode",
+           "parse_size", "prepare_cache_dir", "resolve_size"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -96,3 +98,48 @@ def resolve_size(value: str, fs_total: int, name: str) -> int:
     if s.endswith("%"):
         return int(fs_total * float(s[:-1]) / 100)
     return parse_size(s, name)
+
+
+@dataclass(frozen=True)
+class ReadAccess:
+    """Who may read a mount's files, as the kernel checks it (``default_permissions``): files are owned by
+    ``uid``:``gid`` with the read bits ``mode`` (directories add the matching search bits). Root reads always."""
+
+    uid: int
+    gid: int
+    mode: int = 0o444
+
+    @property
+    def file_mode(self) -> int:
+        return self.mode
+
+    @property
+    def dir_mode(self) -> int:
+        return self.mode | (self.mode & 0o444) >> 2
+
+
+def parse_read_mode(text: str, flag: str = "--mode") -> int:
+    """An octal mode of read bits only (``0444``, ``0440``, ``0400``): a read-only mount grants nothing else."""
+    value = str(text).strip()
+    try:
+        mode = int(value, 8)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: want an octal mode of read bits, such as 0440") from None
+    if mode & ~0o444 or mode & 0o400 == 0:
+        raise ConfigError(f"{flag} {text!r}: only read bits (0444 at most) and the owner's read bit (0400) at least; "
+                          "the mount is read-only")
+    return mode
+
+
+def parse_group(text: str, flag: str = "--group") -> int:
+    """A group id from a number or a group name of this machine."""
+    value = str(text).strip()
+    if value.isdigit():
+        gid = int(value)
+        if gid >= 2**32 - 1:
+            raise ConfigError(f"{flag} {text!r}: a group id is below 4294967295")
+        return gid
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ConfigError(f"{flag} {text!r}: no such group on this machine (give a name or a numeric id)") from None

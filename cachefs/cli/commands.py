@@ -8,6 +8,7 @@ import sys
 from cachefs.base.config import Config
 from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.base.types import DatasetRef
+from cachefs.base.values import ReadAccess, parse_group, parse_read_mode
 from cachefs.cli.output import print_json
 from cachefs.cli.progress import ProgressPrinter, human_bytes
 from cachefs.engine import Engine
@@ -163,10 +164,11 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError("--workers must be at least 1")
     if not args.answer_after >= 0:
         raise ConfigError("--answer-after must be 0 or more seconds")
+    access = _read_access(args)
     if args.attach:  # the serving daemon, started (and restarted) by the holder below
         await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 passthrough=not args.no_passthrough, prefill=not args.no_prefill,
-                                skip_opens=not args.keep_opens)
+                                skip_opens=not args.keep_opens, access=access)
         return 0
     await asyncio.to_thread(_check_mountpoint, config, mnt, args.nonempty)
     # The dataset opens (credentials, bucket, a manifest on this node) before anything is mounted, so a typo
@@ -186,6 +188,15 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     proc = await asyncio.to_thread(start_holder, argv, mnt, log_path, cache_dir=config.cache.dir)
     print(f"mounted {args.url} at {mnt} (pid {proc.pid}, log {log_path})")
     return 0
+
+
+def _read_access(args: argparse.Namespace) -> ReadAccess:
+    """Who may read the mount's files (``--group``, ``--mode``): owned by this user."""
+    import os
+
+    gid = parse_group(args.group) if args.group else os.getegid()
+    mode = parse_read_mode(args.mode) if args.mode else (0o440 if args.group else 0o444)
+    return ReadAccess(os.geteuid(), gid, mode)
 
 
 def mount_log_path(config: Config, mountpoint: str) -> str:
@@ -244,6 +255,9 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
         out.append("--allow-other")
     if args.nonempty:
         out.append("--nonempty")
+    for flag, value in (("--group", args.group), ("--mode", args.mode)):
+        if value:
+            out += [flag, value]
     if args.verbose:
         out.append("-" + "v" * args.verbose)
     return out

@@ -146,6 +146,12 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--allow-other", action="store_true",
                     help="let every user of this machine read the mount (by default only the user who mounted it; "
                          "as another user than root, /etc/fuse.conf must say user_allow_other)")
+    mt.add_argument("--group", metavar="GROUP",
+                    help="files belong to this group (a name or id) and, unless --mode says otherwise, only it (and "
+                         "the owner) may read them: with --allow-other, a mount for one group of users")
+    mt.add_argument("--mode", metavar="OCTAL",
+                    help="read bits of the files (0444, 0440, 0400; directories add the search bits); default 0444, "
+                         "or 0440 with --group. Readers other than the mounting user need --allow-other too")
     mt.add_argument("--nonempty", action="store_true",
                     help="mount over a directory that has entries (they are hidden until unmounted)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket

@@ -7,7 +7,9 @@ short while, and then checks that the node is a member of its group:
 
 * no token, or one the API server rejects or that is not for our audience: 401;
 * a valid token of another service account (any pod may ask kubelet for a token with our audience, but only node
-  pods run as ``cachefs-system/cachefs-node``), or of a node outside this group: 403.
+  pods run as ``cachefs-system/cachefs-node``), or of a node outside this group: 403;
+* the API server cannot be asked (down, overloaded): a token it accepted within the last :data:`STALE_TTL`
+  seconds is still taken, any other is a 503 with Retry-After (:class:`ReviewUnavailable`), never a 500.
 
 Without Kubernetes (``--peers``, one host, tests) the group shares a secret in a file (``--secret-file``,
 ``cluster.secret_file``): a token equal to it authenticates, and the member's name comes from the
@@ -27,8 +29,8 @@ from dataclasses import dataclass
 from cachefs.base.errors import ConfigError
 from cachefs.kube import ApiError, KubeClient
 
-__all__ = ["AUDIENCE", "NODE_ACCOUNT", "Forbidden", "Identity", "SharedSecret", "TokenReviewer", "Unauthorized",
-           "check_credentials", "read_token"]
+__all__ = ["AUDIENCE", "NODE_ACCOUNT", "STALE_TTL", "Forbidden", "Identity", "ReviewUnavailable", "SharedSecret",
+           "TokenReviewer", "Unauthorized", "check_credentials", "read_token"]
 
 #: The audience of the tokens node pods present to each other.
 AUDIENCE = "cachefs.io/peer"
@@ -42,6 +44,14 @@ class Unauthorized(Exception):
 
 class Forbidden(Exception):
     """A valid token of someone not allowed here (HTTP 403)."""
+
+
+class ReviewUnavailable(Exception):
+    """The API server cannot check a token now (HTTP 503, Retry-After)."""
+
+
+#: Seconds a token the API server accepted is still taken while the API server cannot be asked.
+STALE_TTL = 900.0
 
 
 @dataclass(frozen=True)
@@ -102,8 +112,9 @@ class TokenReviewer:
     """Tokens checked by the API server (TokenReview), answers kept for ``ttl`` seconds per token."""
 
     def __init__(self, client: KubeClient, audience: str = AUDIENCE, *, account: str = NODE_ACCOUNT,
-                 ttl: float = 120.0, max_entries: int = 10_000) -> None:
+                 ttl: float = 120.0, max_entries: int = 10_000, stale_ttl: float = STALE_TTL) -> None:
         self.client, self.audience, self.ttl, self.max_entries = client, audience, ttl, max_entries
+        self.stale_ttl = stale_ttl
         self.account = account
         self._cache: dict[bytes, tuple[float, Identity | None]] = {}
         self._inflight: dict[bytes, asyncio.Future] = {}
@@ -122,10 +133,16 @@ class TokenReviewer:
             if fut is None:  # one review per token however many requests carry it at once
                 fut = self._inflight[key] = asyncio.ensure_future(self._review(token))
                 fut.add_done_callback(lambda f: self._inflight.pop(key, None))
-            who = await asyncio.shield(fut)
-            if len(self._cache) >= self.max_entries:
-                self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.ttl}
-            self._cache[key] = (now, who)
+            try:
+                who = await asyncio.shield(fut)
+            except ReviewUnavailable:
+                if hit is None or hit[1] is None or now - hit[0] >= self.stale_ttl:
+                    raise
+                who = hit[1]  # accepted a little while ago: still taken while the API server is away
+            else:
+                if len(self._cache) >= self.max_entries:
+                    self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.stale_ttl}
+                self._cache[key] = (now, who)
         if who is None:
             raise Unauthorized("token rejected")
         if who.user != self.account:
@@ -139,7 +156,11 @@ class TokenReviewer:
                 "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                 "spec": {"token": token, "audiences": [self.audience]}})
         except ApiError as exc:
+            if exc.retryable or exc.status in (401, 403):  # the API server's trouble, or our own rights: not the token's
+                raise ReviewUnavailable(f"the API server cannot review tokens now: {exc}") from None
             raise Unauthorized(f"token review failed: {exc}") from None
+        except (OSError, TimeoutError) as exc:
+            raise ReviewUnavailable(f"the API server cannot be reached to review tokens: {exc}") from None
         status = doc.get("status") or {}
         if not status.get("authenticated") or self.audience not in (status.get("audiences") or []):
             return None

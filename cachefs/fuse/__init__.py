@@ -16,6 +16,7 @@ import threading
 from cachefs.base.aio import get_loop, run_sync
 from cachefs.base.collector import quiet_collector
 from cachefs.base.config import Config
+from cachefs.base.values import ReadAccess
 from cachefs.engine import get_engine
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.holder import MountHolder, announce_failure, announce_ready, receive_fd, socket_path_for
@@ -44,10 +45,11 @@ def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str]
 
 def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,
                 passthrough: bool = True, prefill: bool = True, skip_opens: bool = True,
-                ready=None) -> FuseSession:
+                access: ReadAccess | None = None, ready=None) -> FuseSession:
     """Serve ``url`` on the mount whose descriptor the holder at socket ``attach`` owns, until unmounted.
     The first daemon of a mount answers the kernel's INIT; a later one resumes from the mount journal.
-    ``ready(session)`` is called once the mount is usable (``session.mode`` known)."""
+    ``ready(session)`` is called once the mount is usable (``session.mode`` known). Files are owned by this
+    process's user and group, readable by all, unless ``access`` says otherwise."""
     # Request threads and the event-loop thread hand the GIL back and forth for every fetched READ; the default
     # 5 ms switch interval would add up to that much to each such request.
     sys.setswitchinterval(0.0002)
@@ -70,7 +72,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     # The origin client takes a while to set up (hundreds of ms for S3): do it now, not in the first cold read.
     asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
     asyncio.run_coroutine_threadsafe(engine.start_background(), get_loop())  # hits of local reads reach the index
-    fs = CacheFS(engine, ds, journal=journal)
+    fs = CacheFS(engine, ds, journal=journal, access=access or ReadAccess(os.geteuid(), os.getegid()))
     fs.prefill = prefill
     session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens)
     quiet_collector()  # the engine, the manifest and the origin client are built: set them aside

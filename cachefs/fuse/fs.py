@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachefs.base.types import Entry
+from cachefs.base.values import ReadAccess
 from cachefs.engine import WOULD_WAIT, Dataset, Engine, LocalRead, OpenFile
 from cachefs.fuse.journal import MountJournal
 
@@ -78,14 +79,18 @@ class Handle:
     file: OpenFile | None = None
 
 
+_OWNED_BY_ROOT = ReadAccess(0, 0)
+
+
 class CacheFS:
     """Read-only view of one dataset (``ds``) through ``engine``; thread-safe."""
 
-    def __init__(self, engine: Engine, ds: Dataset, *, uid: int = 0, gid: int = 0,
+    def __init__(self, engine: Engine, ds: Dataset, *, access: ReadAccess = _OWNED_BY_ROOT,
                  journal: MountJournal | None = None) -> None:
         self.engine, self.ds = engine, ds
         self.journal = journal
-        self.uid, self.gid = uid, gid
+        self.uid, self.gid = access.uid, access.gid
+        self._file_mode, self._dir_mode = stat.S_IFREG | access.file_mode, stat.S_IFDIR | access.dir_mode
         info = ds.record.manifest(ds.version)
         root = Entry("", 0, "", info.created if info else 0.0, is_dir=True)
         self._nodes: dict[int, Node] = {ROOT: Node("", root, lookups=1, ino=ROOT)}
@@ -192,8 +197,8 @@ class CacheFS:
         e = self.node(ino).entry
         mtime_ns = int(e.mtime * 1e9)
         if e.is_dir:
-            return stat.S_IFDIR | 0o555, 0, mtime_ns, 2
-        return stat.S_IFREG | 0o444, e.size, mtime_ns, 1
+            return self._dir_mode, 0, mtime_ns, 2
+        return self._file_mode, e.size, mtime_ns, 1
 
     def listdir(self, ino: int) -> list[Entry]:
         n = self.node(ino)

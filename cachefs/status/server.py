@@ -11,6 +11,7 @@ from prometheus_client import multiprocess as mp
 
 from cachefs.base.config import Config
 from cachefs.base.errors import ConfigError
+from cachefs.base.metrics_files import compact_dead, directory_lock
 from cachefs.status.collector import NodeCollector
 
 __all__ = ["node_registry", "serve_metrics"]
@@ -22,7 +23,7 @@ def node_registry(config: Config) -> CollectorRegistry:
     d = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if d and os.path.isdir(d):
         registry = CollectorRegistry()
-        mp.MultiProcessCollector(registry, path=d)
+        registry.register(_CompactingCollector(d))
     else:
         registry = REGISTRY
     registry.register(NodeCollector(config))
@@ -36,3 +37,17 @@ def serve_metrics(config: Config, host: str, port: int):
         return start_http_server(port, addr=host, registry=node_registry(config))
     except OSError as exc:
         raise ConfigError(f"metrics endpoint {host}:{port}: {exc.strerror or exc}") from None
+
+
+class _CompactingCollector(mp.MultiProcessCollector):
+    """The processes' files, summed, after folding those of dead processes into the archive (under the directory's
+    lock, so that no scrape sees a dead process's values twice or not at all)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(None, path=path)
+        self.path = path
+
+    def collect(self):
+        with directory_lock(self.path):
+            compact_dead(self.path)
+            return list(super().collect())

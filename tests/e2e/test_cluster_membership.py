@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from cachefs.cluster.auth import NODE_ACCOUNT, Forbidden, TokenReviewer, Unauthorized
+from cachefs.cluster.auth import NODE_ACCOUNT, Forbidden, ReviewUnavailable, TokenReviewer, Unauthorized
 from cachefs.cluster.membership import EndpointSliceWatch, MemberTable
 from cachefs.kube import KubeClient, KubeConfig
 
@@ -95,6 +95,17 @@ def test_members_are_ready_endpoints_on_nodes_of_the_group_and_tokens_are_review
                 await reviewer.identify("not-a-token")
             with pytest.raises(Forbidden):  # a tenant's pod may ask for our audience; it is not a node pod
                 await reviewer.identify(pod_token(k8s, "tenant", "default", "tenant", "cachefs.io/peer"))
+            # The API server goes away: a token it accepted within STALE_TTL is still taken, any other is
+            # "unavailable" (the peer server's 503 with Retry-After), never a 401 or a 500.
+            reviewer.ttl = 0.0  # review again at every request
+            down = KubeClient(KubeConfig("https://127.0.0.1:1", token=agent_token, insecure=True), timeout=5)
+            reviewer.client = down
+            try:
+                assert (await reviewer.identify(peer)) == who
+                with pytest.raises(ReviewUnavailable):
+                    await reviewer.identify(pod_token(k8s, "agent-grp-a", NS, "cachefs-node", "cachefs.io/peer"))
+            finally:
+                await down.aclose()
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

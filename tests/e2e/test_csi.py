@@ -119,12 +119,28 @@ def unmount_under(root: Path) -> None:
 SECRET = "s3cr3t-never-in-logs"
 
 
-def publish(p: Plugin, url: str, target: Path, volume_id: str = "vol-static-1") -> None:
+def publish(p: Plugin, url: str, target: Path, volume_id: str = "vol-static-1", *, fs_group: str = "",
+            mode: str = "") -> None:
+    """NodePublishVolume of a PV's volume; ``fs_group`` as kubelet passes a pod's fsGroup (the mount group)."""
     p.node.NodePublishVolume(pb.NodePublishVolumeRequest(
-        volume_id=volume_id, target_path=str(target), readonly=True, volume_context={"url": url},
+        volume_id=volume_id, target_path=str(target), readonly=True,
+        volume_context={"url": url, **({"mode": mode} if mode else {})},
         secrets={"awsAccessKeyID": "AKIA-test", "awsSecretAccessKey": SECRET},
-        volume_capability=pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.
-                                              AccessMode(mode=pb.VolumeCapability.AccessMode.MULTI_NODE_READER_ONLY))))
+        volume_capability=pb.VolumeCapability(
+            mount=pb.VolumeCapability.MountVolume(volume_mount_group=fs_group),
+            access_mode=pb.VolumeCapability.AccessMode(mode=pb.VolumeCapability.AccessMode.MULTI_NODE_READER_ONLY))))
+
+
+def read_in_pod(target: Path, rel: str, uid: int, groups: tuple[int, ...] = ()) -> str:
+    """What a pod's process (``uid``, supplementary ``groups``) reads at ``rel`` in its volume: the pod sees the
+    volume at its own path, so the mount is opened as root first (as the container's mount namespace is) and
+    only the reads are made as the user."""
+    code = ("import os, sys\nroot = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+            "os.setgroups({1}); os.setgid({0}); os.setuid({0})\ntry:\n"
+            "    fd = os.open(sys.argv[2], os.O_RDONLY, dir_fd=root)\n"
+            "    print(len(os.read(fd, 1 << 20)))\nexcept OSError as e:\n    print(type(e).__name__)")
+    return subprocess.run([sys.executable, "-c", code.format(uid, list(groups)), str(target), rel],
+                          capture_output=True, text=True, timeout=30).stdout.strip()
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
@@ -172,6 +188,36 @@ def test_pods_share_one_session_and_unpublish_leaves_it(plugin, dataset, tmp_pat
     assert stats.volume_condition.abnormal and "not mounted" in stats.volume_condition.message
     info = plugin.node.NodeGetInfo(pb.NodeGetInfoRequest())
     assert info.node_id == "node-1" and info.accessible_topology.segments["topology.cachefs.io/cache-group"] == "rack-a"
+
+
+def test_pods_read_as_any_user_and_an_fs_group_keeps_other_users_out(plugin, dataset, tmp_path):
+    """A pod without fsGroup reads as whatever user it runs as; a pod with fsGroup gets a session of its own
+    whose files belong to that group (0440), so a process outside the group is refused; the ``mode`` attribute
+    widens it on purpose. The sessions themselves sit in a root-only directory."""
+    url, files = dataset
+    rel, size = "d1/f1.bin", str(len(files["d1/f1.bin"]))
+    targets = {name: tmp_path / name / "mount" for name in ("plain", "grouped", "widened")}
+    for t in targets.values():
+        t.parent.mkdir()
+    publish(plugin, url, targets["plain"], "vol-plain")
+    publish(plugin, url, targets["grouped"], "vol-grouped", fs_group="4242")
+    publish(plugin, url, targets["widened"], "vol-widened", fs_group="4242", mode="0444")
+    assert read_in_pod(targets["plain"], rel, uid=1000) == size
+    assert read_in_pod(targets["grouped"], rel, uid=1000, groups=(4242,)) == size
+    assert read_in_pod(targets["grouped"], rel, uid=1001) == "PermissionError"
+    assert read_in_pod(targets["widened"], rel, uid=1001) == size
+    st = os.stat(targets["grouped"] / rel)
+    assert (st.st_gid, st.st_mode & 0o777) == (4242, 0o440)
+    sessions = tmp_path / "plugin" / "cache" / "csi" / "sessions"
+    assert len(list(sessions.iterdir())) == 3 and sessions.stat().st_mode & 0o777 == 0o700
+    with pytest.raises(grpc.RpcError) as err:
+        publish(plugin, url, tmp_path / "bad" / "mount", "vol-bad", fs_group="wheel")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a group id" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        publish(plugin, url, tmp_path / "bad" / "mount", "vol-bad", mode="0666")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "only read bits" in err.value.details()
+    caps = plugin.node.NodeGetCapabilities(pb.NodeGetCapabilitiesRequest()).capabilities
+    assert pb.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP in {c.rpc.type for c in caps}
 
 
 def kubelet_target(root: Path, pod_uid: str, name: str = "data") -> Path:

@@ -248,8 +248,8 @@ def test_the_peer_server_refuses_strangers_and_bad_requests(group):
         status, body = _get(port, bad, member)
         assert status == want, (bad, status, body)
     # A pushed manifest (after a refresh elsewhere): only from a member, checksummed, of a dataset known here.
-    def push(ds_id: str, body: bytes, headers: dict) -> int:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/manifest/{ds_id}?url={group.url}", data=body,
+    def push(ds_id: str, body: bytes, headers: dict, url: str = group.url) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/manifest/{ds_id}?url={url}", data=body,
                                      headers=headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
@@ -264,8 +264,9 @@ def test_the_peer_server_refuses_strangers_and_bad_requests(group):
 
     junk = b"not a manifest"
     assert push(ds, junk, {**member, CHECKSUM_HEADER: f"{block_checksum(junk):016x}"}) == 400  # does not decode
-    assert push(dataset_id("s3://elsewhere/x"), junk, {**member, CHECKSUM_HEADER: f"{block_checksum(junk):016x}"}) \
-        == 404  # not a dataset this node knows
+    signed = {**member, CHECKSUM_HEADER: f"{block_checksum(junk):016x}"}
+    assert push(dataset_id("s3://elsewhere/x"), junk, signed) == 400  # the URL is not that dataset's
+    assert push(dataset_id("s3://elsewhere/x"), junk, signed, "s3://elsewhere/x") == 404  # not known here
     # A file of another dataset that this node does not serve: nothing fetched, nothing served.
     other = dataset_id("s3://elsewhere/x")
     assert _get(port, f"/v1/block/{other}?url=s3://elsewhere/x&path=a&version=v&block=0", member)[0] == 404

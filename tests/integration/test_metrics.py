@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachefs.base.config import load_config
 from tests.conftest import put_tree
 from tests.integration.test_fsspec_cli import cli
 
@@ -58,6 +59,76 @@ def _wait_for(url: str, check, timeout: float = 30.0):
 def _drop_page_cache() -> None:
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
+
+
+_COUNTING = r"""
+import os, sys
+from cachefs.base.metrics import CORRUPT_READS
+CORRUPT_READS.labels("block").inc(int(sys.argv[1]))
+print("counted", flush=True)
+if sys.argv[2] == "hang":  # alive until the test closes our stdin; each line it sends: count again
+    for _ in sys.stdin:
+        CORRUPT_READS.labels("block").inc(int(sys.argv[1]))
+        print("counted", flush=True)
+elif sys.argv[2] == "kill":
+    os.kill(os.getpid(), 9)  # no exit handlers: its files stay as a crash leaves them
+"""
+
+
+def _count_in_process(d: Path, n: int, how: str, *, namespace: bool = False) -> subprocess.Popen:
+    """A process that adds ``n`` to a counter in the metrics directory ``d`` and then exits, is killed, or hangs;
+    with ``namespace``, in a pid namespace of its own (as each container of the node pod is), where it is pid 1."""
+    argv = [sys.executable, "-c", _COUNTING, str(n), how]
+    if namespace:
+        argv = ["unshare", "--pid", "--fork", "--mount-proc", *argv]
+    return subprocess.Popen(argv, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(d)}, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+@pytest.mark.root
+def test_the_metrics_directory_keeps_counts_of_dead_processes_in_one_file_and_same_pids_apart(tmp_path):
+    """Processes of the node's containers share one metrics directory: two live pid-1 processes of two pid
+    namespaces count apart (they used to write into one counter_1.db), and the files of the dead (exited or
+    killed) are folded into one archive at the next scrape, so the directory does not grow with every process
+    ever run (it kept 99 files of dead processes after an afternoon) and no count is lost."""
+    from cachefs.status.server import node_registry
+
+    d = tmp_path / "metrics"
+    d.mkdir()
+    hanging = [_count_in_process(d, n, "hang", namespace=True) for n in (3, 4)]
+    try:
+        for p in hanging:
+            assert p.stdout.readline().strip() == "counted"
+        config = load_config(env={}, overrides={"cache_dir": str(tmp_path / "cache")})
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(d)
+        try:
+            def total() -> float:
+                registry = node_registry(config)
+                return registry.get_sample_value("cachefs_corrupt_reads_total", {"kind": "block"})
+            for p in hanging:  # both are pid 1, in namespaces of their own: they count apart
+                p.stdin.write("again\n")
+                p.stdin.flush()
+                assert p.stdout.readline().strip() == "counted"
+            assert total() == 2 * (3 + 4)
+            for n, how in ((10, "exit"), (20, "kill"), (30, "exit"), (40, "kill")):
+                p = _count_in_process(d, n, how)
+                assert p.communicate(timeout=30)[0].strip() == "counted" and p.returncode in (0, -9)
+            assert total() == 2 * (3 + 4) + 10 + 20 + 30 + 40
+            left = sorted(p.name for p in d.glob("counter_*.db"))
+            assert len(left) == 3 and "counter_archive.db" in left, left  # the two live ones and the archive
+            assert len(list(d.glob("gauge_*.db"))) == 2 * 1  # the live processes' live gauges only
+            for p in hanging:
+                p.communicate(timeout=30)
+                assert p.returncode == 0
+            assert total() == 2 * (3 + 4) + 10 + 20 + 30 + 40  # still, with everything archived
+            assert sorted(p.name for p in d.glob("*.db")) == ["counter_archive.db"]
+        finally:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    finally:
+        for p in hanging:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 @pytest.mark.root

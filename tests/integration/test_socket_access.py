@@ -90,11 +90,15 @@ def test_a_mounts_hand_over_socket_refuses_other_users(s3, open_dir):
         m.close()
 
 
-def read_as(uid: int, path: str) -> str:
-    code = ("import os, sys\nos.setgid({0}); os.setgroups([]); os.setuid({0})\ntry:\n"
-            "    print(open(sys.argv[1], 'rb').read().decode())\nexcept OSError as e:\n    print(type(e).__name__)")
-    return subprocess.run([sys.executable, "-c", code.format(uid), path], capture_output=True, text=True,
-                          timeout=30).stdout.strip()
+def read_as(uid: int, path: str, groups: tuple[int, ...] = ()) -> str:
+    """What user ``uid`` (with supplementary ``groups``) reads at ``path``: a file's text, a directory's
+    listing, or the name of the error."""
+    code = ("import os, sys\nos.setgroups({1}); os.setgid({0}); os.setuid({0})\ntry:\n"
+            "    p = sys.argv[1]\n"
+            "    print(','.join(sorted(os.listdir(p))) if os.path.isdir(p) else open(p, 'rb').read().decode())\n"
+            "except OSError as e:\n    print(type(e).__name__)")
+    return subprocess.run([sys.executable, "-c", code.format(uid, list(groups)), path], capture_output=True,
+                          text=True, timeout=30).stdout.strip()
 
 
 @pytest.mark.parametrize("allow_other", [False, True], ids=["default", "allow-other"])
@@ -109,6 +113,30 @@ def test_a_mount_is_its_users_alone_unless_allow_other(s3, open_dir, allow_other
     try:
         assert read_as(0, m.path("a.txt")) == "secret"
         assert read_as(NOBODY, m.path("a.txt")) == ("secret" if allow_other else "PermissionError")
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("mode", ["", "0444"], ids=["group-only", "widened"])
+def test_a_mount_for_one_group_refuses_other_users(s3, open_dir, mode):
+    """--allow-other --group G (what the CSI driver does with a pod's fsGroup): a user in G reads files and lists
+    directories, a user outside it is refused by the kernel; --mode 0444 widens it to everyone deliberately."""
+    _, client, bucket = s3
+    put_tree(client, bucket, "grp", {"d/a.txt": b"shared"})
+    cache, mnt = os.path.join(open_dir, "cache"), os.path.join(open_dir, "mnt")
+    os.makedirs(mnt)
+    group, member, outsider = 4242, 4243, 4244
+    m = Mounted(cache, f"s3://{bucket}/grp", mnt, "--allow-other", "--group", str(group),
+                *(["--mode", mode] if mode else []))
+    try:
+        st = os.stat(m.path("d/a.txt"))
+        assert (st.st_gid, st.st_mode & 0o777) == (group, int(mode or "0440", 8))
+        assert read_as(member, m.path("d/a.txt"), groups=(group,)) == "shared"
+        assert read_as(member, m.path("d"), groups=(group,)) == "a.txt"
+        want = "PermissionError" if not mode else "shared"
+        assert read_as(outsider, m.path("d/a.txt")) == want
+        assert read_as(outsider, m.path("d")) == ("PermissionError" if not mode else "a.txt")
+        assert read_as(0, m.path("d/a.txt")) == "shared"
     finally:
         m.close()
 
