@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -342,8 +343,11 @@ class Engine:
             await asyncio.to_thread(self.flush_stats)
             self.group.refresh()
 
-    async def evict(self, *, force: bool = False) -> int:
-        """Evict until under the low watermark; returns bytes freed."""
+    async def evict(self, *, force: bool = False, dataset: str | None = None) -> int:
+        """Evict until under the low watermark (``dataset``: all of that dataset no reader holds); returns bytes
+        freed."""
+        if dataset is not None:
+            return await self.disk.run(functools.partial(self.evictor.evict, dataset=dataset))
         if force:
             return await self.disk.run(self.evictor.make_room, 0)
         return await self.disk.run(self.evictor.evict)

@@ -9,6 +9,8 @@
 ``?replica=1``
     the reader chose this node as a replica of a hot key (:mod:`cachefs.tiers.peer`): any of the key's
     candidates fetches it then, from the owner (never from the origin first), and keeps it.
+``POST /v1/evict/{dataset id}?url=…``
+    drop what this node caches of the dataset (``cachefs evict --group``, a purge; docs/SECURITY.md).
 ``GET /v1/info``, ``/healthz``, ``/readyz``
     this member's name and weight; liveness; readiness (membership known).
 
@@ -290,6 +292,17 @@ class PeerHandlers:
         log.info("took a new manifest of %s from %s", url, request["member"])
         return web.json_response({"ok": True})
 
+    async def evict(self, request: web.Request) -> web.Response:
+        """A member asks every member to drop a dataset (``cachefs evict --group``: a purge)."""
+        ds_id, url = request.match_info["dataset"], request.query.get("url", "")
+        if not _DATASET.fullmatch(ds_id) or not url or _url_problem(url, ds_id):
+            return _bad("not a dataset id and its URL")
+        freed = await self.serving.evict(ds_id)
+        if freed is None:
+            return web.json_response({"error": "this node does not know that dataset"}, status=404)
+        log.warning("evicted %s (%d bytes) at the request of %s", url, freed, request["member"])
+        return web.json_response({"freed": freed})
+
     # -- about this member ----------------------------------------------------------------------------------
     async def info(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.table.self_name, "weight": self.weight})
@@ -315,6 +328,7 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
     app.router.add_get("/v1/small/{dataset}", h.small)
     app.router.add_get("/v1/manifest/{dataset}", h.manifest)
     app.router.add_post("/v1/manifest/{dataset}", h.pushed_manifest)
+    app.router.add_post("/v1/evict/{dataset}", h.evict)
     app.router.add_get("/v1/info", h.info)
     app.router.add_get("/healthz", h.healthz)
     app.router.add_get("/readyz", h.readyz)

@@ -74,6 +74,13 @@ class GroupServing:
                 return e
         return None
 
+    async def evict(self, ds_id: str) -> int | None:
+        """Drop what this node caches of dataset ``ds_id`` (bytes no reader holds); the bytes freed, or None if this
+        node does not know it."""
+        if self.engine.dataset_record(ds_id) is None:
+            return None
+        return await self.engine.evict(dataset=ds_id)
+
     async def bytes_for(self, ds: Dataset, entry: Entry, block: int | None, *,
                         fetch: bool) -> tuple[bytes, int] | None:
         """Block ``block`` of a large file, or a whole small file (``block`` None), with the checksum the index

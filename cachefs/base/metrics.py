@@ -104,6 +104,8 @@ FUSE_FAILING = Gauge("cachefs_fuse_mounts_failing", "Mounts whose holder answers
 # -- the peer server -------------------------------------------------------------------------------------------
 PEER_REQUESTS = Counter("cachefs_peer_requests", "Requests the peer server answered, by route and status class "
                         "(2xx, 4xx, 5xx)", ["route", "status"])
+PEER_ERRORS = Counter("cachefs_peer_errors", "Requests to other members of the cache group that failed, by reason "
+                      "(unreachable, http, bad_answer, corrupt); the read went to the next holder or tier", ["reason"])
 PEER_REFUSED_CONNECTIONS = Counter("cachefs_peer_refused_connections", "Connections to the peer server closed at "
                                    "once: their client already held as many as one client may")
 

@@ -86,17 +86,31 @@ async def status(args: argparse.Namespace, config: Config) -> int:
 async def evict(args: argparse.Namespace, config: Config) -> int:
     if not args.url and not args.all:
         raise ConfigError("give a dataset URL or --all")
+    if args.group and not args.url:
+        raise ConfigError("--group evicts one dataset across the group: give its URL")
     NodeSummary(config)  # a cache directory that does not exist is an error, not one to create
     engine = Engine(config)
     try:
         if args.all:
             freed = engine.evict_sync(everything=True)
         else:
-            freed = engine.evict_sync(dataset=DatasetRef.from_url(args.url).id)
+            ref = DatasetRef.from_url(args.url)
+            freed = engine.evict_sync(dataset=ref.id)
         total = NodeSummary(config).report()["used_bytes"]
+        members = await engine.group.evict_everywhere(ref) if args.group else {}
     finally:
         await engine.aclose()
     print(f"evicted {human_bytes(freed)}; {human_bytes(total)} still cached (objects in use are kept)")
+    if args.group:
+        if not members:
+            raise ConfigError("this node is in no cache group (no agent serves this cache directory): evicted here "
+                              "only")
+        for name, got in members.items():
+            what = ("does not know the dataset" if got is None else
+                    f"evicted {human_bytes(got)}" if isinstance(got, int) else f"not evicted: {got}")
+            print(f"  {name}: {what}")
+        if any(isinstance(got, str) for got in members.values()):
+            raise CacheFSError("some members could not be asked; run it again once they are back")
     return 0
 
 

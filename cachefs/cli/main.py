@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evict", parents=[base, cache], help="remove cached data (objects in use are kept)")
     ev.add_argument("url", nargs="?", help="dataset whose data to evict")
     ev.add_argument("--all", action="store_true", help="evict every dataset")
+    ev.add_argument("--group", action="store_true",
+                    help="the dataset on every member of this node's cache group too (a purge: docs/SECURITY.md)")
 
     rf = sub.add_parser("refresh", parents=[base, cache, origin], help="take a new manifest snapshot of a dataset")
     rf.add_argument("url")

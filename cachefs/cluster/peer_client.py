@@ -9,12 +9,14 @@ outside its cache), and a block by its index.
 
 from __future__ import annotations
 
+import json
 import time
 
 import aiohttp
 
 from cachefs.base.checksum import block_checksum
 from cachefs.base.errors import CacheFSError
+from cachefs.base.metrics import PEER_ERRORS, safely
 from cachefs.cluster.auth import read_token
 from cachefs.cluster.heat import HOT_HEADER
 from cachefs.cluster.tls import GroupTLS
@@ -27,6 +29,13 @@ MEMBER_HEADER = "X-Cachefs-Member"
 
 class PeerError(CacheFSError):
     """A peer did not answer, refused, or answered wrongly (it is skipped; the next tier serves)."""
+
+
+def _failed(reason: str, message: str) -> PeerError:
+    """A PeerError, counted by its reason (``cachefs_peer_errors_total``): ``unreachable`` (refused, reset, timed
+    out), ``http`` (an error status), ``bad_answer`` (too long, no checksum), ``corrupt`` (failed its checksum)."""
+    safely(PEER_ERRORS.labels(reason).inc)
+    return PeerError(message)
 
 
 class PeerClient:
@@ -76,7 +85,7 @@ class PeerClient:
         try:
             async with self._client().get(url, params=params, headers=self._headers()) as resp:
                 if resp.content_length is not None and resp.content_length > limit:
-                    raise PeerError(f"{address}: an answer of {resp.content_length} bytes, at most {limit} asked")
+                    raise _failed("bad_answer", f"{address}: an answer of {resp.content_length} bytes, at most {limit} asked")
                 # read(n) returns what has arrived so far, not n bytes: gather the body up to the limit + 1
                 # (one byte more tells an over-long answer).
                 parts, got = [], 0
@@ -85,8 +94,10 @@ class PeerClient:
                     got += len(chunk)
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
                 return resp.status, body, dict(resp.headers)
+        except PeerError:
+            raise
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise PeerError(f"peer {address}: {type(exc).__name__}: {exc}") from None
+            raise _failed("unreachable", f"peer {address}: {type(exc).__name__}: {exc}") from None
 
     async def _verified(self, address: str, path: str, params: dict[str, str], limit: int, *,
                         length: int | None = None) -> tuple[bytes | None, dict]:
@@ -96,15 +107,15 @@ class PeerClient:
         if status == 404:
             return None, headers
         if status != 200:
-            raise PeerError(f"peer {address}: HTTP {status} {body[:200].decode(errors='replace')}")
+            raise _failed("http", f"peer {address}: HTTP {status} {body[:200].decode(errors='replace')}")
         if length is not None and len(body) != length:
-            raise PeerError(f"peer {address}: {len(body)} bytes, {length} expected")
+            raise _failed("bad_answer", f"peer {address}: {len(body)} bytes, {length} expected")
         try:
             expected = int(headers.get(CHECKSUM_HEADER, ""), 16)
         except ValueError:
-            raise PeerError(f"peer {address}: no checksum with {path}") from None
+            raise _failed("bad_answer", f"peer {address}: no checksum with {path}") from None
         if block_checksum(body) != expected:
-            raise PeerError(f"peer {address}: {path} failed its checksum")
+            raise _failed("corrupt", f"peer {address}: {path} failed its checksum")
         return body, headers
 
     @staticmethod
@@ -150,7 +161,27 @@ class PeerClient:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise PeerError(f"peer {address}: {type(exc).__name__}: {exc}") from None
+            raise _failed("unreachable", f"peer {address}: {type(exc).__name__}: {exc}") from None
+
+    async def evict(self, address: str, ds_id: str, url: str) -> int | None:
+        """Have a member drop what it caches of dataset ``ds_id`` (``cachefs evict --group``); the bytes it freed,
+        or None when it does not know the dataset."""
+        try:
+            async with self._client().post(f"{self._scheme}://{address}/v1/evict/{ds_id}", params={"url": url},
+                                           headers=self._headers()) as resp:
+                body = await resp.read()
+                if resp.status == 404:
+                    return None
+                if resp.status != 200:
+                    raise _failed("http", f"peer {address}: HTTP {resp.status} {body[:200].decode(errors='replace')}")
+                freed = json.loads(body).get("freed")
+                if not isinstance(freed, int):
+                    raise _failed("bad_answer", f"peer {address}: an eviction answer without the bytes freed")
+                return freed
+        except PeerError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError) as exc:
+            raise _failed("unreachable", f"peer {address}: {type(exc).__name__}: {exc}") from None
 
     async def close(self) -> None:
         for session in [*self._retired, self._session]:

@@ -298,6 +298,30 @@ def test_a_member_killed_between_readers_costs_the_origin_no_second_read(group):
     assert sent <= 1.1 * size, (sent, size)
 
 
+def _cached_bytes(group: Group, name: str) -> int:
+    proc = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--json", "--cache-dir",
+                           group.cache(name)], env=group.env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["used_bytes"]
+
+
+def test_evict_with_group_purges_a_dataset_from_every_member(group):
+    """`cachefs evict URL --group` (how to purge a dataset a member may have poisoned, docs/SECURITY.md): every
+    member drops what it holds of it, and the next read takes it from the origin again."""
+    for n in group.names:
+        assert finish(group.read_all(n)) == expected(group.files)
+    assert all(_cached_bytes(group, n) > 0 for n in group.names)
+    proc = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "evict", group.url, "--group", "--cache-dir",
+                           group.cache("n1")], env=group.env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "n2: evicted" in proc.stdout and "n3: evicted" in proc.stdout, proc.stdout
+    assert all(_cached_bytes(group, n) == 0 for n in group.names), [_cached_bytes(group, n) for n in group.names]
+    group.server.requests(reset=True)
+    assert finish(group.read_all("n2")) == expected(group.files)
+    size = sum(len(b) for b in group.files.values())
+    assert origin_bytes(group) >= size  # nothing of it was left anywhere in the group
+
+
 def test_corrupted_bytes_from_a_peer_are_never_served(group, tmp_path):
     """A member whose answers are damaged on the way (a byte flipped after the checksum was set): the reader
     detects it, drops it and reads the bytes elsewhere."""
