@@ -502,3 +502,28 @@ def test_eviction_hints_in_the_index_hold_for_every_process(config, s3):
         assert engine.evict_sync(everything=True) == 200_000
 
     run(engine, scenario, src)
+
+
+def test_status_reports_the_tier_bytes_of_its_own_cache_directory(config, dataset, tmp_path):
+    """Two cache directories on one host (one process here; the metrics directory would be shared): each
+    `cachefs status` reports what was served through its own directory, not the host's sum (both used to show the
+    same figures)."""
+    import dataclasses
+
+    from cachefs.status.summary import status_report
+
+    url, files, *_ = dataset
+    other = dataclasses.replace(config, cache=dataclasses.replace(config.cache, dir=str(tmp_path / "other")))
+    engine = Engine(config)
+
+    async def scenario():
+        ds = await engine.open_dataset(url)
+        for e in list(ds.walk_files()):
+            await engine.read(ds, e, 0, e.size)
+        engine.flush_stats()
+
+    run(engine, scenario)
+    Engine(other).close()  # the second directory exists, and read nothing
+    total = sum(len(b) for b in files.values())
+    assert status_report(config)["tier_bytes"].get("origin", 0) == total
+    assert status_report(other)["tier_bytes"].get("origin", 0) == 0
