@@ -119,7 +119,7 @@ def wrong_files(proc: subprocess.Popen, want: dict[str, str], *, kill_at_half=No
             kill_at_half()
             kill_at_half = None
         elif not m:
-            err_tail = (err_tail + [line])[-40:]
+            err_tail = [*err_tail, line][-40:]
     out = proc.stdout.read()
     if proc.wait() != 0:
         raise RuntimeError("reader failed:\n" + "".join(err_tail))
