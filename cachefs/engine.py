@@ -346,8 +346,11 @@ class Engine:
     async def evict(self, *, force: bool = False, dataset: str | None = None) -> int:
         """Evict until under the low watermark (``dataset``: all of that dataset no reader holds); returns bytes
         freed."""
-        if dataset is not None:
-            return await self.disk.run(functools.partial(self.evictor.evict, dataset=dataset))
+        if dataset is not None:  # a purge: this process lets go of what it still had open of it at once
+            freed = await self.disk.run(functools.partial(self.evictor.evict, dataset=dataset))
+            self.objects.close_evicted()
+            self.packs.reads.close_unlinked()
+            return freed
         if force:
             return await self.disk.run(self.evictor.make_room, 0)
         return await self.disk.run(self.evictor.evict)

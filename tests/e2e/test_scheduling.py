@@ -306,8 +306,9 @@ def test_scheduler_accepted_every_extender_response(k8s):
                 or ("extender" in line.lower() and " err=" in line)]
 
     def outage_seen(lines: list[str]) -> bool:
-        return (any("connection refused" in line and "filter" in line for line in lines)
-                and any("Skipping extender in bind" in line for line in lines))
+        # (Which verbs kube-scheduler reports during the outage depends on where the pod's cycle was when the
+        # extender went: the filter always, the bind only if it got that far while the extender was down.)
+        return any("connection refused" in line and "filter" in line for line in lines)
 
     # The outage in the locality test shows up (so these lines are what we think they are; kube-scheduler's log
     # reaches its file within klog's flush interval, 5 s) ...
