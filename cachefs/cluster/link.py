@@ -166,17 +166,16 @@ class GroupLink:
         return took
 
     async def evict_everywhere(self, ref: DatasetRef) -> dict[str, int | str | None]:
-        """Have every other member drop what it caches of ``ref`` (``cachefs evict --group``: purge a dataset a
-        member may have poisoned). Member → bytes freed, None when it does not know the dataset, or why it
-        could not be asked. Empty when this process is in no group."""
+        """Have every member drop what it caches of ``ref`` (``cachefs evict --group``: purge a dataset a member
+        may have poisoned). This node's own agent is asked too: its cache directory is this process's, but it may
+        still hold the evicted files open. Member → bytes freed, None when it does not know the dataset, or why
+        it could not be asked. Empty when this process is in no group."""
         self.refresh()
         client, table = self.client, self.table
         if not self.joined or client is None or table is None:
             return {}
         out: dict[str, int | str | None] = {}
         for name, member in sorted(table.members.items()):
-            if name == table.self_name:
-                continue
             try:
                 out[name] = await client.evict(member.address, ref.id, ref.url)
             except CacheFSError as exc:

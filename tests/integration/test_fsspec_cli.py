@@ -258,9 +258,11 @@ def test_ctrl_c_mid_prefetch_exits_130_and_keeps_what_was_cached(cache_dir):
                "CACHEFS_CACHE_PACK_THRESHOLD": "0"}  # the block path, one GET at a time
         proc = start_prefetch(url, cache_dir, env, workers=1, text=True)
         wait_cached(cache_dir, 1_000_000)
+        with open(f"/proc/{proc.pid}/status") as f:  # (a mask inherited from the test process would hide it)
+            masks = [line.strip() for line in f if line.startswith(("SigBlk", "SigIgn"))]
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 130, (out, err)
+        assert proc.returncode == 130, (out, err, masks)
         assert "interrupted" in err and "resume" in err and "Traceback" not in err
         env["CACHEFS_ENGINE_MAX_CONCURRENT_FETCHES"] = "64"
         r = cli("prefetch", url, "--cache-dir", cache_dir, "--json", env=env)

@@ -206,6 +206,14 @@ def test_the_extender_counts_its_requests_by_verb_and_status(tmp_path):
     endpoint = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         _wait_for(endpoint, lambda s: True)
+        deadline = time.monotonic() + 30  # the extender's own port may open a moment after the metrics port
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the extender did not listen"
+                time.sleep(0.05)
         body = json.dumps(args(pod("p1", gpus=1), [node("a"), node("b")])).encode()
         for verb, data, times in (("filter", body, 3), ("prioritize", body, 2), ("filter", b"{not json", 1)):
             for _ in range(times):
