@@ -98,6 +98,7 @@ PAGE_CACHE_FILES = {"tests/integration/test_metrics.py", "tests/integration/test
                     "tests/integration/test_packs.py"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups off the items
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs two workers with ``--dist loadgroup``) a file's tests run on one
     worker, in order, so its module fixtures are made once; the page-cache files share one group, and so do the

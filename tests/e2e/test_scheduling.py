@@ -316,7 +316,8 @@ def test_scheduler_accepted_every_extender_response(k8s):
         return any(during_outage(line) and "/filter" in line for line in lines)
 
     # The outage in the locality test shows up (so these lines are what we think they are; kube-scheduler's log
-    # reaches its file within klog's flush interval, 5 s) ...
+    # reaches its file within klog's flush interval, 5 s; this test shares that test's control plane: one worker
+    # runs every end-to-end file, tests/conftest.py) ...
     try:
         trouble = wait_for(lambda: (lines := trouble_lines()) and outage_seen(lines) and lines, 30,
                            "the extender outage in kube-scheduler's log")
