@@ -47,6 +47,7 @@ from cachefs.node.open_objects import OpenObjects
 from cachefs.node.pack_assembly import PackAssemblies
 from cachefs.node.read_stats import ReadStats
 from cachefs.node.space import DiskSpace
+from cachefs.prefetch.orders import OrderBook
 from cachefs.prefetch.prefetcher import Prefetcher
 from cachefs.read import WOULD_WAIT, BlockStrategy, LocalRead, OpenFile, PackStrategy, ReadStrategy, ReadStream
 from cachefs.sources import Source, open_origin
@@ -87,6 +88,8 @@ class Engine:
         self.evictor = Evictor(config, self.space, pack_store, self.objects, self.stats, self.disk)
         self.assemblies = PackAssemblies(pack_store, self.index, self.evictor, self.disk)
         self.prefetcher = Prefetcher(self.funnel.memory, max_running=e.max_concurrent_fetches)
+        #: Declared read orders (cachefs.prefetch.orders): what readers open next is fetched ahead of them.
+        self.orders = OrderBook(c.dir)
         self.tier_counts = TierCounts()
         self.group = GroupLink(c.dir)
         parts = TierParts(config, self.funnel, self.group.view)
@@ -151,6 +154,9 @@ class Engine:
         if rec.manifest(version) is None:
             have = ", ".join(str(m.version) for m in rec.manifests) or "none"
             raise ConfigError(f"{ref.url}: manifest version {version} is not on this node (have: {have})")
+        m = rec.manifest(version)
+        if m is not None and m.bytes > self.space.capacity * self.config.cache.high_watermark:
+            self.stats.presume_scan(ref.id)  # larger than the cache: admitted as a scan until its reads say not
         return Dataset(ref, version, src, self.manifests, rec)
 
     async def refresh(self, url: str, *, storage_options: dict[str, Any] | None = None,
@@ -209,17 +215,52 @@ class Engine:
     def open(self, ds: Dataset, entry: Entry, *, pin: bool = True) -> OpenFile:
         """Open ``entry`` for reading: its strategy is chosen here, once. With ``pin``, eviction by any process
         leaves its cache file alone until the file is closed (a reader has it open)."""
+        self._ahead_in_order(ds, entry)
         return self.strategy(entry).open(ds, entry, pin=pin)
+
+    def _ahead_in_order(self, ds: Dataset, entry: Entry) -> None:
+        """A reader opens ``entry``: fetch what the orders published for its dataset say comes next."""
+        ec = self.config.engine
+        budget = min(ec.order_lookahead, ec.memory_budget // 8)
+        if not budget:
+            return
+
+        def size_to_fetch(path: str) -> int | None:
+            try:
+                e = ds.file(path)
+            except OSError:
+                return None
+            return None if self.cached_bytes(ds, e) >= e.size else e.size
+
+        paths = self.orders.opened(ds.ref.id, entry.path, budget, size_to_fetch)
+        hints = []
+        for path in paths:
+            e = ds.file(path)
+            hint = self.strategy(e).ahead_hint(ds, e)
+            if hint is not None:
+                hints.append(hint)
+        if not hints:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.prefetcher.offer_threadsafe(hints)  # (a FUSE thread)
+        else:
+            self.prefetcher.offer(hints)
 
     def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None, *,
                    wait: bool = True) -> LocalRead:
         """``[start, end)`` of ``entry`` from this node, from the calling thread (see OpenFile.read_local)."""
+        if stream is None or not stream.counted:
+            self._ahead_in_order(ds, entry)
         return self.strategy(entry).oneoff(ds, entry, stream).read_local(start, end, wait=wait)
 
     async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None
                    ) -> bytes | bytearray:
         """``[start, end)`` of ``entry`` (clamped to its size), fetching what is missing."""
         self._start_background()
+        if stream is None or not stream.counted:
+            self._ahead_in_order(ds, entry)
         return await self.strategy(entry).oneoff(ds, entry, stream).read(start, end)
 
     async def ensure_cached(self, ds: Dataset, entry: Entry, on_bytes: Callable[[int], None] | None = None) -> None:

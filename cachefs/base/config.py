@@ -84,6 +84,10 @@ class CacheConfig:
     #: "two-touch-lru" (objects read once before those read again, least recently used first within each;
     #: bench/eviction_bench.py) or "lru".
     eviction_policy: str = "two-touch-lru"
+    #: A dataset read as an epoch scan (each file once per pass, in any order) keeps the part of it that fits and
+    #: lets the rest pass through uncached, instead of evicting what the next epoch reads first (docs/SEMANTICS.md,
+    #: "Epochs"). Off: it is cached like any other data, by eviction_policy.
+    scan_admission: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,10 @@ class EngineConfig:
     stats_flush_interval: float = 2.0
     #: After a miss on a small file, fetch this many following files of its directory in the background.
     dir_readahead: int = 64
+    #: With a declared read order (`cachefs order`, docs/SEMANTICS.md): fetch up to this many bytes of the files
+    #: a reader will open next ahead of it (0: off). At most an eighth of the memory budget, which holds what
+    #: the disk has no room for until its reader comes.
+    order_lookahead: int = 32 * 1024 * 1024
     #: Per-directory access scores ("hot directories" in `cachefs status --json`) halve every this many seconds.
     hot_dir_half_life: float = 600.0
     #: Where missing bytes of small files come from, asked in this order (tier names, cachefs.tiers.TIERS): the
@@ -196,6 +204,8 @@ class Config:
             raise ConfigError("cache.pack_size must be at most 1GiB (pack members are addressed with 32-bit offsets)")
         if e.dir_readahead < 0:
             raise ConfigError("engine.dir_readahead must not be negative")
+        if e.order_lookahead < 0:
+            raise ConfigError("engine.order_lookahead must not be negative")
         if e.hot_dir_half_life <= 0:
             raise ConfigError("engine.hot_dir_half_life must be positive")
         if e.max_concurrent_fetches < 1:
@@ -220,7 +230,7 @@ _SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfi
              "cluster": ClusterConfig}
 _SIZE_FIELDS = {("cache", "block_size"), ("cache", "pack_threshold"), ("cache", "pack_size"),
                 ("engine", "memory_budget"), ("engine", "readahead_max"),
-                ("engine", "fetch_window")}
+                ("engine", "fetch_window"), ("engine", "order_lookahead")}
 
 
 def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:

@@ -13,9 +13,10 @@ from cachefs.cli.output import print_json
 from cachefs.cli.progress import ProgressPrinter, human_bytes
 from cachefs.engine import Engine
 from cachefs.jobs import warm
+from cachefs.prefetch.publish import publish_order
 from cachefs.status.summary import NodeSummary, status_report
 
-__all__ = ["demo", "evict", "metrics", "mount", "pack", "prefetch", "refresh", "status", "umount"]
+__all__ = ["demo", "evict", "metrics", "mount", "order", "pack", "prefetch", "refresh", "status", "umount"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -72,11 +73,15 @@ async def status(args: argparse.Namespace, config: Config) -> int:
     if not rep["datasets"]:
         print("no datasets cached")
         return 0
-    rows = [("DATASET", "ID", "MANIFEST", "FILES", "SIZE", "CACHED", "HIT RATIO")]
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    rows = [("DATASET", "ID", "MANIFEST", "FILES", "SIZE", "CACHED", "HIT RATIO", "POLICY", "EPOCH HITS (NOW/LAST)")]
     for d in rep["datasets"]:
+        epochs = "-" if d["policy"] == "lru" else f"{pct(d['epoch_hit_ratio'])}/{pct(d['last_epoch_hit_ratio'])}"
+        policy = d["policy"] + (f"+ordered({len(d['orders'])})" if d["orders"] else "")
         rows.append((d["url"], d["id"], f"v{d['manifest_version']}", str(d["files"]), human_bytes(d["total_bytes"]),
-                     f"{100 * d['cached_fraction']:.1f}%",
-                     "-" if d["hit_ratio"] is None else f"{100 * d['hit_ratio']:.1f}%"))
+                     f"{100 * d['cached_fraction']:.1f}%", pct(d["hit_ratio"]), policy, epochs))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -111,6 +116,22 @@ async def evict(args: argparse.Namespace, config: Config) -> int:
             print(f"  {name}: {what}")
         if any(isinstance(got, str) for got in members.values()):
             raise CacheFSError("some members could not be asked; run it again once they are back")
+    return 0
+
+
+async def order(args: argparse.Namespace, config: Config) -> int:
+    try:
+        f = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{args.file}: {exc.strerror}") from None
+    with f:
+        try:
+            paths = [line.rstrip("\n") for line in f if line.strip()]
+        except UnicodeDecodeError:
+            raise ConfigError(f"{args.file}: not UTF-8 text (one path a line)") from None
+    written = publish_order(args.dataset, paths, epoch=args.epoch, cache_dir=config.cache.dir,
+                            publisher=args.publisher)
+    print(f"published an order of {len(paths)} files ({written})")
     return 0
 
 

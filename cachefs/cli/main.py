@@ -122,6 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--group", action="store_true",
                     help="the dataset on every member of this node's cache group too (a purge: docs/SECURITY.md)")
 
+    od = sub.add_parser("order", parents=[base, cache],
+                        help="publish the order a job will read a dataset in (the cache fetches ahead of it)")
+    od.add_argument("dataset", help="the dataset's URL, or a cachefs mount point of it")
+    od.add_argument("--file", required=True, help="the paths in reading order, one a line ('-': standard input)")
+    od.add_argument("--epoch", type=int, help="the epoch it is for (shown by cachefs status)")
+    od.add_argument("--publisher", help="whose order it is (default: this command's host and pid; a later order of "
+                                        "the same publisher replaces the earlier one)")
+
     rf = sub.add_parser("refresh", parents=[base, cache, origin], help="take a new manifest snapshot of a dataset")
     rf.add_argument("url")
 
@@ -194,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     ag.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then $KUBECONFIG)")
     ag.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve the node's metrics here")
     ag.add_argument("--ready-file", help=argparse.SUPPRESS)  # internal (tests): written once membership is known
-    for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("evict", ev), ("refresh", rf),
+    for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("evict", ev), ("order", od), ("refresh", rf),
                       ("mount", mt), ("umount", um), ("demo", dm), ("metrics", mx), ("agent", ag)):
         cmd.set_defaults(run=f"cachefs.cli.commands:{name}", node_process=name in ("mount", "metrics", "agent"))
     # Commands of the other packages (csi, scheduler_hints) register themselves: cachefs imports neither.

@@ -3,24 +3,53 @@
 * **Leases** on "keep what was used since T": a prefetch job takes one while it runs (renewing it) and drops it when
   it ends; one that dies leaves a lease that expires on its own, so a killed job never pins the cache for long.
 * **Staged keys**: bytes written on this node and not yet uploaded, which eviction never takes.
+* **Scans**: datasets some process sees read as an epoch scan (:mod:`cachefs.node.scan`), since when, until when
+  the claim lasts, and the hit and miss bytes of the current and the last pass (what ``cachefs status`` shows).
 
-Layouts (docs/FORMAT.md): ``hints``: key = ``b"keep:" + lease name``; value = since, expires (two float64).
-``staged``: key = object key; value = bytes staged (u64).
+Layouts (docs/FORMAT.md): ``hints``: key = ``b"keep:" + lease name``; value = since, expires (two float64);
+key = ``b"scan:" + dataset id``; value = JSON (:class:`ScanRecord`). ``staged``: key = object key; value = bytes
+staged (u64).
 """
 
 from __future__ import annotations
 
+import json
 import struct
 import time
+from dataclasses import dataclass
 
 from cachefs.index.index import Index
 
-__all__ = ["LEASE", "HintStore"]
+__all__ = ["LEASE", "HintStore", "ScanRecord"]
 
 #: hints: a keep-newer-than lease: since when, until when (epoch seconds).
 LEASE = struct.Struct("<dd")
 _STAGED = struct.Struct("<Q")
 _KEEP = b"keep:"
+_SCAN = b"scan:"
+
+
+@dataclass(frozen=True)
+class ScanRecord:
+    """A dataset read as an epoch scan: since when, until when the claim lasts (unless renewed), how many passes
+    (epochs) its publisher saw, and the (hit, miss) bytes of the current and the last whole pass."""
+
+    since: float
+    until: float
+    passes: int = 1
+    current: tuple[int, int] = (0, 0)
+    last: tuple[int, int] | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps({"since": self.since, "until": self.until, "passes": self.passes,
+                           "current": list(self.current), "last": list(self.last) if self.last else None}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ScanRecord:
+        d = json.loads(raw)
+        last = d.get("last")
+        return cls(float(d["since"]), float(d["until"]), int(d.get("passes", 1)), tuple(d.get("current", (0, 0))),
+                   tuple(last) if last else None)
 
 
 class HintStore:
@@ -53,6 +82,45 @@ class HintStore:
                     if expires > now and (earliest is None or since < earliest):
                         earliest = since
         return earliest
+
+    # -- scans ----------------------------------------------------------------------------------------------
+    def note_scans(self, records: dict[str, ScanRecord]) -> None:
+        """Publish (or renew) this process's scans; an earlier ``since`` another process published is kept."""
+        if not records:
+            return
+
+        def put(txn) -> None:
+            for ds_id, rec in records.items():
+                key = _SCAN + ds_id.encode()
+                raw = txn.get(key, db=self._hints)
+                if raw is not None:
+                    try:
+                        old = ScanRecord.from_json(bytes(raw))
+                        if old.until > time.time() and old.since < rec.since:
+                            rec = ScanRecord(old.since, rec.until, rec.passes, rec.current, rec.last)
+                    except (ValueError, KeyError, TypeError):
+                        pass
+                txn.put(key, rec.to_json(), db=self._hints)
+
+        self.index.write_txn(put)
+
+    def scans(self, now: float | None = None) -> dict[str, ScanRecord]:
+        """The scans in force: dataset id → record."""
+        now = time.time() if now is None else now
+        out = {}
+        with self.index.env.begin() as txn:
+            cur = txn.cursor(db=self._hints)
+            if cur.set_range(_SCAN):
+                for key, raw in cur:
+                    if not bytes(key).startswith(_SCAN):
+                        break
+                    try:
+                        rec = ScanRecord.from_json(bytes(raw))
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                    if rec.until > now:
+                        out[bytes(key)[len(_SCAN):].decode()] = rec
+        return out
 
     # -- staged bytes ---------------------------------------------------------------------------------------
     def stage(self, key: bytes, nbytes: int) -> None:

@@ -6,7 +6,12 @@ objects and packs are removed until usage is under ``low_watermark × capacity``
 room, until it fits): first guest data (in a cache group, what another member owns and this node keeps a copy of:
 docs/CLUSTER.md), then the node's own in the order of the eviction policy (:mod:`.eviction_policy`, two-touch
 LRU by default), which never offers staged bytes nor what a running prefetch job brought. The node's own data is
-evicted only while it alone is over the target: never for guest data that readers hold at the moment. An object
+evicted only while it alone is over the target: never for guest data that readers hold at the moment.
+
+A dataset read as an epoch scan (:mod:`.scan`) is admitted differently: only under the high watermark, into room
+taken from guest data and from what nobody used since the scan began, never from the scan's own bytes. So the part
+of it that fits stays from one epoch to the next, and the rest passes through uncached (a hit ratio of the fraction
+that fits, where LRU gets 15 % at half). An object
 a reader holds (any process: a shared ``flock``) is skipped; a pack goes without waiting for readers, who read on
 from the unlinked file. Guest blocks go from an object's file by rewriting it without them
 (:meth:`~cachefs.store.base.BlockStore.try_keep_only`), so the blocks it owns stay.
@@ -24,8 +29,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from cachefs.base.config import Config
-from cachefs.base.errors import CacheFullError
-from cachefs.index.hints import HintStore
+from cachefs.base.errors import CacheFSError, CacheFullError
+from cachefs.index.hints import HintStore, ScanRecord
 from cachefs.index.records import ObjectRecord, PackRecord
 from cachefs.node.disk_jobs import DiskJobs
 from cachefs.node.eviction_policy import Candidate, EvictionHints, policy_named
@@ -59,11 +64,59 @@ class Evictor:
         self._stored_since_check = 0
         self._background: asyncio.Future | None = None
         self._guests_full_until = 0.0  # (guest writes refused at once until then: no scan of guests per block)
+        self._scans: dict[str, ScanRecord] = {}  # the node's scans, as last read from the index
+        self._scans_read = self._scans_published = 0.0
+        self._scan_full_until: dict[str, float] = {}  # a scan's writes refused at once until then
+        #: Bytes of scanned datasets not admitted (served without caching) since start.
+        self.scan_refused = 0
+
+    # -- scans ----------------------------------------------------------------------------------------------
+    def scans(self) -> dict[str, ScanRecord]:
+        """The datasets read as epoch scans on this node (any process), re-read from the index once a second."""
+        if not self.config.cache.scan_admission:
+            return {}
+        now = time.monotonic()
+        if now - self._scans_read > 1.0:
+            self._scans_read = now
+            try:
+                published = self.hints.scans()
+            except CacheFSError as exc:
+                log.debug("scans not read: %s", exc)
+                published = self._scans
+            # (this process's own, before its next publishing)
+            self._scans = {**self.stats.scan_records(), **published}
+        return self._scans
+
+    def scanning(self, dataset: str) -> bool:
+        return dataset in self.scans()
+
+    def scan_refusing(self, dataset: str) -> bool:
+        """Whether a scanned dataset's writes are being refused at once (it has no room left)."""
+        return time.monotonic() < self._scan_full_until.get(dataset, 0.0)
+
+    def publish_scans(self) -> None:
+        """Publish this process's scans (at most once a second)."""
+        now = time.monotonic()
+        if now - self._scans_published < 1.0:
+            return
+        self._scans_published = now
+        records = self.stats.scan_records()
+        if records:
+            try:
+                self.hints.note_scans(records)
+            except CacheFSError as exc:
+                log.debug("scans not published: %s", exc)
+            self._scans_read = 0.0  # read them back with the others' at the next look
 
     # -- writers ----------------------------------------------------------------------------------------------
-    def store(self, nbytes: int, write: Callable[[], T]) -> T | None:
+    def store(self, nbytes: int, write: Callable[[], T], dataset: str | None = None) -> T | None:
         """Run ``write()`` (which puts ``nbytes`` on the disk and may raise :class:`CacheFullError`) if there is
-        room, evicting once if there is not; None when the bytes were not stored. Blocking: a disk thread."""
+        room, evicting once if there is not; None when the bytes were not stored. ``dataset``: whose bytes they
+        are (a scanned dataset's are admitted as the module says). Blocking: a disk thread."""
+        if dataset is not None:
+            scan = self.scans().get(dataset)
+            if scan is not None:
+                return self._store_for_scan(dataset, scan.since, nbytes, write)
         if self.space.full:
             self.space.refused += 1
             return None
@@ -77,6 +130,65 @@ class Evictor:
                 self.make_room(nbytes)
         self.space.mark_full()
         return None
+
+    def scan_room(self, dataset: str, need: int) -> int:
+        """Bytes a scanned dataset's writes may take now (evicting for it first, as :meth:`store` would, if
+        ``need`` does not fit); 0 while its writes are refused. Blocking: a disk thread."""
+        scan = self.scans().get(dataset)
+        if scan is None:
+            return self.space.room()
+        if time.monotonic() < self._scan_full_until.get(dataset, 0.0):
+            return 0
+        limit = int(self.capacity * self.config.cache.high_watermark)
+        floor = max(self.min_free * 1.1, self.min_free + need)
+        if not self._under(limit - need, floor):
+            with self._one_at_a_time:
+                self._evict_for_scan(dataset, scan.since, limit - need, floor)
+        total, _ = self.index.totals()
+        _, free = self.files.disk_usage()
+        room = max(0, min(limit - total, free - self.min_free))
+        if room < need:
+            self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
+        return room
+
+    def _store_for_scan(self, dataset: str, since: float, nbytes: int, write: Callable[[], T]) -> T | None:
+        if time.monotonic() < self._scan_full_until.get(dataset, 0.0):
+            self.scan_refused += nbytes
+            return None
+        c = self.config.cache
+        limit = int(self.capacity * c.high_watermark) - nbytes
+        floor = max(self.min_free * 1.1, self.min_free + nbytes)
+        for attempt in (0, 1):
+            if self._under(limit, floor):
+                try:
+                    return write()
+                except CacheFullError:
+                    pass
+            if attempt == 0:
+                with self._one_at_a_time:
+                    self._evict_for_scan(dataset, since, limit, floor)
+        self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
+        self.scan_refused += nbytes
+        return None
+
+    def _evict_for_scan(self, dataset: str, since: float, target: int, floor: float) -> int:
+        """Room for a scan's bytes: guest data, then what the policy offers of other datasets' bytes that nobody
+        used since the scan began; never the scan's own."""
+        self.flush_stats()
+        freed = self._evict_guests(target, floor)
+        if self._under(target, floor):
+            return freed
+        candidates = [*(Candidate(okey, rec) for okey, rec in self.index.objects() if rec.dataset != dataset),
+                      *(Candidate(None, p) for p in self.index.packs() if p.dataset != dataset)]
+        for victim in self.policy.order([c for c in candidates if c.last_access < since], self.current_hints()):
+            if self._under(target, floor):
+                break
+            try:
+                freed += self._evict_one(victim.okey, victim.record)
+            except CacheFullError as exc:
+                log.error("eviction stopped: %s", exc)
+                break
+        return freed
 
     def store_guest(self, nbytes: int, write: Callable[[], T]) -> T | None:
         """:meth:`store` for guest data (another group member owns it): written only into room under the high
@@ -154,8 +266,9 @@ class Evictor:
         return self.space.over_limits()
 
     def flush_stats(self) -> None:
-        """Access statistics into the index first, so that the order is current."""
+        """Access statistics into the index first, so that the order is current (and this process's scans)."""
         self.stats.flush(self.index, self.objects.take_access(), self.config.engine.hot_dir_half_life)
+        self.publish_scans()
 
     def evict(self, *, force: bool = False, dataset: str | None = None, everything: bool = False,
               need: int = 0) -> int:

@@ -134,7 +134,8 @@ class PackAssemblies:
 
     async def _write(self, assembly: Assembly, window: int, lo: int, raw: bytes | bytearray) -> None:
         try:
-            written = await self.disk.run(self.evictor.store, len(raw), lambda: self._write_window(assembly, raw, lo))
+            written = await self.disk.run(self.evictor.store, len(raw), lambda: self._write_window(assembly, raw, lo),
+                                          assembly.ds_id)
         except CacheFSError as exc:
             self._give_up(assembly, exc)
             return

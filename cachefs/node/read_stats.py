@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from cachefs.base.errors import CacheFSError, CacheFullError
 from cachefs.index import Index
+from cachefs.node.scan import ScanDetector
 
 __all__ = ["ReadStats"]
 
@@ -39,6 +40,8 @@ class ReadStats:
         #: Cached bytes that failed their checksum on this node's disk since start, by file kind (block, small):
         #: a disk that rots shows here (cachefs_corrupt_reads_total, cachefs status).
         self.corrupt: dict[str, int] = {}
+        #: Which datasets this process's readers read as epoch scans (:mod:`cachefs.node.scan`).
+        self.scans = ScanDetector()
 
     def count(self, ds_id: str, accessed_path: str | None, hit: int, miss: int, kind: str = "block") -> None:
         """Hit and miss bytes of a dataset (``kind``: a ``block`` or a ``small`` file's), and (``accessed_path``)
@@ -49,6 +52,7 @@ class ReadStats:
                 s = self._datasets[ds_id] = [0, 0]
             s[0] += hit
             s[1] += miss
+            self.scans.note(ds_id, accessed_path, hit, miss)
             if hit:
                 self.served[kind, "hit"] = self.served.get((kind, "hit"), 0) + hit
             if miss:
@@ -74,6 +78,11 @@ class ReadStats:
             if len(self._came_ahead) > 1 << 20:  # bounded; forgetting one only counts its first read as a hit
                 self._came_ahead.clear()
             self._came_ahead.update(okeys)
+
+    def unread_ahead(self, okey: bytes) -> bool:
+        """Whether ``okey`` came by read-ahead and no reader was served it yet."""
+        with self._lock:
+            return okey in self._came_ahead
 
     def take_ahead(self, okey: bytes) -> bool:
         """Whether ``okey`` came by read-ahead and this is its first read (then no longer)."""
@@ -125,6 +134,16 @@ class ReadStats:
             if not blocks:
                 del self._blocks_ahead[okey]
         return n
+
+    def presume_scan(self, ds_id: str) -> None:
+        """:meth:`ScanDetector.presume`."""
+        with self._lock:
+            self.scans.presume(ds_id)
+
+    def scan_records(self) -> dict:
+        """This process's scans, to publish (:meth:`ScanDetector.records`)."""
+        with self._lock:
+            return self.scans.records()
 
     def totals(self) -> dict[str, tuple[int, int]]:
         """Hit and miss bytes per dataset not yet flushed (a peek)."""

@@ -77,6 +77,7 @@ class Prefetcher:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
         self.counts = PrefetchCounts()
+        self._running_bytes: dict[Hashable, int] = {}
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._queue or key in self._running
@@ -88,6 +89,11 @@ class Prefetcher:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def outstanding_bytes(self) -> int:
+        """Bytes of the read-ahead queued or running: what it will bring to the disk soon (read-ahead budgets it)."""
+        return sum(h.nbytes for h in self._queue.values()) + sum(self._running_bytes.values())
 
     # -- read-ahead ---------------------------------------------------------------------------------------------
     def offer(self, hints: Iterable[Hint]) -> int:
@@ -133,10 +139,12 @@ class Prefetcher:
         self.counts.add(self.counts.started_bytes, hint.kind, hint.nbytes)
         task = asyncio.ensure_future(self._fetch(hint.fetch, held))
         self._running[hint.key] = task
+        self._running_bytes[hint.key] = hint.nbytes
 
         def done(t: asyncio.Future, key: Hashable = hint.key, kind: str = hint.kind) -> None:
             if self._running.get(key) is t:
                 del self._running[key]
+                self._running_bytes.pop(key, None)
             self._room.set()
             if not t.cancelled() and t.exception() is not None:
                 self.counts.add(self.counts.failed, kind)

@@ -12,6 +12,7 @@ from typing import Literal, TypeAlias
 from cachefs.base.types import Entry
 from cachefs.formats.pack_file import WOULD_WAIT, MemberRead
 from cachefs.manifest.dataset import Dataset
+from cachefs.prefetch.prefetcher import Hint
 
 __all__ = ["WOULD_WAIT", "LocalRead", "OpenFile", "ReadStrategy", "ReadStream"]
 
@@ -88,6 +89,11 @@ class ReadStrategy(abc.ABC):
     async def ensure(self, ds: Dataset, entry: Entry, on_bytes: Callable[[int], None] | None = None) -> None:
         """Make ``entry`` wholly present on purpose (a prefetch job: neither a hit nor a miss, not read-ahead);
         CacheFullError when the disk cannot take it. ``on_bytes(n)`` as pieces land."""
+
+    @abc.abstractmethod
+    def ahead_hint(self, ds: Dataset, entry: Entry) -> Hint | None:
+        """Work that fetches ``entry`` for a reader that will open it soon (a declared order, counted as
+        read-ahead), or None when it is here or on its way already."""
 
     @abc.abstractmethod
     def cached_bytes(self, ds: Dataset, entry: Entry, okey: bytes) -> int:

@@ -321,9 +321,11 @@ class BlockStrategy(ReadStrategy):
         if guest:
             stored = await self.disk.run(self.evictor.store_guest, len(data), write)
         else:
-            decided, stored = (False, None) if len(data) >= 256 * 1024 else self.space.try_store(len(data), write)
+            dataset = ob.record.dataset
+            small = len(data) < 256 * 1024 and not self.evictor.scanning(dataset)  # (a scan is admitted otherwise)
+            decided, stored = self.space.try_store(len(data), write) if small else (False, None)
             if not decided:
-                stored = await self.disk.run(self.evictor.store, len(data), write)
+                stored = await self.disk.run(self.evictor.store, len(data), write, dataset)
         if not stored:
             return False
         ob.present[idx] = (checksum, len(data))
@@ -364,6 +366,22 @@ class BlockStrategy(ReadStrategy):
             return {}
         got = {i: self._unstored.get((okey, i)) for i in blocks}
         return {i: data for i, data in got.items() if data is not None}
+
+    def ahead_hint(self, ds: Dataset, entry: Entry) -> Hint | None:
+        okey = object_key(ds.ref.id, entry.path, entry.version)
+        if self.cached_bytes(ds, entry, okey) >= entry.size:
+            return None
+        # Only into room the disk has: a large file fetched ahead and not kept would be fetched again by its
+        # reader (its blocks wait for it nowhere else).
+        if self.space.full or self.space.room() < entry.size or self.evictor.scan_refusing(ds.ref.id):
+            return None
+        return Hint(("order", okey), 0, "order", functools.partial(self._ensure_ahead, ds, entry))
+
+    async def _ensure_ahead(self, ds: Dataset, entry: Entry, held: Reservation | None) -> None:
+        try:
+            await self.ensure(ds, entry)
+        except CacheFullError:
+            pass  # (its reader fetches what was not kept)
 
     # -- what is here ---------------------------------------------------------------------------------------
     def cached_bytes(self, ds: Dataset, entry: Entry, okey: bytes) -> int:

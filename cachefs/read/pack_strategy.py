@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal
 
@@ -46,6 +47,9 @@ from cachefs.tiers.mirror import WindowRef
 
 __all__ = ["PackStrategy", "PackedFile"]
 
+#: Files fetched last that are remembered (not read ahead again).
+_MAX_FETCHED = 1 << 16
+
 log = logging.getLogger(__name__)
 
 
@@ -58,7 +62,7 @@ class PackStrategy(ReadStrategy):
         c = config.cache
         self.threshold, self.pack_size = c.pack_threshold, c.pack_size
         self.store, self.index, self.chain, self.funnel, self.disk, self.stats = store, index, chain, funnel, disk, stats
-        self.assemblies, self.prefetcher = assemblies, prefetcher
+        self.assemblies, self.prefetcher, self.evictor = assemblies, prefetcher, evictor
         mirror = chain.tier("mirror")
         self.mirror = mirror if isinstance(mirror, MirrorTier) else None
         self.pending = PendingPacks(c.pack_size, store, index, evictor, disk)
@@ -67,6 +71,11 @@ class PackStrategy(ReadStrategy):
         # memory for a while, as a directory's read-ahead brings them before their readers ask.
         self.guests = BytesLRU(config.engine.memory_budget // 8)
         self.reads = PackReads(store, index, self.pending, assemblies, stats, self.guests)
+        # The files fetched last (by readers or ahead): never read ahead again while remembered, so one the disk
+        # did not keep (it was full) costs no second fetch. Read ahead and not kept: held in memory (``guests``)
+        # for the reader still to come.
+        self._fetched: OrderedDict[bytes, None] = OrderedDict()
+        self.pending.on_dropped = self._dropped
         self._fetches = SingleFlight()  # object key → bytes
         self.closing = False
         removed = self.store.clean(index.has_pack)
@@ -116,6 +125,7 @@ class PackStrategy(ReadStrategy):
         # A whole small object is handed to readers (and waits in its pending pack) as it is: bytes, not the
         # bytearray a source may have received the body into.
         data = served.data if type(served.data) is bytes else bytes(served.data)
+        self._note_fetched(okey)
         if served.window is not None:
             self._install(ds, served.window, okey, reader=reader)
         if served.keep is Keep.NONE:  # the group member that owns it keeps it
@@ -136,6 +146,7 @@ class PackStrategy(ReadStrategy):
         if self.mirror is not None and asked is not None and not self.closing:
             hints = [self._window_hint(ds, ref, reader) for ref in self.mirror.windows_after(window)
                      if not self._window_here(ds.ref.id, ref)]
+            hints = self._keepable(ds.ref.id, hints)
             if hints:
                 self.prefetcher.offer(hints)
 
@@ -168,15 +179,56 @@ class PackStrategy(ReadStrategy):
             if e.is_dir or not self.packable(e) or e.size == 0:
                 continue
             okey = object_key(ds.ref.id, e.path, e.version)
-            if okey not in self._fetches and not self.has(okey):
+            if okey not in self._fetches and okey not in self._fetched and not self.has(okey):
                 hints.append(Hint(okey, e.size, "directory", functools.partial(self._fetch_ahead, ds, okey, e)))
+        hints = self._keepable(ds.ref.id, hints)
         if hints:
             self.prefetcher.offer(hints)
 
-    async def _fetch_ahead(self, ds: Dataset, okey: bytes, entry: Entry, held: Reservation | None) -> None:
+    def _note_fetched(self, okey: bytes) -> None:
+        self._fetched[okey] = None
+        while len(self._fetched) > _MAX_FETCHED:
+            self._fetched.popitem(last=False)
+
+    def _dropped(self, members: list[Member]) -> None:
+        """Pending members the disk had no room for (a disk thread): those read ahead for a reader still to come
+        stay in memory for it."""
+        for m in members:
+            if self.stats.unread_ahead(m.okey):
+                self.guests.put(m.okey, m.data)
+
+    def _keepable(self, ds_id: str, hints: list[Hint]) -> list[Hint]:
+        """The first of ``hints`` the disk can keep without evicting anything: read-ahead never fetches what the
+        cache would have to drop again before its reader comes (a dataset twice the cache, read ahead by
+        directory in a shuffled epoch, cost ten times the dataset from the origin). Room under the high watermark
+        (all a scanned dataset is admitted into), less what is already on its way to the disk."""
+        if not hints:
+            return hints
+        space = self.evictor.space
+        if space.full or self.evictor.scan_refusing(ds_id):
+            return []
+        under_high = int(space.capacity * space.high_watermark) - space.index.totals()[0]
+        room = min(space.room(), under_high) - self.pending.unwritten - self.prefetcher.outstanding_bytes
+        out, need = [], 0
+        for h in hints:
+            need += h.nbytes
+            if need > room:
+                break
+            out.append(h)
+        return out
+
+    def ahead_hint(self, ds: Dataset, entry: Entry) -> Hint | None:
+        okey = object_key(ds.ref.id, entry.path, entry.version)
+        if entry.size == 0 or okey in self._fetches or self.has(okey) or okey in self.guests:
+            return None
+        return Hint(okey, entry.size, "order", functools.partial(self._fetch_ahead, ds, okey, entry, ordered=True))
+
+    async def _fetch_ahead(self, ds: Dataset, okey: bytes, entry: Entry, held: Reservation | None, *,
+                           ordered: bool = False) -> None:
         """Fetch a small file ahead of its reader (the prefetcher runs this with memory ``held`` for it): by now
-        it may have come with a mirror window or a pack, or a reader may be fetching it."""
-        if self.closing or okey in self._fetches or self.has(okey):
+        it may have come with a mirror window or a pack, or a reader may be fetching it. ``ordered``: its
+        reader comes next (a declared order), so it is fetched even if it was fetched lately and not kept."""
+        if self.closing or okey in self._fetches or (okey in self._fetched and not ordered) or self.has(okey):
             return
         self.stats.note_ahead((okey,))  # before its bytes are visible: a reader then counts a miss, not a hit
         await asyncio.shield(self._fetches.start(okey, self._fetch(ds, okey, entry, held, reader=True)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 
 from cachefs.base.errors import CacheFSError, CacheFullError
 from cachefs.formats.pack_file import Member
@@ -54,6 +55,13 @@ class PendingPacks:
         self._flush_timer: asyncio.TimerHandle | None = None
         #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
         self.full_error: CacheFullError | None = None
+        #: Called (on a disk thread) with the members the disk had no room for, while they are still readable.
+        self.on_dropped: Callable[[list[Member]], None] | None = None
+
+    @property
+    def unwritten(self) -> int:
+        """Bytes waiting for, or being written to, the disk."""
+        return self._unwritten
 
     def get(self, okey: bytes) -> bytes | None:
         """A pending member's bytes (any thread)."""
@@ -119,6 +127,8 @@ class PendingPacks:
         dropped: list[Member] = []
         try:
             written = self._write_fitting(key, members, dropped)
+            if dropped and self.on_dropped is not None:
+                self.on_dropped(dropped)
         finally:
             with self._lock:  # in the index now (or dropped): no longer served from memory
                 for m in members:
@@ -141,10 +151,17 @@ class PendingPacks:
             if space.guest_room() < _pack_bytes(members):
                 self.evictor.make_guest_room(_pack_bytes(members))
             room = space.guest_room()
+        elif self.evictor.scanning(key[0]):  # a dataset read as an epoch scan: admitted as eviction.py says
+            room = self.evictor.scan_room(key[0], _pack_bytes(members))
         else:
             if not space.full and not space.admits(_pack_bytes(members)):
                 self.evictor.make_room(_pack_bytes(members))
             room = 0 if space.full else space.room()
+        if room < _pack_bytes(members):
+            # What read-ahead brought and no reader has had yet goes first: dropping it costs a second fetch when
+            # its reader comes; what readers already had only matters next epoch.
+            unread = self.evictor.stats.unread_ahead
+            members = sorted(members, key=lambda m: not unread(m.okey))
         fit, need = 0, _PACK_OVERHEAD
         for m in members:
             need += _member_bytes(m)
@@ -153,11 +170,14 @@ class PendingPacks:
             fit += 1
         dropped.extend(members[fit:])
         if not fit:
-            if not guest:
+            if not guest and not self.evictor.scanning(key[0]):
                 space.mark_full()
             return 0
-        store = self.evictor.store_guest if guest else self.evictor.store
-        written = store(_pack_bytes(members[:fit]), lambda: self._write_pack(key, members[:fit]))
+        if guest:
+            written = self.evictor.store_guest(_pack_bytes(members[:fit]), lambda: self._write_pack(key, members[:fit]))
+        else:
+            written = self.evictor.store(_pack_bytes(members[:fit]), lambda: self._write_pack(key, members[:fit]),
+                                         dataset=key[0])
         if written is None:
             dropped.extend(members[:fit])
             return 0

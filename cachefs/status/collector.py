@@ -50,12 +50,30 @@ class NodeCollector:
         served = CounterMetricFamily("cachefs_dataset_read_bytes", "Bytes of a dataset served to readers on this "
                                      "node: hit (on the node before the read asked) or miss (fetched for it)",
                                      labels=["dataset", "result"])
+        pinned = GaugeMetricFamily("cachefs_dataset_pinned_bytes", "Bytes of a dataset read as an epoch scan that "
+                                   "stay cached while the scan lasts (0 under LRU)", labels=["dataset"])
+        policy = GaugeMetricFamily("cachefs_dataset_policy", "The caching policy in force for a dataset (1 for the "
+                                   "one in force: lru or pinned; ordered besides while an order is published)",
+                                   labels=["dataset", "policy"])
+        orders = GaugeMetricFamily("cachefs_dataset_orders", "Read orders published for a dataset and in force "
+                                   "(cachefs order; files are fetched ahead of their readers in that order)",
+                                   labels=["dataset"])
+        epoch = GaugeMetricFamily("cachefs_dataset_epoch_hit_ratio", "Byte hit ratio of a scanned dataset's current "
+                                  "and last epoch", labels=["dataset", "epoch"])
         for d in rep["datasets"]:
+            pinned.add_metric([d["url"]], d["pinned_bytes"])
+            for name in ("lru", "pinned"):
+                policy.add_metric([d["url"], name], 1 if d["policy"] == name else 0)
+            policy.add_metric([d["url"], "ordered"], 1 if d["orders"] else 0)
+            orders.add_metric([d["url"]], len(d["orders"]))
+            for label, key in (("current", "epoch_hit_ratio"), ("last", "last_epoch_hit_ratio")):
+                if d[key] is not None:
+                    epoch.add_metric([d["url"], label], d[key])
             cached.add_metric([d["url"]], d["cached_bytes"])
             size.add_metric([d["url"]], d["total_bytes"])
             served.add_metric([d["url"], "hit"], d["hit_bytes"])
             served.add_metric([d["url"], "miss"], d["miss_bytes"])
-        yield from (cached, size, served)
+        yield from (cached, size, served, pinned, policy, epoch, orders)
         count, nbytes = node.index.evicted()
         yield CounterMetricFamily("cachefs_evictions", "Objects and packs evicted from this node's cache", value=count)
         yield CounterMetricFamily("cachefs_evicted_bytes", "Bytes evicted from this node's cache", value=nbytes)

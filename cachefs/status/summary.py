@@ -16,7 +16,9 @@ from cachefs.base.errors import ObjectNotFoundError
 from cachefs.base.files import atomic_write
 from cachefs.index import Index
 from cachefs.index.counters import NodeCounters
+from cachefs.index.hints import HintStore, ScanRecord
 from cachefs.index.mounts import list_mounts
+from cachefs.index.orders import list_orders, read_order
 
 __all__ = ["HEAT_STALE_AFTER", "NodeSummary", "cluster_report", "heat_path", "status_report", "write_heat"]
 
@@ -77,6 +79,7 @@ class NodeSummary:
         datasets = []
         urls = {}
         guests = self.index.guest_bytes_by_dataset()
+        scans = HintStore(self.index).scans() if c.scan_admission else {}
         for rec in self.index.datasets():
             urls[rec.id] = rec.url
             m = rec.manifest()
@@ -100,6 +103,9 @@ class NodeSummary:
                 "hit_bytes": st.hit_bytes,
                 "miss_bytes": st.miss_bytes,
                 "hit_ratio": round(st.hit_bytes / served, 4) if served else None,
+                **_epoch_figures(scans.get(rec.id), st.cached_bytes),
+                # Read orders jobs published for it (cachefs order): each publisher's epoch and length.
+                "orders": _orders(c.dir, rec.id),
             })
         return {
             "cache_dir": c.dir,
@@ -131,6 +137,32 @@ class NodeSummary:
             for k in rep["hot_keys"]:
                 k["url"] = urls.get(k.get("dataset", ""), "")
         return rep
+
+
+def _ratio(pair: tuple[int, int] | None) -> float | None:
+    if not pair or not sum(pair):
+        return None
+    return round(pair[0] / sum(pair), 4)
+
+
+def _orders(cache_dir: str, ds_id: str) -> list[dict]:
+    out = []
+    for f in list_orders(cache_dir, ds_id):
+        got = read_order(f.path)
+        if got is not None:
+            out.append({"publisher": f.publisher, "epoch": got[0], "files": len(got[1]), "published_at": f.stamp[0]})
+    return out
+
+
+def _epoch_figures(scan: ScanRecord | None, cached: int) -> dict:
+    """The policy in force for a dataset (``lru``: two-touch LRU; ``pinned``: read as an epoch scan, what it has
+    cached stays and the rest passes through: docs/SEMANTICS.md) and, when pinned, the epochs seen and the hit
+    ratio of the current and the last one."""
+    if scan is None:
+        return {"policy": "lru", "pinned_bytes": 0, "epochs": None, "epoch_hit_ratio": None,
+                "last_epoch_hit_ratio": None}
+    return {"policy": "pinned", "pinned_bytes": cached, "epochs": scan.passes,
+            "epoch_hit_ratio": _ratio(scan.current), "last_epoch_hit_ratio": _ratio(scan.last)}
 
 
 def status_report(config: Config) -> dict:

@@ -1,0 +1,90 @@
+"""A dataset twice the cache, read in a new random order each epoch through ``cachefs::`` (the engine's own
+scan detection and admission: cachefs.node.scan, cachefs.node.eviction). With scan admission the part that fits
+stays from one epoch to the next, so later epochs hit about the fraction cached, and no epoch costs more than the
+dataset from the origin; under LRU (the control: scan admission off) they hit about c + (1 - c)·ln(1 - c)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import fsspec
+import pytest
+
+from tests.conftest import put_tree
+
+C = 0.5  # the cache holds this fraction of the dataset
+
+
+def _origin_bytes(server, sizes: dict[str, int]) -> int:
+    total = 0
+    for key, n in server.requests(reset=True)["gets"].items():
+        path = key.split(" ", 1)[0]
+        if path in sizes:
+            m = re.search(r"bytes=(\d+)-(\d+)$", key)
+            total += n * ((int(m.group(2)) - int(m.group(1)) + 1) if m else sizes[path])
+    return total
+
+
+@pytest.mark.parametrize("admission", [True, False], ids=["scan", "lru"])
+def test_shuffled_epochs_over_a_dataset_twice_the_cache(s3, tmp_path, admission):
+    server, client, bucket = s3
+    rng = random.Random(11)
+    files = {f"d{i % 10}/{i:04d}.bin": rng.randbytes(rng.randrange(2 << 10, 14 << 10)) for i in range(500)}
+    put_tree(client, bucket, "ep", files)
+    total = sum(map(len, files.values()))
+    sizes = {f"/{bucket}/ep/{p}": len(b) for p, b in files.items()}
+    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=str(tmp_path / f"cache-{admission}"),
+                           dataset=f"s3://{bucket}/ep", skip_instance_cache=True, cache_capacity=str(int(C * total)),
+                           cache_min_free="0", cache_pack_size=str(64 << 10), cache_pack_threshold=str(32 << 10),
+                           cache_scan_admission=admission, cache_eviction_policy="two-touch-lru" if admission else "lru",
+                           # memory (which keeps read-ahead the disk did not) far under the dataset, as in production
+                           cache_block_size=str(256 << 10), engine_memory_budget=str(1 << 20))
+    paths = sorted(files)
+    server.requests(reset=True)
+    hits = []
+    for epoch in range(3):
+        order = list(paths)
+        random.Random(epoch).shuffle(order)
+        for p in order:
+            with fs.open(f"{bucket}/ep/{p}", "rb") as f:
+                assert f.read() == files[p]
+        got = _origin_bytes(server, sizes)
+        if admission:  # (LRU, the control, may take more: what it evicts is read again in the same epoch)
+            assert got <= total, f"epoch {epoch + 1} took {got / total:.2f}x the dataset from the origin"
+        hits.append(1 - got / total)
+    if admission:
+        assert min(hits[1:]) >= 0.8 * C, hits  # (bench/epoch_bench.py measures the 0.9 c target at scale)
+        assert fs.engine.evictor.scanning(fs.engine.known_dataset_for(f"s3://{bucket}/ep").id)
+    else:
+        assert max(hits[1:]) < 0.6 * C, hits  # LRU: c + (1 - c)·ln(1 - c) = 0.15 at c = 0.5 (one file at a time)
+
+
+@pytest.mark.parametrize("lookahead", [1 << 20, 0], ids=["order", "off"])
+def test_a_published_order_is_fetched_ahead_of_its_one_reader_once(s3, tmp_path, lookahead):
+    """One reader in a shuffled order it published (cachefs.publish_order): the engine fetches the files it opens
+    next ahead of it, each once. (With directory read-ahead off, so the order is the only read-ahead.)"""
+    import cachefs
+
+    server, client, bucket = s3
+    rng = random.Random(5)
+    files = {f"d{i % 5}/{i:04d}.bin": rng.randbytes(rng.randrange(1 << 10, 8 << 10)) for i in range(300)}
+    put_tree(client, bucket, "ord", files)
+    sizes = {f"/{bucket}/ord/{p}": len(b) for p, b in files.items()}
+    cache = str(tmp_path / "cache")
+    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache, dataset=f"s3://{bucket}/ord",
+                           skip_instance_cache=True, engine_dir_readahead=0, engine_order_lookahead=lookahead)
+    order = sorted(files)
+    random.Random(9).shuffle(order)
+    cachefs.publish_order(f"s3://{bucket}/ord", order, epoch=0, cache_dir=cache)
+    server.requests(reset=True)
+    for p in order:
+        with fs.open(f"{bucket}/ord/{p}", "rb") as f:
+            assert f.read() == files[p]
+    gets = server.requests(reset=True)["gets"]
+    assert sum(n for key, n in gets.items() if key.split(" ", 1)[0] in sizes) == len(files)  # each file once
+    started = fs.engine.prefetcher.counts.started.get("order", 0)
+    if lookahead:
+        assert started >= 0.9 * len(files), fs.engine.prefetcher.counts
+    else:
+        assert started == 0
