@@ -20,7 +20,7 @@ parallel readers without; the yardstick is bare GETs of every file, 64 at a time
 do). Target: one reader with an order >= 0.8x the eight readers.
 
     python -m bench.epoch_bench                      # both parts, both datasets, c = 0.25, 0.5, 0.75
-    python -m bench.epoch_bench --kinds small --capacities 0.5 --no-throughput
+    python -m bench.epoch_bench --kinds small --capacities 0.5 --policies scan,order --no-throughput
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def lru_formula(c: float) -> float:
     return c + (1 - c) * math.log(1 - c) if c < 1 else 1.0
 
 
-def epochs_part(server: S3Server, kinds: list[str], capacities: list[float], epochs: int) -> bool:
+def epochs_part(server: S3Server, kinds: list[str], capacities: list[float], epochs: int,
+                policies: list[str]) -> bool:
     rng = random.Random(3)
     client = server.client()
     client.create_bucket(Bucket="epochs")
@@ -140,7 +141,7 @@ def epochs_part(server: S3Server, kinds: list[str], capacities: list[float], epo
         for path, data in files.items():
             client.put_object(Bucket="epochs", Key=f"{kind}/{path}", Body=data)
         for c in capacities:
-            for policy in POLICIES:
+            for policy in policies:
                 rows.append((kind, c, policy, run(server, "epochs", kind, files, c, policy, epochs)))
     print(f"one reader, {epochs} epochs in a new random order each; hit ratio = 1 - origin bytes / dataset")
     print(f"{'dataset':8} {'c':>5} {'policy':>6} {'LRU formula':>11} " +
@@ -195,11 +196,13 @@ def main() -> None:
     ap.add_argument("--capacities", default="0.25,0.5,0.75")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--delay-ms", type=int, default=20)
+    ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--no-throughput", action="store_true")
     args = ap.parse_args()
     server = S3Server().start()
     try:
-        epochs_part(server, args.kinds.split(","), [float(x) for x in args.capacities.split(",")], args.epochs)
+        epochs_part(server, args.kinds.split(","), [float(x) for x in args.capacities.split(",")], args.epochs,
+                    args.policies.split(","))
     finally:
         server.stop()
     if not args.no_throughput:

@@ -50,6 +50,7 @@ from cachefs.node.space import DiskSpace
 from cachefs.prefetch.orders import OrderBook
 from cachefs.prefetch.prefetcher import Prefetcher
 from cachefs.read import WOULD_WAIT, BlockStrategy, LocalRead, OpenFile, PackStrategy, ReadStrategy, ReadStream
+from cachefs.read.ordered import OrderedLookahead
 from cachefs.sources import Source, open_origin
 from cachefs.store import DiskStore
 from cachefs.store.pack_store import DiskPackStore
@@ -88,8 +89,6 @@ class Engine:
         self.evictor = Evictor(config, self.space, pack_store, self.objects, self.stats, self.disk)
         self.assemblies = PackAssemblies(pack_store, self.index, self.evictor, self.disk)
         self.prefetcher = Prefetcher(self.funnel.memory, max_running=e.max_concurrent_fetches)
-        #: Declared read orders (cachefs.prefetch.orders): what readers open next is fetched ahead of them.
-        self.orders = OrderBook(c.dir)
         self.tier_counts = TierCounts()
         self.group = GroupLink(c.dir)
         parts = TierParts(config, self.funnel, self.group.view)
@@ -99,6 +98,9 @@ class Engine:
                                     self.stats, self.prefetcher)
         self.packs = PackStrategy(config, pack_store, self.index, small_chain, self.funnel, self.evictor, self.disk,
                                   self.stats, self.assemblies, self.prefetcher)
+        #: Declared read orders (cachefs.prefetch.orders): what readers open next is fetched ahead of them.
+        self.ordered = OrderedLookahead(OrderBook(c.dir), self.prefetcher, self.strategy,
+                                        min(e.order_lookahead, e.memory_budget // 8))
         mirror = small_chain.tier("mirror")
         #: The packed mirror tier, when the small files' chain has one.
         self.mirror = mirror if isinstance(mirror, MirrorTier) else None
@@ -215,44 +217,14 @@ class Engine:
     def open(self, ds: Dataset, entry: Entry, *, pin: bool = True) -> OpenFile:
         """Open ``entry`` for reading: its strategy is chosen here, once. With ``pin``, eviction by any process
         leaves its cache file alone until the file is closed (a reader has it open)."""
-        self._ahead_in_order(ds, entry)
+        self.ordered.opened(ds, entry)
         return self.strategy(entry).open(ds, entry, pin=pin)
-
-    def _ahead_in_order(self, ds: Dataset, entry: Entry) -> None:
-        """A reader opens ``entry``: fetch what the orders published for its dataset say comes next."""
-        ec = self.config.engine
-        budget = min(ec.order_lookahead, ec.memory_budget // 8)
-        if not budget:
-            return
-
-        def size_to_fetch(path: str) -> int | None:
-            try:
-                e = ds.file(path)
-            except OSError:
-                return None
-            return None if self.cached_bytes(ds, e) >= e.size else e.size
-
-        paths = self.orders.opened(ds.ref.id, entry.path, budget, size_to_fetch)
-        hints = []
-        for path in paths:
-            e = ds.file(path)
-            hint = self.strategy(e).ahead_hint(ds, e)
-            if hint is not None:
-                hints.append(hint)
-        if not hints:
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            self.prefetcher.offer_threadsafe(hints)  # (a FUSE thread)
-        else:
-            self.prefetcher.offer(hints)
 
     def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None, *,
                    wait: bool = True) -> LocalRead:
         """``[start, end)`` of ``entry`` from this node, from the calling thread (see OpenFile.read_local)."""
         if stream is None or not stream.counted:
-            self._ahead_in_order(ds, entry)
+            self.ordered.opened(ds, entry)
         return self.strategy(entry).oneoff(ds, entry, stream).read_local(start, end, wait=wait)
 
     async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None = None
@@ -260,7 +232,7 @@ class Engine:
         """``[start, end)`` of ``entry`` (clamped to its size), fetching what is missing."""
         self._start_background()
         if stream is None or not stream.counted:
-            self._ahead_in_order(ds, entry)
+            self.ordered.opened(ds, entry)
         return await self.strategy(entry).oneoff(ds, entry, stream).read(start, end)
 
     async def ensure_cached(self, ds: Dataset, entry: Entry, on_bytes: Callable[[int], None] | None = None) -> None:
@@ -363,11 +335,15 @@ class Engine:
             push(metrics.TIER_FALLBACKS, (tier, reason), n)
         push(metrics.DISK_REFUSED, (), self.space.refused)
 
-        def memory() -> None:
+        def gauges() -> None:
             metrics.MEMORY_RESERVED.set(self.budget.used)
             metrics.MEMORY_BUDGET.set(self.budget.limit)
+            files, nbytes, seconds = self.ordered.orders.ahead()
+            metrics.ORDER_AHEAD_FILES.set(files)
+            metrics.ORDER_AHEAD_BYTES.set(nbytes)
+            metrics.ORDER_AHEAD_SECONDS.set(seconds)
 
-        metrics.safely(memory)
+        metrics.safely(gauges)
 
     async def start_background(self) -> None:
         """Start the periodic statistics flush now (it otherwise starts with the first read that reaches the

@@ -85,6 +85,11 @@ MEMORY_RESERVED = Gauge("cachefs_memory_reserved_bytes", "Memory held for fetche
                         multiprocess_mode="livesum")
 MEMORY_BUDGET = Gauge("cachefs_memory_budget_bytes", "The memory budgets of the live processes, summed",
                       multiprocess_mode="livesum")
+ORDER_AHEAD_FILES = Gauge("cachefs_order_ahead_files", "Files fetched (or being fetched) ahead of their readers in "
+                          "published read orders (all live processes)", multiprocess_mode="livesum")
+ORDER_AHEAD_BYTES = Gauge("cachefs_order_ahead_bytes", "Their bytes (all live processes)", multiprocess_mode="livesum")
+ORDER_AHEAD_SECONDS = Gauge("cachefs_order_ahead_seconds", "How many seconds of reading the furthest-ahead order's "
+                            "lookahead holds, at its reader's pace", multiprocess_mode="livemax")
 DISK_REFUSED = Counter("cachefs_disk_writes_refused", "Writes of cached bytes refused for want of room (served "
                        "without caching)")
 

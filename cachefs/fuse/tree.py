@@ -14,7 +14,19 @@ from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.kernel_abi import Op, OpenFlag
 
-__all__ = ["TreeReplies"]
+__all__ = ["XATTR_CACHED", "TreeReplies"]
+
+#: The one extended attribute: a file's bytes cached on this node.
+XATTR_CACHED = b"user.cachefs.cached"
+
+
+def _xattr_reply(size: int, value: bytes) -> bytes:
+    """A GETXATTR/LISTXATTR answer: the value's length when asked with size 0, else the value if it fits."""
+    if size == 0:
+        return abi.GETXATTR_OUT.pack(len(value), 0)
+    if size < len(value):
+        raise OSError(errno.ERANGE, "attribute value larger than the buffer")
+    return value
 
 
 class TreeReplies:
@@ -111,8 +123,16 @@ class TreeReplies:
         return b""
 
     def getxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        raise OSError(errno.ENOTSUP, "no extended attributes")
+        """``user.cachefs.cached`` of a file: how many of its bytes this node holds, in decimal (what a
+        cache-aware sampler asks, cachefs.torch.CacheAwareSampler). No other attribute exists."""
+        size, _ = abi.GETXATTR_IN.unpack_from(body)
+        name = bytes(body[abi.GETXATTR_IN.size:]).split(b"\0", 1)[0]
+        n = self.fs.node(nodeid)
+        if name != XATTR_CACHED or n.entry.is_dir:
+            raise OSError(errno.ENODATA, "no such attribute")
+        value = str(self.fs.engine.cached_bytes(self.fs.ds, n.entry)).encode()
+        return _xattr_reply(size, value)
 
     def listxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         size, _ = abi.GETXATTR_IN.unpack_from(body)
-        return abi.GETXATTR_OUT.pack(0, 0) if size == 0 else b""
+        return _xattr_reply(size, b"" if self.fs.node(nodeid).entry.is_dir else XATTR_CACHED + b"\0")

@@ -14,8 +14,10 @@ class BytesLRU:
     """Thread-safe; ``get`` of a key that is not here takes no lock while the cache is empty (the usual case on
     the read paths that consult it)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
+    def __init__(self, limit: int, *, promote: bool = True) -> None:
+        """``promote``: a ``get`` makes the item the most recently used (False: the oldest put goes first, for
+        items that are read in the order they were put)."""
+        self.limit, self.used, self.promote = limit, 0, promote
         self._items: OrderedDict[Hashable, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -30,7 +32,7 @@ class BytesLRU:
             return None
         with self._lock:
             data = self._items.get(key)
-            if data is not None:
+            if data is not None and self.promote:
                 self._items.move_to_end(key)
             return data
 

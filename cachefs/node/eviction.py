@@ -152,22 +152,24 @@ class Evictor:
         return room
 
     def _store_for_scan(self, dataset: str, since: float, nbytes: int, write: Callable[[], T]) -> T | None:
-        if time.monotonic() < self._scan_full_until.get(dataset, 0.0):
-            self.scan_refused += nbytes
-            return None
         c = self.config.cache
         limit = int(self.capacity * c.high_watermark) - nbytes
         floor = max(self.min_free * 1.1, self.min_free + nbytes)
-        for attempt in (0, 1):
+        # What fits without evicting is written even while the scan's writes back off (the part of a pack that
+        # fits the last room: scan_room).
+        for evict_first in (False, True):
+            if evict_first:
+                if time.monotonic() < self._scan_full_until.get(dataset, 0.0):
+                    break
+                with self._one_at_a_time:
+                    self._evict_for_scan(dataset, since, limit, floor)
             if self._under(limit, floor):
                 try:
                     return write()
                 except CacheFullError:
                     pass
-            if attempt == 0:
-                with self._one_at_a_time:
-                    self._evict_for_scan(dataset, since, limit, floor)
-        self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
+        else:
+            self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
         self.scan_refused += nbytes
         return None
 

@@ -14,10 +14,11 @@ handed out once per order (a new order, the next epoch's, starts afresh).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cachefs.base.errors import ConfigError
@@ -42,6 +43,8 @@ class _Order:
     ahead: deque = field(default_factory=deque)  # (position, bytes) handed out past the reader
     ahead_bytes: int = 0
     last_stray: int = -1  # the last open that did not follow the order
+    opened_at: float = 0.0  # when its reader last moved on
+    per_file: float = 0.0  # seconds its reader takes per file (a moving average)
 
     def __post_init__(self) -> None:
         if not self.position:
@@ -92,22 +95,42 @@ class OrderBook:
             self._orders.pop(ds_id, None)
         return new
 
+    def _still_ahead(self, ds_id: str, order: _Order, pos: int) -> bool:
+        with self._lock:
+            return pos > order.reached and self._orders.get(ds_id, {}).get(order.publisher) is order
+
+    def ahead(self) -> tuple[int, int, float]:
+        """Over every order this process follows: files and bytes handed out past their readers, and how many
+        seconds of reading that is (the furthest ahead of them)."""
+        with self._lock:
+            orders = [o for by_publisher in self._orders.values() for o in by_publisher.values()]
+            return (sum(len(o.ahead) for o in orders), sum(o.ahead_bytes for o in orders),
+                    max((len(o.ahead) * o.per_file for o in orders), default=0.0))
+
     def orders(self, ds_id: str) -> list[dict]:
         """What ``cachefs status`` shows of a dataset's orders."""
         with self._lock:
             return [{"publisher": o.publisher, "epoch": o.epoch, "files": len(o.paths), "reached": o.reached + 1,
                      "ahead": len(o.ahead), "ahead_bytes": o.ahead_bytes} for o in self._refresh(ds_id).values()]
 
-    def opened(self, ds_id: str, path: str, budget: int, size_of) -> list[str]:
+    def opened(self, ds_id: str, path: str, budget: int, size_of) -> list[tuple[str, Callable[[], bool]]]:
         """A reader opened ``path`` of dataset ``ds_id``: the paths to fetch ahead of it now, in order, at most
-        ``budget`` bytes of them past the reader (``size_of(path)``: a file's size, or None to skip it)."""
+        ``budget`` bytes of them past the reader (``size_of(path)``: a file's size, or None to skip it), each
+        with a check of whether it is still ahead of its reader (when its fetch starts: one the reader passed
+        meanwhile is not fetched again)."""
         with self._lock:
             orders = self._refresh(ds_id)
-            out: list[str] = []
+            out: list[tuple[str, Callable[[], bool]]] = []
             for o in orders.values():
                 pos = o.position.get(path)
                 if pos is None or not o.follows(pos):
                     continue
+                now = time.monotonic()
+                if pos > o.reached >= 0 and o.opened_at:
+                    step = (now - o.opened_at) / (pos - o.reached)
+                    o.per_file = step if not o.per_file else 0.9 * o.per_file + 0.1 * step
+                if pos > o.reached:
+                    o.opened_at = now
                 o.reached = max(o.reached, pos)
                 while o.ahead and o.ahead[0][0] <= o.reached:
                     o.ahead_bytes -= o.ahead.popleft()[1]
@@ -117,7 +140,7 @@ class OrderBook:
                     if size is not None:
                         o.ahead.append((i, size))
                         o.ahead_bytes += size
-                        out.append(o.paths[i])
+                        out.append((o.paths[i], functools.partial(self._still_ahead, ds_id, o, i)))
                     i += 1
                 o.handed = max(o.handed, i - 1)
             return out

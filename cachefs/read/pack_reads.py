@@ -58,17 +58,19 @@ class PackReads:
     """Thread-safe: FUSE request threads read here while the event loop fetches and writes packs."""
 
     def __init__(self, store: PackStore, index: Index, pending: PendingPacks, assemblies: PackAssemblies,
-                 stats: ReadStats, guests: BytesLRU) -> None:
+                 stats: ReadStats, guests: BytesLRU, unread: BytesLRU) -> None:
         self.store, self.index, self.pending, self.assemblies, self.stats = store, index, pending, assemblies, stats
         #: Small files the group's peers sent and this node does not store (cluster.keep_guest off).
         self.guests = guests
+        #: Small files read ahead that the disk had no room for, until their readers come.
+        self.unread = unread
         self._lock = threading.Lock()
         self._fds: OrderedDict[bytes, int] = OrderedDict()  # pack key → descriptor
         self._sweeps: dict[bytes, tuple[float, int, float]] = {}  # pack key → sweep state (planners.sweep)
 
     def has(self, okey: bytes) -> bool:
         return (self.pending.get(okey) is not None or self.assemblies.holds(okey)
-                or self.index.packed(okey) is not None or okey in self.guests)
+                or self.index.packed(okey) is not None or okey in self.guests or okey in self.unread)
 
     def local(self, ds_id: str, okey: bytes, size: int, *, wait: bool = True
               ) -> bytes | bytearray | Literal[MemberRead.WOULD_WAIT] | None:
@@ -85,7 +87,8 @@ class PackReads:
                 return assembling
         loc = self.index.packed(okey)
         if loc is None:
-            return self.guests.get(okey)  # (only on a miss here: packed files never pay for the guests' lock)
+            # (only on a miss here: packed files never pay for these locks)
+            return self.guests.get(okey) or self.unread.get(okey)
         pack_id, offset, length, checksum = loc
         pkey = pack_key(ds_id, pack_id)
         fd = self._open_pack(ds_id, pack_id, pkey)

@@ -70,10 +70,12 @@ class PackStrategy(ReadStrategy):
         # Small files the group's peers sent and this node does not store (cluster.keep_guest off): kept in
         # memory for a while, as a directory's read-ahead brings them before their readers ask.
         self.guests = BytesLRU(config.engine.memory_budget // 8)
-        self.reads = PackReads(store, index, self.pending, assemblies, stats, self.guests)
+        # Read ahead and not kept (the disk had no room): held for the reader still to come. Readers take them in
+        # the order they were fetched, so the oldest go first, read or not.
+        self.unread = BytesLRU(config.engine.memory_budget // 8, promote=False)
+        self.reads = PackReads(store, index, self.pending, assemblies, stats, self.guests, self.unread)
         # The files fetched last (by readers or ahead): never read ahead again while remembered, so one the disk
-        # did not keep (it was full) costs no second fetch. Read ahead and not kept: held in memory (``guests``)
-        # for the reader still to come.
+        # did not keep (it was full) costs no second fetch.
         self._fetched: OrderedDict[bytes, None] = OrderedDict()
         self.pending.on_dropped = self._dropped
         self._fetches = SingleFlight()  # object key → bytes
@@ -195,7 +197,7 @@ class PackStrategy(ReadStrategy):
         stay in memory for it."""
         for m in members:
             if self.stats.unread_ahead(m.okey):
-                self.guests.put(m.okey, m.data)
+                self.unread.put(m.okey, m.data)
 
     def _keepable(self, ds_id: str, hints: list[Hint]) -> list[Hint]:
         """The first of ``hints`` the disk can keep without evicting anything: read-ahead never fetches what the
@@ -219,7 +221,7 @@ class PackStrategy(ReadStrategy):
 
     def ahead_hint(self, ds: Dataset, entry: Entry) -> Hint | None:
         okey = object_key(ds.ref.id, entry.path, entry.version)
-        if entry.size == 0 or okey in self._fetches or self.has(okey) or okey in self.guests:
+        if entry.size == 0 or okey in self._fetches or self.has(okey):
             return None
         return Hint(okey, entry.size, "order", functools.partial(self._fetch_ahead, ds, okey, entry, ordered=True))
 

@@ -309,7 +309,7 @@ class S3Server:
         cmd = [sys.executable, "-m", "cachefs.testing.s3server", "--host", self.host,
                "--delay-ms", str(self.delay_ms)] + (["--fast"] if self.fast else [])
         if self.netns:
-            cmd = ["ip", "netns", "exec", self.netns, *cmd]
+            cmd = ["nsenter", f"--net=/run/netns/{self.netns}", "--", *cmd]  # (no mount namespace: netlab.py)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.auth_after is not None:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)

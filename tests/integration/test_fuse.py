@@ -644,3 +644,24 @@ def test_unprivileged_mount_through_fusermount3_serves_in_userspace_mode():
         holder.stdout.close()
         os.chmod("/dev/fuse", dev_mode)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_file_says_how_much_of_it_is_cached_and_a_cache_aware_sampler_puts_that_first(mounted):
+    """``user.cachefs.cached`` (getfattr) on a file of the mount: the bytes this node holds; what
+    cachefs.torch.CacheAwareSampler asks to put cached samples first within each window."""
+    from cachefs.torch import CacheAwareSampler, resident_under
+
+    m, files = mounted
+    with open(m.path("big/0.bin"), "rb") as f:
+        assert f.read() == files["big/0.bin"]
+    assert os.getxattr(m.path("big/0.bin"), "user.cachefs.cached") == str(len(files["big/0.bin"])).encode()
+    assert int(os.getxattr(m.path("big/1.bin"), "user.cachefs.cached")) < len(files["big/1.bin"])
+    assert os.listxattr(m.path("big/0.bin")) == ["user.cachefs.cached"] and os.listxattr(m.path("big")) == []
+    with pytest.raises(OSError) as e:
+        os.getxattr(m.path("big/0.bin"), "user.other")
+    assert e.value.errno == errno.ENODATA
+    paths = ["big/1.bin", "big/0.bin", "big/1.bin", "big/0.bin"]
+    resident = resident_under(m.mountpoint)
+    assert list(CacheAwareSampler(range(4), paths, resident=resident, window=2)) == [1, 0, 3, 2]
+    assert list(CacheAwareSampler(range(4), paths, resident=resident, window=4)) == [1, 3, 0, 2]
+    assert list(CacheAwareSampler(range(4), paths, resident=resident, window=1)) == [0, 1, 2, 3]

@@ -116,7 +116,8 @@ def test_the_metrics_directory_keeps_counts_of_dead_processes_in_one_file_and_sa
             assert total() == 2 * (3 + 4) + 10 + 20 + 30 + 40
             left = sorted(p.name for p in d.glob("counter_*.db"))
             assert len(left) == 3 and "counter_archive.db" in left, left  # the two live ones and the archive
-            assert len(list(d.glob("gauge_*.db"))) == 2 * 1  # the live processes' live gauges only
+            for mode in ("livesum", "livemax"):  # the live processes' live gauges only
+                assert len(list(d.glob(f"gauge_{mode}_*.db"))) == 2, mode
             for p in hanging:
                 p.communicate(timeout=30)
                 assert p.returncode == 0

@@ -25,36 +25,50 @@ def _sizes(path: str) -> int:
     return 10
 
 
+def _opened(book: OrderBook, *args) -> list[str]:
+    return [path for path, _ in book.opened(*args)]
+
+
 def test_a_reader_gets_what_comes_next_in_its_order_once_within_the_budget(tmp_path):
     order = [f"f{i}" for i in range(100)]
     write_order(str(tmp_path), DS, URL, order, epoch=3, publisher="job-a")
     book = OrderBook(str(tmp_path))
-    assert book.opened(DS, "f0", 50, _sizes) == ["f1", "f2", "f3", "f4", "f5"]
-    assert book.opened(DS, "f1", 50, _sizes) == ["f6"]  # one more fits as the reader moves on
-    assert book.opened(DS, "f1", 50, _sizes) == []  # nothing is handed out twice
-    assert book.opened(DS, "f60", 50, _sizes) == []  # a stray open (another job's reader): nothing moves
-    assert book.opened(DS, "f2", 50, _sizes) == ["f7"]  # its own reader moves on
-    assert book.opened(DS, "f40", 50, _sizes) == []  # a jump ...
-    assert book.opened(DS, "f41", 50, _sizes) == [f"f{i}" for i in range(42, 47)]  # ... that the next open confirms
-    assert book.opened(DS, "not-in-it", 50, _sizes) == []
+    assert _opened(book, DS, "f0", 50, _sizes) == ["f1", "f2", "f3", "f4", "f5"]
+    assert _opened(book, DS, "f1", 50, _sizes) == ["f6"]  # one more fits as the reader moves on
+    assert _opened(book, DS, "f1", 50, _sizes) == []  # nothing is handed out twice
+    assert book.ahead()[:2] == (5, 50)  # f2-f6 on their way (what cachefs_order_ahead_* show)
+    assert _opened(book, DS, "f60", 50, _sizes) == []  # a stray open (another job's reader): nothing moves
+    assert _opened(book, DS, "f2", 50, _sizes) == ["f7"]  # its own reader moves on
+    assert _opened(book, DS, "f40", 50, _sizes) == []  # a jump ...
+    assert _opened(book, DS, "f41", 50, _sizes) == [f"f{i}" for i in range(42, 47)]  # ... that the next open confirms
+    assert _opened(book, DS, "not-in-it", 50, _sizes) == []
     (info,) = book.orders(DS)
     assert info["publisher"] == "job-a" and info["epoch"] == 3 and info["files"] == 100 and info["reached"] == 42
+
+
+def test_what_the_reader_passed_meanwhile_is_no_longer_ahead(tmp_path):
+    write_order(str(tmp_path), DS, URL, [f"f{i}" for i in range(100)], epoch=None, publisher="p")
+    book = OrderBook(str(tmp_path))
+    handed = dict(book.opened(DS, "f0", 30, _sizes))
+    assert all(check() for check in handed.values())
+    book.opened(DS, "f2", 30, _sizes)  # the reader read f1 and f2 itself before their fetches started
+    assert [p for p, check in handed.items() if check()] == ["f3"]
 
 
 def test_files_already_here_take_no_budget(tmp_path):
     write_order(str(tmp_path), DS, URL, [f"f{i}" for i in range(10)], epoch=None, publisher="p")
     book = OrderBook(str(tmp_path))
     here = {"f1", "f2"}
-    assert book.opened(DS, "f0", 30, lambda p: None if p in here else 10) == ["f3", "f4", "f5"]
+    assert _opened(book, DS, "f0", 30, lambda p: None if p in here else 10) == ["f3", "f4", "f5"]
 
 
 def test_two_jobs_on_one_dataset_each_keep_their_order_and_budget(tmp_path):
     write_order(str(tmp_path), DS, URL, [f"f{i}" for i in range(50)], epoch=0, publisher="job-a")
     write_order(str(tmp_path), DS, URL, [f"f{i}" for i in reversed(range(50))], epoch=0, publisher="job-b")
     book = OrderBook(str(tmp_path))
-    got_a = book.opened(DS, "f0", 30, _sizes)  # job a's reader
+    got_a = _opened(book, DS, "f0", 30, _sizes)  # job a's reader
     assert got_a[:3] == ["f1", "f2", "f3"]
-    got_b = book.opened(DS, "f49", 30, _sizes)  # job b's reader, at the other end
+    got_b = _opened(book, DS, "f49", 30, _sizes)  # job b's reader, at the other end
     assert got_b == ["f48", "f47", "f46"]
     assert {o["publisher"] for o in book.orders(DS)} == {"job-a", "job-b"}
 
@@ -62,12 +76,12 @@ def test_two_jobs_on_one_dataset_each_keep_their_order_and_budget(tmp_path):
 def test_a_new_order_of_the_same_publisher_replaces_its_last(tmp_path):
     write_order(str(tmp_path), DS, URL, ["a", "b", "c"], epoch=0, publisher="p")
     book = OrderBook(str(tmp_path))
-    assert book.opened(DS, "a", 100, _sizes) == ["b", "c"]
+    assert _opened(book, DS, "a", 100, _sizes) == ["b", "c"]
     path = write_order(str(tmp_path), DS, URL, ["c", "b", "a"], epoch=1, publisher="p")
     later = os.stat(path).st_mtime + 5
     os.utime(path, (later, later))  # (a different stamp, as a later write has)
     book._read_at.clear()
-    assert book.opened(DS, "c", 100, _sizes) == ["b", "a"]
+    assert _opened(book, DS, "c", 100, _sizes) == ["b", "a"]
     assert [o["epoch"] for o in book.orders(DS)] == [1]
 
 
@@ -106,3 +120,39 @@ def test_the_order_command_reads_a_file_or_stdin(tmp_path):
     (tmp_path / "bin").write_bytes(b"\xff\xfe\n")
     bad = subprocess.run([*run, "--file", str(tmp_path / "bin")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "UTF-8" in bad.stderr and "Traceback" not in bad.stderr
+
+
+class _Shuffled:
+    """DistributedSampler's contract as far as it matters here: a new permutation per epoch, set_epoch, len."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        import random
+
+        order = list(range(self.n))
+        random.Random(self.epoch).shuffle(order)
+        return iter(order)
+
+
+def test_a_publishing_sampler_publishes_each_epochs_order_and_yields_it_unchanged(tmp_path):
+    from cachefs.torch import PublishingSampler
+
+    paths = [f"img/{i}.jpg" for i in range(20)]
+    sampler = PublishingSampler(_Shuffled(20), paths, dataset=URL, cache_dir=str(tmp_path), publisher="rank-3")
+    assert len(sampler) == 20
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        got = list(sampler)
+        plain = _Shuffled(20)
+        plain.set_epoch(epoch)
+        assert got == list(plain)  # the order the model sees is the wrapped sampler's
+        doc = json.loads(Path(orders_dir(str(tmp_path), DS), "rank-3.json").read_text())
+        assert doc["paths"] == [paths[i] for i in got] and doc["epoch"] == epoch
