@@ -23,6 +23,7 @@ from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.errno_map import to_errno
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.kernel_abi import InitFlag, Op, OpenFlag
+from cachefs.fuse.order_channel import CALLER
 from cachefs.fuse.request_metrics import RequestMetrics
 from cachefs.fuse.tree import TreeReplies
 
@@ -129,7 +130,8 @@ class FuseSession:
 
     def _handle(self, req: memoryview) -> _Later | None:
         started = time.perf_counter()
-        length, opcode, unique, nodeid, _uid, _gid, _pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
+        length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
+        CALLER.set((uid, gid, pid))
         body = req[abi.IN_HEADER.size:length - 8 * extlen]  # extension headers (8-byte units) sit at the end
         if opcode in _UNANSWERED:
             try:

@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from cachefs.base.types import Entry
 from cachefs.fuse import kernel_abi as abi
-from cachefs.fuse.fs import CacheFS
+from cachefs.fuse.fs import ROOT, CacheFS
 from cachefs.fuse.kernel_abi import Op, OpenFlag
+from cachefs.fuse.order_channel import PUBLISH_PREFIX, publish_from_caller
 
 __all__ = ["XATTR_CACHED", "TreeReplies"]
 
@@ -124,9 +125,12 @@ class TreeReplies:
 
     def getxattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         """``user.cachefs.cached`` of a file: how many of its bytes this node holds, in decimal (what a
-        cache-aware sampler asks, cachefs.torch.CacheAwareSampler). No other attribute exists."""
+        cache-aware sampler asks, cachefs.torch.CacheAwareSampler); ``user.cachefs.publish:PATH`` of the root:
+        publish the read order in the caller's file PATH (:mod:`.order_channel`). No other attribute exists."""
         size, _ = abi.GETXATTR_IN.unpack_from(body)
         name = bytes(body[abi.GETXATTR_IN.size:]).split(b"\0", 1)[0]
+        if name.startswith(PUBLISH_PREFIX) and nodeid == ROOT:  # a read order, sent through the mount
+            return _xattr_reply(size, publish_from_caller(self.fs.engine.config.cache.dir, self.fs.ds, name))
         n = self.fs.node(nodeid)
         if name != XATTR_CACHED or n.entry.is_dir:
             raise OSError(errno.ENODATA, "no such attribute")

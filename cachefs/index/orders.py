@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from cachefs.base.errors import ConfigError
 from cachefs.base.files import atomic_write
 
-__all__ = ["MAX_PATHS", "ORDER_TTL", "OrderFile", "list_orders", "orders_dir", "read_order", "write_order"]
+__all__ = ["MAX_PATHS", "ORDER_TTL", "OrderFile", "check_publisher", "list_orders", "orders_dir", "read_order",
+           "write_order"]
 
 #: An order nobody republished for this long is ignored (a job that ended; each epoch republishes).
 ORDER_TTL = 6 * 3600.0
@@ -36,6 +37,13 @@ class OrderFile:
     stamp: tuple[float, int]
 
 
+def check_publisher(publisher: str) -> str:
+    """``publisher`` if it is a usable name, else ConfigError."""
+    if not isinstance(publisher, str) or not _PUBLISHER.match(publisher):
+        raise ConfigError(f"publisher name {publisher!r}: use 1-128 letters, digits, '_', '.', '-'")
+    return publisher
+
+
 def orders_dir(cache_dir: str, ds_id: str | None = None) -> str:
     d = os.path.join(cache_dir, "orders")
     return d if ds_id is None else os.path.join(d, ds_id)
@@ -45,8 +53,7 @@ def write_order(cache_dir: str, ds_id: str, url: str, paths: list[str], *, epoch
                 publisher: str) -> str:
     """Publish ``paths`` (relative to the dataset's root, in the order they will be read) as ``publisher``'s
     order; the file written. Replaces that publisher's earlier order."""
-    if not _PUBLISHER.match(publisher):
-        raise ConfigError(f"publisher name {publisher!r}: use 1-128 letters, digits, '_', '.', '-'")
+    check_publisher(publisher)
     if len(paths) > MAX_PATHS:
         raise ConfigError(f"an order holds at most {MAX_PATHS} paths (got {len(paths)})")
     for p in paths:

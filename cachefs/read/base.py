@@ -91,9 +91,9 @@ class ReadStrategy(abc.ABC):
         CacheFullError when the disk cannot take it. ``on_bytes(n)`` as pieces land."""
 
     @abc.abstractmethod
-    def ahead_hint(self, ds: Dataset, entry: Entry) -> Hint | None:
-        """Work that fetches ``entry`` for a reader that will open it soon (a declared order, counted as
-        read-ahead), or None when it is here or on its way already."""
+    def ahead_hints(self, ds: Dataset, entry: Entry) -> list[Hint]:
+        """Work that fetches what is missing of ``entry`` for a reader that will open it soon (a declared order,
+        counted as read-ahead; what the disk does not keep waits in memory for the reader)."""
 
     @abc.abstractmethod
     def cached_bytes(self, ds: Dataset, entry: Entry, okey: bytes) -> int:

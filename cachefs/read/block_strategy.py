@@ -20,6 +20,7 @@ the origin's speed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -367,21 +368,15 @@ class BlockStrategy(ReadStrategy):
         got = {i: self._unstored.get((okey, i)) for i in blocks}
         return {i: data for i, data in got.items() if data is not None}
 
-    def ahead_hint(self, ds: Dataset, entry: Entry) -> Hint | None:
+    def ahead_hints(self, ds: Dataset, entry: Entry) -> list[Hint]:
         okey = object_key(ds.ref.id, entry.path, entry.version)
-        if self.cached_bytes(ds, entry, okey) >= entry.size:
-            return None
-        # Only into room the disk has: a large file fetched ahead and not kept would be fetched again by its
-        # reader (its blocks wait for it nowhere else).
-        if self.space.full or self.space.room() < entry.size or self.evictor.scan_refusing(ds.ref.id):
-            return None
-        return Hint(("order", okey), 0, "order", functools.partial(self._ensure_ahead, ds, entry))
-
-    async def _ensure_ahead(self, ds: Dataset, entry: Entry, held: Reservation | None) -> None:
+        ob = self.objects.acquire(ds.ref.id, entry, okey)
         try:
-            await self.ensure(ds, entry)
-        except CacheFullError:
-            pass  # (its reader fetches what was not kept)
+            missing = [i for i in range(ob.nblocks) if not self.objects.has(ob, i)
+                       and (okey, i) not in self._fetches and (okey, i) not in self._unstored]
+        finally:
+            self.objects.release(ob)
+        return [dataclasses.replace(self._hint(ds, entry, okey, i), kind="order") for i in missing]
 
     # -- what is here ---------------------------------------------------------------------------------------
     def cached_bytes(self, ds: Dataset, entry: Entry, okey: bytes) -> int:

@@ -40,9 +40,8 @@ class OrderedLookahead:
         hints = []
         for path, still_ahead in self.orders.opened(ds.ref.id, entry.path, self.budget, size_to_fetch):
             e = ds.file(path)
-            hint = self.strategy(e).ahead_hint(ds, e)
-            if hint is not None:
-                hints.append(dataclasses.replace(hint, fetch=functools.partial(_if_ahead, still_ahead, hint.fetch)))
+            hints += [dataclasses.replace(h, fetch=functools.partial(_if_ahead, still_ahead, h.fetch))
+                      for h in self.strategy(e).ahead_hints(ds, e)]
         if not hints:
             return
         try:

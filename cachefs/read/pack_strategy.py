@@ -219,11 +219,11 @@ class PackStrategy(ReadStrategy):
             out.append(h)
         return out
 
-    def ahead_hint(self, ds: Dataset, entry: Entry) -> Hint | None:
+    def ahead_hints(self, ds: Dataset, entry: Entry) -> list[Hint]:
         okey = object_key(ds.ref.id, entry.path, entry.version)
         if entry.size == 0 or okey in self._fetches or self.has(okey):
-            return None
-        return Hint(okey, entry.size, "order", functools.partial(self._fetch_ahead, ds, okey, entry, ordered=True))
+            return []
+        return [Hint(okey, entry.size, "order", functools.partial(self._fetch_ahead, ds, okey, entry, ordered=True))]
 
     async def _fetch_ahead(self, ds: Dataset, okey: bytes, entry: Entry, held: Reservation | None, *,
                            ordered: bool = False) -> None:

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -665,3 +666,33 @@ def test_a_file_says_how_much_of_it_is_cached_and_a_cache_aware_sampler_puts_tha
     assert list(CacheAwareSampler(range(4), paths, resident=resident, window=2)) == [1, 0, 3, 2]
     assert list(CacheAwareSampler(range(4), paths, resident=resident, window=4)) == [1, 3, 0, 2]
     assert list(CacheAwareSampler(range(4), paths, resident=resident, window=1)) == [0, 1, 2, 3]
+
+
+def test_an_order_published_through_the_mount_reaches_the_cache_and_only_from_its_callers_own_file(mounted, tmp_path):
+    """A process that sees only the mount (a pod on a CSI volume) publishes its read order through it
+    (cachefs.fuse.order_channel): the daemon takes the caller's own file and nothing else."""
+    import cachefs
+    from cachefs.base.errors import ConfigError
+    from cachefs.base.types import DatasetRef
+    from cachefs.index.orders import orders_dir
+
+    m, files = mounted
+    order = [m.path(p) for p in sorted(files, reverse=True)]  # paths under the mount, as a loader lists them
+    answer = cachefs.publish_order(m.mountpoint, order, epoch=2, publisher="pod-a")
+    assert answer == f"published {len(files)} files as pod-a"
+    written = json.loads((Path(orders_dir(m.cache_dir, DatasetRef.from_url(m.url).id)) / "pod-a.json").read_text())
+    assert written["paths"] == sorted(files, reverse=True) and written["epoch"] == 2
+    with pytest.raises(ConfigError, match="refused the order"):  # a path that is not under the dataset
+        cachefs.publish_order(m.mountpoint, ["/etc/passwd"], publisher="pod-a")
+    theirs = tmp_path / "theirs.json"  # another user's file: the daemon must not read it for the caller ...
+    theirs.write_text(json.dumps({"paths": ["big/0.bin"]}))
+    os.chown(theirs, 65534, 65534)
+    for name, err in ((f"user.cachefs.publish:{theirs}", errno.EACCES),
+                      (f"user.cachefs.publish:{tmp_path}/missing.json", errno.ENOENT),
+                      ("user.cachefs.publish:relative.json", errno.EINVAL)):
+        with pytest.raises(OSError) as e:
+            os.getxattr(m.mountpoint, name)
+        assert e.value.errno == err, name
+    with pytest.raises(OSError) as e:  # ... and only the root takes orders
+        os.getxattr(m.path("big/0.bin"), f"user.cachefs.publish:{theirs}")
+    assert e.value.errno == errno.ENODATA

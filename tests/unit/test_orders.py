@@ -102,8 +102,10 @@ def test_publish_order_takes_urls_and_relative_paths_and_a_mount_point_must_be_a
     assert written == os.path.join(orders_dir(str(tmp_path), DS), "rank-0.json")
     doc = json.loads(Path(written).read_text())
     assert doc["paths"] == ["x/1.jpg", "x/2.jpg"] and doc["epoch"] == 2 and doc["dataset"] == URL
-    with pytest.raises(ConfigError, match="not a dataset URL, nor a cachefs mount"):
+    with pytest.raises(ConfigError, match="not a cachefs mount"):  # (a directory, not a mount of ours)
         cachefs.publish_order(str(tmp_path), ["x"], cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="nor a directory"):
+        cachefs.publish_order(str(tmp_path / "nothing"), ["x"])
     with pytest.raises(ConfigError, match="publisher name"):
         cachefs.publish_order(URL, ["x"], cache_dir=str(tmp_path), publisher="a/b")
 
