@@ -37,10 +37,11 @@ from cachefs.testing.s3server import S3Server
 READER = r"""
 import hashlib, json, random, sys, time
 import fsspec
-url, cache_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+url, cache_dir, seed, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache_dir, dataset=url)
 paths = sorted(fs.find(url))
 random.Random(seed).shuffle(paths)
+paths = paths[rank::world]  # (world 1: the whole dataset; else DistributedSampler's share of this rank)
 start = time.perf_counter()
 out = {}
 for path in paths:
@@ -144,20 +145,28 @@ class Run:
                 p.kill()
         self.agents.clear()
 
-    def epoch(self, mode: str, epoch: int, want: dict[str, str]) -> float:
+    def epoch(self, mode: str, epoch: int, want: dict[str, str], sharded: bool = False) -> float:
+        """One epoch on every node: each reads the whole dataset in an order of its own, or (``sharded``) its
+        rank's share of one shuffled order, as DistributedSampler hands it out."""
+        world = len(self.lab.nodes) if sharded else 1
         procs = [self.lab.popen(node, [sys.executable, "-c", READER, self.url, self.cache(mode, node),
-                                       str(epoch * 100 + i)], env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                       str(epoch * 100 + (0 if sharded else i)), str(i if sharded else 0),
+                                       str(world)], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
                  for i, node in enumerate(self.lab.nodes)]
         start = time.perf_counter()
+        seen: dict[str, str] = {}
         for p in procs:
             out, err = p.communicate(timeout=3600)
             if p.returncode != 0:
                 raise RuntimeError(f"reader failed: {err[-2000:]}")
             got = json.loads(out)["sha256"]
-            if got != want:
-                bad = sorted(k for k in want if got.get(k) != want[k])[:5]
-                raise RuntimeError(f"{mode} epoch {epoch}: wrong bytes in {bad}")
+            bad = sorted(k for k in got if got[k] != want.get(k))[:5]
+            if bad or (not sharded and got.keys() != want.keys()):
+                raise RuntimeError(f"{mode} epoch {epoch}: wrong bytes in {bad or 'missing files'}")
+            seen.update(got)
+        if seen.keys() != want.keys():
+            raise RuntimeError(f"{mode} epoch {epoch}: files not read: {sorted(want.keys() - seen.keys())[:5]}")
         return time.perf_counter() - start
 
     def cold_block(self, mode: str, key_prefix: str, count: int) -> float:
@@ -192,6 +201,10 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=10.0, help="origin latency per request")
     ap.add_argument("--block-mib", type=int, default=1, help="cache block size (more keys: owners' shares even out)")
     ap.add_argument("--dirs", type=int, default=40, help="directories the small files are spread over")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--sharded", action="store_true",
+                    help="each epoch, every node reads its rank's share of one shuffled order (DistributedSampler) "
+                         "instead of the whole dataset; with --capacity 0.125 on 4 nodes the group holds half")
     args = ap.parse_args()
     why = netlab_available()
     if why:
@@ -223,8 +236,8 @@ def main() -> None:
                     run.start_agents(mode)
                 server.requests(reset=True)
                 epochs = []
-                for e in (1, 2):
-                    seconds = run.epoch(mode, e, want)
+                for e in range(1, args.epochs + 1):
+                    seconds = run.epoch(mode, e, want, args.sharded)
                     nbytes, repeated = origin_bytes(server, sizes)
                     epochs.append((seconds, nbytes, repeated))
                 cold = run.cold_block(mode, f"probe-{mode}", 16)
@@ -244,14 +257,18 @@ def main() -> None:
           f"{args.small} x {args.small_kib} KiB), each cache {args.capacity:.0%} of it; origin {args.origin_mbit} "
           f"Mbit/s + {args.delay_ms:g} ms per request, in its own namespace; every byte checked")
     print(f"yardstick: the dataset over the origin link once = {link_s:.1f} s")
-    print(f"{'':12} {'epoch 1 s':>10} {'origin x':>9} {'asked 2+':>9} {'epoch 2 s':>10} {'origin x':>9} {'asked 2+':>9} "
-          f"{'cold block':>17}")
+    print(f"{'':12} " + " ".join(f"{f'epoch {e} s':>10} {'origin x':>9} {'asked 2+':>9}"
+                                 for e in range(1, args.epochs + 1)) + f" {'cold block':>17}")
     for mode in ("independent", "group"):
         r = results[mode]
-        (t1, b1, r1), (t2, b2, r2) = r["epochs"]
-        print(f"{mode:12} {t1:10.1f} {b1 / total:9.2f} {r1:9d} {t2:10.1f} {b2 / total:9.2f} {r2:9d} "
-              f"{r['cold_block_s'] * 1e3:14.0f} ms")
+        print(f"{mode:12} " + " ".join(f"{t:10.1f} {b / total:9.2f} {n:9d}" for t, b, n in r["epochs"])
+              + f" {r['cold_block_s'] * 1e3:14.0f} ms")
     ind, grp = results["independent"]["epochs"], results["group"]["epochs"]
+    if args.sharded:
+        held = min(1.0, args.nodes * args.capacity)
+        print(f"sharded epochs: the group holds {held:.0%} of the dataset, so each epoch needs {1 - held:.2f}x it from "
+              f"the origin at least; the group's epochs from 2 on: "
+              + ", ".join(f"{b / total:.2f}x" for _, b, _ in grp[1:]) + " (target: within 10 % of it)")
     print("('asked 2+': ranges or files the origin was asked for more than once in that epoch)")
     print(f"group vs independent: epoch 1 {ind[0][0] / grp[0][0]:.2f}x faster, epoch 2 {ind[1][0] / grp[1][0]:.2f}x "
           f"faster; origin bytes epoch 1 {grp[0][1] / total:.2f}x the dataset (target <= 1.1), epoch 2 "
