@@ -185,8 +185,11 @@ def throughput_part(delay_ms: int) -> bool:
     for name, rate in rates.items():
         print(f"{name:28} {rate:8.0f}   {rate / bare:5.2f}x the yardstick")
     ratio = rates["1 reader, order"] / rates["8 readers"]
-    met = ratio >= 0.8
-    print(f"one reader with an order / eight without: {ratio:.2f}x (target >= 0.8x): " + ("met" if met else "MISSED"))
+    # Cold: every file misses, so the least time for the missed bytes is the yardstick's for all of them.
+    over = bare / rates["1 reader, order"]
+    met = ratio >= 0.8 and over <= 1.25
+    print(f"one reader with an order / eight without: {ratio:.2f}x (target >= 0.8x); its epoch / the yardstick's "
+          f"time for the same (all missed) files: {over:.2f}x (target <= 1.25x): " + ("met" if met else "MISSED"))
     return met
 
 
@@ -198,11 +201,13 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=int, default=20)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--no-epochs", action="store_true")
     args = ap.parse_args()
     server = S3Server().start()
     try:
-        epochs_part(server, args.kinds.split(","), [float(x) for x in args.capacities.split(",")], args.epochs,
-                    args.policies.split(","))
+        if not args.no_epochs:
+            epochs_part(server, args.kinds.split(","), [float(x) for x in args.capacities.split(",")], args.epochs,
+                        args.policies.split(","))
     finally:
         server.stop()
     if not args.no_throughput:
