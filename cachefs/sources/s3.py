@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cachefs.base.config import EngineConfig, OriginConfig
-from cachefs.base.errors import InvalidURLError, ObjectNotFoundError
+from cachefs.base.errors import InvalidURLError, ObjectNotFoundError, OriginError
 from cachefs.base.types import Entry
 from cachefs.sources.base import RetryPolicy, Source, with_retries
 from cachefs.sources.s3_get import SignedGet
@@ -218,7 +218,18 @@ class S3Source(Source):
             raise ObjectNotFoundError(f"{url}: not an object")
         client = await self._s3()
         head = await client.head_object(Bucket=bucket, Key=key)
-        return Entry(url, int(head["ContentLength"]), _etag(head.get("ETag")), head["LastModified"].timestamp())
+        if "ContentLength" in head and "LastModified" in head:
+            return Entry(url, int(head["ContentLength"]), _etag(head.get("ETag")), head["LastModified"].timestamp())
+        # Some S3-compatible servers leave Content-Length (or Last-Modified) out of HEAD answers: the listing
+        # has both.
+        page = await client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+        for obj in page.get("Contents") or ():
+            if obj.get("Key") == key and "Size" in obj:
+                modified = obj.get("LastModified") or head.get("LastModified")
+                return Entry(url, int(obj["Size"]), _etag(obj.get("ETag") or head.get("ETag")),
+                             modified.timestamp() if modified is not None else 0.0)
+        raise OriginError(f"{url}: the server answered HEAD without the object's size, and its listing has no such "
+                          "object")
 
     async def read(self, url: str, version: str, start: int, end: int) -> bytes | bytearray:
         bucket, key = _split(url)

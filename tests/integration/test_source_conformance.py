@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import os
 import time
 
@@ -136,3 +138,75 @@ class TestMemorySource(SourceConformance):
 
         src = open_raw_origin("memory://", load_config(env={}, overrides={"cache_dir": "/tmp/unused"}))
         return _Origin(src, f"memory://{root}", put, f"memory://{root}-missing")
+
+
+class _NoHeadLength(http.server.BaseHTTPRequestHandler):
+    """A proxy in front of the test S3 server that answers HEAD without Content-Length and Last-Modified, as some
+    S3-compatible servers do (issue 37); everything else passes as it is."""
+
+    upstream = ""
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        conn = http.client.HTTPConnection(self.upstream, timeout=30)
+        conn.request(self.command, self.path, body=body or None,
+                     headers={k: v for k, v in self.headers.items() if k.lower() != "connection"})
+        resp = conn.getresponse()
+        data = resp.read()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            drop = ("connection", "transfer-encoding") + (("content-length", "last-modified")
+                                                           if self.command == "HEAD" else ())
+            if k.lower() not in drop:
+                self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        conn.close()
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_server_that_leaves_the_size_out_of_head_answers_still_gives_sizes(s3, tmp_path):
+    """HEAD without Content-Length (issue 37: `cachefs pack` failed with KeyError: 'ContentLength' in its stat of
+    the packs it wrote): the size and time come from the listing."""
+    import asyncio
+    import threading
+
+    import boto3
+
+    server, client, bucket = s3
+    files = {f"d/f{i}.bin": os.urandom(3000 + i) for i in range(12)}
+    for key, data in files.items():
+        client.put_object(Bucket=bucket, Key=f"ds/{key}", Body=data)
+    handler = type("Handler", (_NoHeadLength,), {"upstream": server.endpoint.split("://", 1)[1]})
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{proxy.server_address[1]}"
+    try:
+        through = boto3.client("s3", endpoint_url=endpoint, region_name=client.meta.region_name,
+                               aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+                               aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"])
+        try:
+            assert "ContentLength" not in through.head_object(Bucket=bucket, Key="ds/d/f0.bin")  # (the fault is real)
+        finally:
+            through.close()
+        cfg = load_config(env={}, overrides={"cache_dir": str(tmp_path / "c"), "origin_endpoint_url": endpoint})
+        src = open_raw_origin("s3://x", cfg)
+
+        async def stat():
+            await src.connect()
+            try:
+                return await src.stat(f"s3://{bucket}/ds/d/f3.bin")
+            finally:
+                await src.close()
+
+        e = asyncio.run(stat())
+        assert e.size == len(files["d/f3.bin"]) and e.mtime > 0
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
