@@ -66,6 +66,9 @@ async def status(args: argparse.Namespace, config: Config) -> int:
         opens = ", opens skipped" if m.get("opens_skipped") else ""
         serving = f"mode {m['mode']}{opens}  pid {m['pid']}" if m.get("pid") else m.get("state", "starting")
         print(f"mount      {m['mountpoint']}  {m['url']}  {serving}")
+        if m.get("mirror_problem"):
+            print(f"           its packed mirror cannot be used ({m['mirror_problem']}): small files are read one "
+                  "GET each; `cachefs pack` writes it again")
     corrupt = sum(rep.get("corrupt_reads", {}).values())
     if corrupt:
         print(f"disk       {corrupt} cached block(s) or file(s) failed their checksum and were fetched again "

@@ -56,12 +56,13 @@ def _write_json(path: str, obj: dict) -> bool:
 
 
 def record_mount(cache_dir: str, mountpoint: str, url: str, mode: str, stats: dict | None = None, *,
-                 opens_skipped: bool = False) -> bool:
+                 opens_skipped: bool = False, mirror_problem: str | None = None) -> bool:
     """The serving daemon's record. ``mode``: passthrough or userspace; ``opens_skipped``: the kernel opens
-    files without asking. False if the disk had no room for it."""
+    files without asking; ``mirror_problem``: why the dataset's packed mirror cannot be used. False if the disk
+    had no room for it."""
     return _write_json(mount_record_path(cache_dir, mountpoint), {
         "mountpoint": os.path.abspath(mountpoint), "url": url, "pid": os.getpid(), "mode": mode,
-        "opens_skipped": opens_skipped, "stats": stats or {}})
+        "opens_skipped": opens_skipped, "stats": stats or {}, "mirror_problem": mirror_problem})
 
 
 def forget_mount(cache_dir: str, mountpoint: str) -> None:

@@ -76,6 +76,8 @@ class MirrorTier(Tier):
         self._windows = SingleFlight()  # (dataset id, pack, window) → MirrorWindow
         #: Files fetched from mirrors, and the GETs that brought them.
         self.files = self.gets = 0
+        #: Dataset id → why its mirror exists but cannot be used (what `cachefs status` shows for a mount).
+        self.problems: dict[str, str] = {}
 
     @classmethod
     def build(cls, parts: TierParts, kind: Kind) -> MirrorTier | None:
@@ -93,6 +95,7 @@ class MirrorTier(Tier):
                     except (CacheFSError, ValueError, KeyError) as exc:
                         log.warning("%s: cannot use its packed mirror (%s); reading files one by one", ds.ref.url, exc)
                         self._mirrors[ds_id] = None
+                        self.problems[ds_id] = str(exc) or type(exc).__name__
                     found = self._mirrors[ds_id]
                     if found is not None:
                         log.info("%s: using its packed mirror %s", ds.ref.url, found.url)

@@ -696,3 +696,32 @@ def test_an_order_published_through_the_mount_reaches_the_cache_and_only_from_it
     with pytest.raises(OSError) as e:  # ... and only the root takes orders
         os.getxattr(m.path("big/0.bin"), f"user.cachefs.publish:{theirs}")
     assert e.value.errno == errno.ENODATA
+
+
+def test_a_mount_whose_packed_mirror_cannot_be_used_says_so_in_status(s3, cache_dir, tmp_path):
+    """A mirror that exists but cannot be used (here its index was replaced after packing) is named by `cachefs
+    status` for the mount, not only in the mount's log (issue 37); the files are still read, one GET each."""
+    _, client, bucket = s3
+    files = make_files(n_small=30, big_sizes=())
+    put_tree(client, bucket, "mds", files)
+    url = f"s3://{bucket}/mds"
+    r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "pack", url, "--cache-dir", str(tmp_path / "p")],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    client.put_object(Bucket=bucket, Key="mds.cachefs/index.arrow", Body=b"not the index it was")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache_dir, url, str(mnt))
+    try:
+        for rel, data in files.items():
+            with open(m.path(rel), "rb") as f:
+                assert f.read() == data
+        deadline = time.monotonic() + 30
+        while not (m.record() or {}).get("mirror_problem"):
+            assert time.monotonic() < deadline, m.record()
+            time.sleep(0.1)
+        table = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--cache-dir", cache_dir],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert "packed mirror cannot be used" in table, table
+    finally:
+        m.close()
