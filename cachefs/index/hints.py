@@ -72,16 +72,24 @@ class HintStore:
         """The earliest ``since`` of the leases in force, or None."""
         now = time.time() if now is None else now
         earliest = None
+        for _, raw in self._prefixed(_KEEP):
+            since, expires = LEASE.unpack(raw)
+            if expires > now and (earliest is None or since < earliest):
+                earliest = since
+        return earliest
+
+    def _prefixed(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """The hints whose keys start with ``prefix``: (the rest of the key, value)."""
         with self.index.env.begin() as txn:
             cur = txn.cursor(db=self._hints)
-            if cur.set_range(_KEEP):
-                for key, raw in cur:
-                    if not bytes(key).startswith(_KEEP):
-                        break
-                    since, expires = LEASE.unpack(raw)
-                    if expires > now and (earliest is None or since < earliest):
-                        earliest = since
-        return earliest
+            if not cur.set_range(prefix):
+                return []
+            out = []
+            for key, raw in cur:
+                if not bytes(key).startswith(prefix):
+                    break
+                out.append((bytes(key)[len(prefix):], bytes(raw)))
+            return out
 
     # -- scans ----------------------------------------------------------------------------------------------
     def note_scans(self, records: dict[str, ScanRecord]) -> None:
@@ -108,18 +116,13 @@ class HintStore:
         """The scans in force: dataset id → record."""
         now = time.time() if now is None else now
         out = {}
-        with self.index.env.begin() as txn:
-            cur = txn.cursor(db=self._hints)
-            if cur.set_range(_SCAN):
-                for key, raw in cur:
-                    if not bytes(key).startswith(_SCAN):
-                        break
-                    try:
-                        rec = ScanRecord.from_json(bytes(raw))
-                    except (ValueError, KeyError, TypeError):
-                        continue
-                    if rec.until > now:
-                        out[bytes(key)[len(_SCAN):].decode()] = rec
+        for ds_id, raw in self._prefixed(_SCAN):
+            try:
+                rec = ScanRecord.from_json(raw)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if rec.until > now:
+                out[ds_id.decode()] = rec
         return out
 
     # -- staged bytes ---------------------------------------------------------------------------------------

@@ -144,9 +144,7 @@ class Evictor:
         if not self._under(limit - need, floor):
             with self._one_at_a_time:
                 self._evict_for_scan(dataset, scan.since, limit - need, floor)
-        total, _ = self.index.totals()
-        _, free = self.files.disk_usage()
-        room = max(0, min(limit - total, free - self.min_free))
+        room = self.space.room_under_high()
         if room < need:
             self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
         return room

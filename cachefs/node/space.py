@@ -48,6 +48,12 @@ class DiskSpace:
         _, free = self.store.disk_usage()
         return max(0, min(self.capacity - self.index.totals()[0], free - self.min_free))
 
+    def room_under_high(self) -> int:
+        """Bytes that may be stored without passing the high watermark (so without setting eviction off) and above
+        the free-space floor: all a scanned dataset is admitted into, and all read-ahead may ask for."""
+        _, free = self.store.disk_usage()
+        return max(0, min(int(self.capacity * self.high_watermark) - self.index.totals()[0], free - self.min_free))
+
     def admits(self, nbytes: int) -> bool:
         return nbytes <= self.room()
 

@@ -77,7 +77,7 @@ class Prefetcher:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
         self.counts = PrefetchCounts()
-        self._running_bytes: dict[Hashable, int] = {}
+        self._outstanding = 0  # bytes of the hints queued or running
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._queue or key in self._running
@@ -93,7 +93,7 @@ class Prefetcher:
     @property
     def outstanding_bytes(self) -> int:
         """Bytes of the read-ahead queued or running: what it will bring to the disk soon (read-ahead budgets it)."""
-        return sum(h.nbytes for h in self._queue.values()) + sum(self._running_bytes.values())
+        return self._outstanding
 
     # -- read-ahead ---------------------------------------------------------------------------------------------
     def offer(self, hints: Iterable[Hint]) -> int:
@@ -109,6 +109,7 @@ class Prefetcher:
                 self.counts.add(self.counts.dropped, hint.kind)
                 continue
             self._queue[hint.key] = hint
+            self._outstanding += hint.nbytes
             taken += 1
         if taken and (self._pump is None or self._pump.done()):
             self._pump = asyncio.ensure_future(self._run_queue())
@@ -139,12 +140,11 @@ class Prefetcher:
         self.counts.add(self.counts.started_bytes, hint.kind, hint.nbytes)
         task = asyncio.ensure_future(self._fetch(hint.fetch, held))
         self._running[hint.key] = task
-        self._running_bytes[hint.key] = hint.nbytes
 
-        def done(t: asyncio.Future, key: Hashable = hint.key, kind: str = hint.kind) -> None:
+        def done(t: asyncio.Future, key: Hashable = hint.key, kind: str = hint.kind, nbytes: int = hint.nbytes) -> None:
             if self._running.get(key) is t:
                 del self._running[key]
-                self._running_bytes.pop(key, None)
+                self._outstanding -= nbytes
             self._room.set()
             if not t.cancelled() and t.exception() is not None:
                 self.counts.add(self.counts.failed, kind)
@@ -207,6 +207,7 @@ class Prefetcher:
     def stop(self) -> list[asyncio.Future]:
         """Stop taking hints, forget the queue; the work running (for the caller to cancel and await)."""
         self.closing = True
+        self._outstanding -= sum(h.nbytes for h in self._queue.values())
         self._queue.clear()
         runs = list(self._running.values())
         if self._pump is not None:

@@ -209,8 +209,7 @@ class PackStrategy(ReadStrategy):
         space = self.evictor.space
         if space.full or self.evictor.scan_refusing(ds_id):
             return []
-        under_high = int(space.capacity * space.high_watermark) - space.index.totals()[0]
-        room = min(space.room(), under_high) - self.pending.unwritten - self.prefetcher.outstanding_bytes
+        room = space.room_under_high() - self.pending.unwritten - self.prefetcher.outstanding_bytes
         out, need = [], 0
         for h in hints:
             need += h.nbytes
