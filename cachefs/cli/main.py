@@ -127,8 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     od.add_argument("dataset", help="the dataset's URL, or a cachefs mount point of it")
     od.add_argument("--file", required=True, help="the paths in reading order, one a line ('-': standard input)")
     od.add_argument("--epoch", type=int, help="the epoch it is for (shown by cachefs status)")
-    od.add_argument("--publisher", help="whose order it is (default: this command's host and pid; a later order of "
-                                        "the same publisher replaces the earlier one)")
+    od.add_argument("--publisher", default="cli",
+                    help="whose order it is (default: cli); a later order of the same publisher replaces the earlier "
+                         "one, so a job that runs this every epoch leaves one order, not one per run")
 
     rf = sub.add_parser("refresh", parents=[base, cache, origin], help="take a new manifest snapshot of a dataset")
     rf.add_argument("url")

@@ -61,7 +61,8 @@ def write_order(cache_dir: str, ds_id: str, url: str, paths: list[str], *, epoch
             raise ConfigError(f"order path {p!r}: give paths relative to the dataset's root")
     doc = {"version": 1, "dataset": url, "epoch": epoch, "published_at": time.time(), "paths": paths}
     path = os.path.join(orders_dir(cache_dir, ds_id), f"{publisher}.json")
-    atomic_write(path, json.dumps(doc, separators=(",", ":")), dir_mode=0o755)
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)  # (a cache directory made here is made as the engine makes it)
+    atomic_write(path, json.dumps(doc, separators=(",", ":")), dir_mode=0o700)  # (the cache directory's own mode)
     return path
 
 
