@@ -54,14 +54,19 @@ class CacheFileSystem(_Base):
         **options: Any,
     ) -> None:
         super().__init__()
+        target_protocol, target_options, layers, options = _layer_options(target_protocol, target_options, options)
         overrides = {k: v for k, v in options.items() if k not in ("skip_instance_cache", "use_listings_cache",
                                                                     "listings_expiry_time", "max_paths")}
         overrides["cache_dir"] = cache_dir
         cfg = load_config(config, overrides=overrides)
         self.engine: Engine = get_engine(cfg)
-        self.target_protocol = (target_protocol or (dataset.split("://", 1)[0] if dataset and "://" in dataset
-                                                    else "file")).lower()
-        self.target_options = dict(target_options or {})
+        if target_protocol is None and dataset and "://" in dataset:
+            target_protocol = dataset.split("://", 1)[0]
+        # None: decided per path (an absolute path is a local file, ``bucket/key`` is S3), so that a bare
+        # ``cachefs://bucket/key`` means the object, as it does to every loader that takes single-hop URLs.
+        self.target_protocol = target_protocol.lower() if target_protocol else None
+        self.target_options = target_options
+        self._origin_layers = layers
         self.dataset_url = canonical_url(dataset) if dataset else None
         self.manifest_version = manifest_version
         self._datasets: dict[str, Dataset] = {}
@@ -82,14 +87,17 @@ class CacheFileSystem(_Base):
 
     def _url(self, path: str) -> str:
         path = self._strip_protocol(path)
-        if self.target_protocol in ("file", "local"):
+        protocol = self.target_protocol or ("file" if path.startswith("/") else "s3")
+        if protocol in ("file", "local"):
             return canonical_url("file://" + (path if path.startswith("/") else os.path.abspath(path)))
-        return canonical_url(f"{self.target_protocol}://{path}")
+        return canonical_url(f"{protocol}://{path}")
 
     def _open_dataset(self, url: str) -> Dataset:
         ds = self._datasets.get(url)
         if ds is None:
-            ds = run_sync(self.engine.open_dataset(url, storage_options=self.target_options,
+            protocol = url.split("://", 1)[0]
+            options = {**self._origin_layers.get(protocol, {}), **self.target_options}
+            ds = run_sync(self.engine.open_dataset(url, storage_options=options,
                                                    manifest_version=self.manifest_version))
             self._datasets[url] = ds
         return ds
@@ -113,8 +121,8 @@ class CacheFileSystem(_Base):
         return self._open_dataset(root), url[len(root) + 1:] if url != root else ""
 
     def _info(self, ds: Dataset, e: Entry) -> dict[str, Any]:
-        name = ds.ref.object_url(e.path).split("://", 1)[1]
-        if self.target_protocol == "file":
+        protocol, name = ds.ref.object_url(e.path).split("://", 1)
+        if protocol == "file":
             name = name if name.startswith("/") else "/" + name
         info = {"name": name, "size": e.size, "type": "directory" if e.is_dir else "file", "mtime": e.mtime}
         if not e.is_dir:
@@ -195,6 +203,46 @@ class CacheFileSystem(_Base):
         raise ReadOnlyError("cachefs is read-only")
 
     rm_file = rm = mkdir = makedirs = rmdir = mv = cp_file = put_file = pipe_file = touch = _readonly
+
+
+def _layer_options(target_protocol: str | None, target_options: dict[str, Any] | None, options: dict[str, Any],
+                   ) -> tuple[str | None, dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+    """The same options mean the same thing in every URL form a loader may hand us.
+
+    ``{"cachefs": {...}, "s3": {...}}`` is what a chained ``cachefs::s3://`` URL takes. Given to a single-hop
+    ``cachefs://bucket/key`` (loaders that split URLs on ``::`` themselves, such as webdataset and HF datasets'
+    streaming, take only those), the ``cachefs`` part is ours and a part named after a protocol is that origin's,
+    nested in ours or beside it. Returns the target protocol (None: decided per path), the options for any
+    origin, the options per origin protocol, and ours.
+    """
+    options = dict(options)
+    nested = options.pop("cachefs", None)
+    if isinstance(nested, dict):
+        nested = dict(nested)
+        target_protocol = target_protocol or nested.pop("target_protocol", None)
+        target_options = {**(nested.pop("target_options", None) or {}), **(target_options or {})}
+        options = {**nested, **options}
+    target_options = dict(target_options or {})
+    if "target_options" in target_options or "target_protocol" in target_options:
+        # Our own storage_options filed under the origin's protocol: HF datasets does this when it resolves a
+        # chained glob and opens the files it found. The origin's options are the ones nested inside.
+        refiled = target_options
+        target_options = dict(refiled.get("target_options") or {})
+        target_protocol = target_protocol or refiled.get("target_protocol")
+        for key, value in refiled.items():
+            if key not in ("target_options", "target_protocol", "fo"):
+                options.setdefault(key, value)
+    protocols = _origin_protocols()
+    layers = {k: options.pop(k) for k in [k for k, v in options.items() if isinstance(v, dict) and k in protocols]}
+    if target_protocol is None and len(layers) == 1:
+        target_protocol = next(iter(layers))
+    return target_protocol, target_options, layers, options
+
+
+def _origin_protocols() -> set[str]:
+    import fsspec
+
+    return set(fsspec.available_protocols()) - {"cachefs"}
 
 
 def _norm_range(size: int, start: int | None, end: int | None) -> tuple[int, int]:
