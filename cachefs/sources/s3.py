@@ -16,9 +16,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cachefs.base.config import EngineConfig, OriginConfig
-from cachefs.base.errors import InvalidURLError, ObjectNotFoundError, OriginError
+from cachefs.base.errors import ConfigError, InvalidURLError, ObjectNotFoundError, OriginError
 from cachefs.base.types import Entry
 from cachefs.sources.base import RetryPolicy, Source, with_retries
+from cachefs.sources.installed import s3fs_fsspec_mismatch
 from cachefs.sources.s3_get import SignedGet
 
 __all__ = ["S3Source"]
@@ -93,6 +94,9 @@ class S3Source(Source):
             return self._client
         async with self._client_lock:
             if self._client is None:
+                mismatch = s3fs_fsspec_mismatch()
+                if mismatch:
+                    raise ConfigError(mismatch)
                 import s3fs
 
                 o = self._origin
