@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup setup-test lint bench clean
+.PHONY: demo test test-loaders setup setup-test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,8 +29,14 @@ test: setup-test
 	tests/prepare.sh
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=10
 
+## The loader recipes of docs/LOADERS.md against torch, torchvision and MosaicML streaming (CUDA wheels, gigabytes),
+## in their own venv resolved beside every loader (tests/loaders/setup.sh), with the light loader tests again there.
+test-loaders: setup-test
+	tests/loaders/setup.sh
+	.venv-loaders/bin/python -m pytest -q -p no:cacheprovider tests/loaders tests/integration/test_loaders.py
+
 bench: setup-test
 	$(BIN)/python -m bench.run_all
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-loaders .pytest_cache

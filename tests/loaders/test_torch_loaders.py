@@ -1,0 +1,197 @@
+"""The heavy loaders of docs/LOADERS.md against the real libraries: PyTorch's DataLoader with worker processes (by
+URL and over a mount), torchvision's ImageFolder, DistributedSampler with cachefs.torch.PublishingSampler, webdataset
+in DataLoader workers, and MosaicML streaming with cachefs as its only cache.
+
+torch and mosaicml-streaming pull CUDA wheels (gigabytes), so these run in their own environment:
+``make test-loaders`` (tests/loaders/setup.sh builds .venv-loaders with uv); elsewhere they skip. Every sample is
+compared with what the test wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import shutil
+import tarfile
+
+import fsspec
+import pytest
+
+torch = pytest.importorskip("torch", reason="the heavy loader tier: make test-loaders")
+pytest.importorskip("torchvision")
+
+from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
+from torchvision.datasets import ImageFolder  # noqa: E402
+
+from cachefs.base.types import DatasetRef  # noqa: E402
+from cachefs.index.orders import list_orders, read_order  # noqa: E402
+from cachefs.torch import PublishingSampler  # noqa: E402
+from tests.conftest import put_tree  # noqa: E402
+
+if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+    pytest.skip("needs root and /dev/fuse (CI runs as root)", allow_module_level=True)
+
+from tests.integration.test_fuse import Mounted  # noqa: E402
+
+pytestmark = [pytest.mark.root, pytest.mark.filterwarnings("default")]
+
+CLASSES = 4
+PER_CLASS = 25
+
+
+def image_tree(seed: int = 3) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {f"train/c{c}/{i:03d}.bin": rng.randbytes(rng.randrange(500, 6000))
+            for c in range(CLASSES) for i in range(PER_CLASS)}
+
+
+class UrlFiles(Dataset):
+    """A map-style dataset that reads each file by URL through fsspec (the URL form of docs/LOADERS.md)."""
+
+    def __init__(self, urls: list[str], options: dict) -> None:
+        self.urls, self.options = urls, options
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, i: int):
+        with fsspec.open(self.urls[i], "rb", **self.options) as f:
+            return i, f.read()
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def is_sample(path: str) -> bool:
+    return path.endswith(".bin")
+
+
+@pytest.fixture
+def images(s3, tmp_path):
+    server, client, bucket = s3
+    files = image_tree()
+    put_tree(client, bucket, "img", files)
+    return server, bucket, files, str(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("form", ["cachefs://", "cachefs::s3://"])
+def test_dataloader_workers_by_url(images, form):
+    server, bucket, files, cache = images
+    names = sorted(files)
+    options = {"cachefs": {"cache_dir": cache, "s3": {"endpoint_url": server.endpoint}}}
+    urls = [f"{form}{bucket}/img/{n}" for n in names]
+    loader = DataLoader(UrlFiles(urls, options), batch_size=None, shuffle=True, num_workers=2,
+                        multiprocessing_context="fork")
+    for _epoch in range(2):
+        seen = {}
+        for i, data in loader:
+            seen[names[int(i)]] = data
+        assert seen == files
+
+
+def test_imagefolder_dataloader_over_a_mount(images, tmp_path):
+    _, bucket, files, cache = images
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache, f"s3://{bucket}/img", str(mnt))
+    try:
+        folder = ImageFolder(str(mnt / "train"), loader=read_bytes, is_valid_file=is_sample)
+        assert folder.classes == [f"c{c}" for c in range(CLASSES)]
+        loader = DataLoader(folder, batch_size=None, shuffle=True, num_workers=2)
+        for _epoch in range(2):
+            got = sorted((int(label), hashlib.sha256(data).hexdigest()) for data, label in loader)
+            want = sorted((int(n.split("/")[1][1:]), hashlib.sha256(b).hexdigest()) for n, b in files.items())
+            assert got == want
+    finally:
+        m.close()
+
+
+def test_distributed_sampler_publishes_each_epochs_order_through_the_mount(images, tmp_path):
+    """Two ranks, as DistributedSampler splits a job: each rank's PublishingSampler hands that epoch's order to the
+    mount, whose daemon writes it where the node's prefetcher reads it; the model sees the wrapped order."""
+    _, bucket, files, cache = images
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache, f"s3://{bucket}/img", str(mnt))
+    try:
+        folder = ImageFolder(str(mnt / "train"), loader=read_bytes, is_valid_file=is_sample)
+        ds_id = DatasetRef.from_url(f"s3://{bucket}/img").id
+        rel = [os.path.relpath(p, mnt) for p, _ in folder.samples]
+        by_path = {os.path.relpath(p, mnt): b for p, b in ((p, files[os.path.relpath(p, mnt)]) for p, _ in folder.samples)}
+        for epoch in range(2):
+            for rank in range(2):
+                plain = DistributedSampler(folder, num_replicas=2, rank=rank, shuffle=True, seed=7)
+                plain.set_epoch(epoch)
+                want_order = list(plain)
+                sampler = PublishingSampler(DistributedSampler(folder, num_replicas=2, rank=rank, shuffle=True, seed=7),
+                                            rel, dataset=str(mnt), publisher=f"rank{rank}")
+                sampler.set_epoch(epoch)
+                loader = DataLoader(folder, sampler=sampler, batch_size=None, num_workers=2)
+                got = [(data, label) for data, label in loader]
+                assert [folder.samples[i][1] for i in want_order] == [int(label) for _, label in got]
+                assert [by_path[rel[i]] for i in want_order] == [data for data, _ in got]
+                published = {f.publisher: read_order(f.path) for f in list_orders(cache, ds_id)}
+                assert published[f"rank{rank}"] == (epoch, [rel[i] for i in want_order])
+    finally:
+        m.close()
+
+
+def test_webdataset_in_dataloader_workers_by_url(s3, tmp_path):
+    wds = pytest.importorskip("webdataset")
+    from cachefs.loaders import register_webdataset
+
+    server, client, bucket = s3
+    samples = {}
+    for n in range(4):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for i in range(10):
+                key, data = f"s{n}_{i:02d}", os.urandom(2000 + i)
+                samples[key] = data
+                info = tarfile.TarInfo(f"{key}.bin")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        client.put_object(Bucket=bucket, Key=f"wds/shard-{n}.tar", Body=buf.getvalue())
+    register_webdataset(cachefs={"cache_dir": str(tmp_path / "cache"), "s3": {"endpoint_url": server.endpoint}})
+    dataset = wds.WebDataset(f"cachefs://{bucket}/wds/shard-{{0..3}}.tar", shardshuffle=False,
+                             nodesplitter=None, workersplitter=wds.split_by_worker)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    got = {s["__key__"]: s["bin"] for s in loader}
+    assert got == samples
+
+
+def test_mosaicml_streaming_with_cachefs_as_its_only_cache(s3, tmp_path):
+    """MDS shards on S3 read through a cachefs mount with ``local`` on the mount and ``remote=None``: streaming
+    copies nothing, so after two epochs the bytes on this node are the dataset once, in cachefs's cache."""
+    streaming = pytest.importorskip("streaming")
+    _, client, bucket = s3
+    out = tmp_path / "mds-out"
+    rng = random.Random(5)
+    rows = [{"x": rng.randbytes(rng.randrange(3000, 9000)), "y": i} for i in range(300)]
+    with streaming.MDSWriter(out=str(out), columns={"x": "bytes", "y": "int"}, size_limit=1 << 18) as writer:
+        for row in rows:
+            writer.write(row)
+    put_tree(client, bucket, "mds", {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()})
+    dataset_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    shutil.rmtree(out)
+    cache, mnt = tmp_path / "cache", tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(str(cache), f"s3://{bucket}/mds", str(mnt))
+    try:
+        ds = streaming.StreamingDataset(local=str(mnt), remote=None, shuffle=True, batch_size=1)
+        for _epoch in range(2):
+            got = sorted((int(s["y"]), s["x"]) for s in ds)
+            assert got == [(r["y"], r["x"]) for r in rows]
+        m.close()
+        on_disk = sum(p.stat().st_size for sub in ("data", "packs") for p in (cache / sub).rglob("*") if p.is_file())
+        others = [p for p in tmp_path.rglob("*") if p.is_file() and cache not in p.parents]
+        assert dataset_bytes <= on_disk <= dataset_bytes * 1.05 + (1 << 20), (dataset_bytes, on_disk)
+        assert not others, f"files outside the cache: {others[:5]}"
+        print(f"MosaicML: dataset {dataset_bytes} B, cachefs cache after two epochs {on_disk} B "
+              f"({on_disk / dataset_bytes:.3f}x), no other copy")
+    finally:
+        m.close()
