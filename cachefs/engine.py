@@ -25,6 +25,9 @@ import asyncio
 import atexit
 import functools
 import logging
+import multiprocessing
+import multiprocessing.util
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -111,10 +114,19 @@ class Engine:
         self._first_snapshot: dict[str, asyncio.Lock] = {}
         self._stats_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._exited = False
         atexit.register(self._at_exit)
+        if multiprocessing.parent_process() is not None:
+            # A multiprocessing child (a DataLoader worker) ends in os._exit: exit hooks never run there, its
+            # finalizers do. Without this, the small files it read would stay in unwritten packs and be lost.
+            multiprocessing.util.Finalize(self, self._at_exit, exitpriority=100)
 
     def _at_exit(self) -> None:
         from cachefs.base import aio
+
+        if self._exited:
+            return
+        self._exited = True
 
         loop = aio.get_loop() if self._sources or self.group.client is not None else None
         if loop is not None and loop.is_running():
@@ -412,10 +424,20 @@ _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
 
 
+def _forget_engines_in_child() -> None:
+    # A forked child must not use its parent's engines: their loop has no thread here, and LMDB forbids using an
+    # environment across fork. They are dropped unclosed (closing would write the parent's state); the child
+    # opens its own on first use.
+    global _engines_lock
+    _engines.clear()
+    _engines_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_engines_in_child)
+
+
 def get_engine(config: Config) -> Engine:
     """The process's engine for ``config.cache.dir`` (one per cache dir, so single-flight spans every user)."""
-    import os
-
     key = os.path.realpath(config.cache.dir)
     with _engines_lock:
         eng = _engines.get(key)

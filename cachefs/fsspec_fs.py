@@ -58,8 +58,9 @@ class CacheFileSystem(_Base):
         overrides = {k: v for k, v in options.items() if k not in ("skip_instance_cache", "use_listings_cache",
                                                                     "listings_expiry_time", "max_paths")}
         overrides["cache_dir"] = cache_dir
-        cfg = load_config(config, overrides=overrides)
-        self.engine: Engine = get_engine(cfg)
+        self._config = load_config(config, overrides=overrides)
+        self._engine: Engine = get_engine(self._config)
+        self._pid = os.getpid()
         if target_protocol is None and dataset and "://" in dataset:
             target_protocol = dataset.split("://", 1)[0]
         # None: decided per path (an absolute path is a local file, ``bucket/key`` is S3), so that a bare
@@ -70,6 +71,14 @@ class CacheFileSystem(_Base):
         self.dataset_url = canonical_url(dataset) if dataset else None
         self.manifest_version = manifest_version
         self._datasets: dict[str, Dataset] = {}
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine: a filesystem inherited through fork (a DataLoader worker) takes the child's
+        own, with its own datasets (cachefs.engine drops the parent's in the child)."""
+        if self._pid != os.getpid():
+            self._engine, self._pid, self._datasets = get_engine(self._config), os.getpid(), {}
+        return self._engine
 
     # -- paths and datasets -------------------------------------------------------------------------------
     @classmethod
@@ -93,11 +102,12 @@ class CacheFileSystem(_Base):
         return canonical_url(f"{protocol}://{path}")
 
     def _open_dataset(self, url: str) -> Dataset:
+        engine = self.engine  # (first: after a fork it replaces the datasets too)
         ds = self._datasets.get(url)
         if ds is None:
             protocol = url.split("://", 1)[0]
             options = {**self._origin_layers.get(protocol, {}), **self.target_options}
-            ds = run_sync(self.engine.open_dataset(url, storage_options=options,
+            ds = run_sync(engine.open_dataset(url, storage_options=options,
                                                    manifest_version=self.manifest_version))
             self._datasets[url] = ds
         return ds

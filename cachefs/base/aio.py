@@ -1,6 +1,6 @@
 """The single event-loop thread that the sync facades (fsspec, CLI, FUSE handlers) run the async core on.
 
-One loop per process, started on first use and stopped at interpreter exit. Sync callers use
+One loop per process, started on first use and stopped at interpreter exit; a forked child starts its own. Sync callers use
 :func:`run_sync`; code already on the loop must await instead (calling ``run_sync`` from the loop thread
 would deadlock, so it raises).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -33,6 +34,16 @@ def get_loop() -> asyncio.AbstractEventLoop:
             _loop, _thread = loop, thread
             atexit.register(_stop)
         return _loop
+
+
+def _forget_loop_in_child() -> None:
+    # A forked child (a DataLoader worker) has no copy of the loop's thread: the loop it inherited would never
+    # run what it is given. The child starts its own on first use.
+    global _lock, _loop, _thread
+    _lock, _loop, _thread = threading.Lock(), None, None
+
+
+os.register_at_fork(after_in_child=_forget_loop_in_child)
 
 
 def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

@@ -324,3 +324,37 @@ def test_scheduler_extender_without_cluster_access_says_so(tmp_path):
     out = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "scheduler-extender", "--listen", "127.0.0.1:18999"],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2 and "no Kubernetes API access" in out.stderr and "Traceback" not in out.stderr
+
+
+def _read_in_child(url: str, options: dict, out) -> None:
+    with fsspec.open(url, "rb", **options) as f:
+        out.put(f.read())
+
+
+def test_forked_workers_read_through_the_parents_filesystem_and_keep_what_they_read(s3, cache_dir):
+    """DataLoader workers are forked after the parent has used cachefs (its loop thread and LMDB handles do not
+    survive fork): each child opens its own engine, and what it read is in the cache when it exits (it ends in
+    os._exit, so its pending packs are written by a multiprocessing finalizer), as the parent's re-read shows."""
+    import multiprocessing as mp
+
+    server, client, bucket = s3
+    files = make_files(n_small=20, big_sizes=())
+    put_tree(client, bucket, "ds", files)
+    url = f"s3://{bucket}/ds"
+    options = {"cachefs": {"cache_dir": cache_dir}}
+    fs, root = fsspec.core.url_to_fs(f"cachefs::{url}", **options)
+    assert len(fs.find(root)) == len(files)  # the parent's loop and engine are running now
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    names = sorted(n for n in files if n.startswith("small/"))[:6]
+    children = [ctx.Process(target=_read_in_child, args=(f"cachefs::{url}/{n}", options, out)) for n in names]
+    for child in children:
+        child.start()
+    got = sorted(out.get(timeout=60) for _ in children)
+    for child in children:
+        child.join(30)
+        assert child.exitcode == 0, "a forked reader hung or failed"
+    assert got == sorted(files[n] for n in names)
+    server.requests(reset=True)
+    assert [fs.cat_file(f"{root}/{n}") for n in names] == [files[n] for n in names]
+    assert not [k for k in server.requests()["gets"] if "/small/" in k], "the children's reads were not kept"
