@@ -66,6 +66,11 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def object_gets(server, bucket: str) -> list[str]:
+    """The GETs of the dataset's objects the origin served since its counters were reset."""
+    return [k for k in server.requests()["gets"] if f"/{bucket}/img/" in k]
+
+
 def is_sample(path: str) -> bool:
     return path.endswith(".bin")
 
@@ -86,15 +91,20 @@ def test_dataloader_workers_by_url(images, form):
     urls = [f"{form}{bucket}/img/{n}" for n in names]
     loader = DataLoader(UrlFiles(urls, options), batch_size=None, shuffle=True, num_workers=2,
                         multiprocessing_context="fork")
+    gets = []
     for _epoch in range(2):
+        server.requests(reset=True)
         seen = {}
         for i, data in loader:
             seen[names[int(i)]] = data
         assert seen == files
+        gets.append(len(object_gets(server, bucket)))
+    assert gets[0] > 0 and gets[1] == 0, gets  # epoch 2 entirely from the node's cache
+    print(f"DataLoader(num_workers=2) by {form}: origin GETs per epoch {gets} for {len(files)} files")
 
 
 def test_imagefolder_dataloader_over_a_mount(images, tmp_path):
-    _, bucket, files, cache = images
+    server, bucket, files, cache = images
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     m = Mounted(cache, f"s3://{bucket}/img", str(mnt))
@@ -102,10 +112,15 @@ def test_imagefolder_dataloader_over_a_mount(images, tmp_path):
         folder = ImageFolder(str(mnt / "train"), loader=read_bytes, is_valid_file=is_sample)
         assert folder.classes == [f"c{c}" for c in range(CLASSES)]
         loader = DataLoader(folder, batch_size=None, shuffle=True, num_workers=2)
+        gets = []
         for _epoch in range(2):
+            server.requests(reset=True)
             got = sorted((int(label), hashlib.sha256(data).hexdigest()) for data, label in loader)
             want = sorted((int(n.split("/")[1][1:]), hashlib.sha256(b).hexdigest()) for n, b in files.items())
             assert got == want
+            gets.append(len(object_gets(server, bucket)))
+        assert gets[1] == 0, gets
+        print(f"ImageFolder + DataLoader(num_workers=2) over the mount: origin GETs per epoch {gets}")
     finally:
         m.close()
 
@@ -195,3 +210,26 @@ def test_mosaicml_streaming_with_cachefs_as_its_only_cache(s3, tmp_path):
               f"({on_disk / dataset_bytes:.3f}x), no other copy")
     finally:
         m.close()
+
+
+def test_ray_data_reads_parquet_through_cachefs_in_its_workers(s3, tmp_path):
+    """Ray Data pickles the filesystem into its worker processes: the cachefs options (cache directory, the
+    origin's endpoint) travel with it, and every row comes back."""
+    ray = pytest.importorskip("ray")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    server, client, bucket = s3
+    table = pa.table({"idx": list(range(900)), "v": [i * 3 for i in range(900)]})
+    for n in range(3):
+        buf = io.BytesIO()
+        pq.write_table(table.slice(n * 300, 300), buf)
+        client.put_object(Bucket=bucket, Key=f"tab/part-{n}.parquet", Body=buf.getvalue())
+    fs, path = fsspec.core.url_to_fs(f"cachefs://{bucket}/tab", cachefs={
+        "cache_dir": str(tmp_path / "cache"), "s3": {"endpoint_url": server.endpoint}})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = sorted((r["idx"], r["v"]) for r in ray.data.read_parquet(path, filesystem=fs).iter_rows())
+    finally:
+        ray.shutdown()
+    assert rows == [(i, i * 3) for i in range(900)]
