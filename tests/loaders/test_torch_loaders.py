@@ -233,3 +233,48 @@ def test_ray_data_reads_parquet_through_cachefs_in_its_workers(s3, tmp_path):
     finally:
         ray.shutdown()
     assert rows == [(i, i * 3) for i in range(900)]
+
+
+def test_dali_file_reader_over_a_mount_sticks_to_its_shard_and_maps_files(s3, tmp_path):
+    """DALI's file reader on a cachefs mount, as docs/LOADERS.md sets it: each shard keeps its own files
+    (``stick_to_shard=True``, so a node's cache holds its shard, not the dataset) and reads them by mmap (the
+    pages come from the cache files); CPU pipeline, no GPU needed. Two shards, two epochs, every sample checked."""
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali import fn, pipeline_def
+
+    server, client, bucket = s3
+    rng = random.Random(8)
+    files = {f"c{c}/{i:02d}.jpg": rng.randbytes(rng.randrange(800, 5000)) for c in range(2) for i in range(10)}
+    put_tree(client, bucket, "dali", files)
+    cache, mnt = str(tmp_path / "cache"), tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache, f"s3://{bucket}/dali", str(mnt))
+    try:
+        got: dict[int, list[tuple[int, bytes]]] = {0: [], 1: []}
+        gets = []
+        for _epoch in range(2):
+            server.requests(reset=True)
+            for shard in range(2):
+                @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+                def pipe(shard=shard):
+                    data, label = fn.readers.file(file_root=str(mnt), shard_id=shard, num_shards=2,
+                                                  stick_to_shard=True, dont_use_mmap=False, random_shuffle=True,
+                                                  name="files")
+                    return data, label
+
+                p = pipe()
+                p.build()
+                samples = []
+                for _ in range(p.epoch_size("files") // 2):
+                    data, label = p.run()
+                    samples.append((int(label.as_array().ravel()[0]), bytes(data.as_array()[0])))
+                got[shard].extend(samples)
+                del p
+            gets.append(len([k for k in server.requests()["gets"] if f"/{bucket}/dali/" in k]))
+        want = sorted((int(n[1]), b) for n, b in files.items())
+        assert sorted(got[0] + got[1]) == sorted(want * 2)  # every file once per epoch, right label and bytes
+        assert not {b for _, b in got[0]} & {b for _, b in got[1]}  # each shard kept to its own files
+        assert gets[1] == 0, gets
+        print(f"DALI readers.file over the mount (2 shards, mmap): origin GETs per epoch {gets}")
+    finally:
+        m.close()
