@@ -1,6 +1,8 @@
 """webdataset shards through cachefs three ways, against the same-run yardsticks (docs/LOADERS.md).
 
 * ``url``: ``wds.WebDataset("cachefs://bucket/wds/shard-{...}.tar")`` (cachefs.loaders.register_webdataset);
+* ``order``: the same, with the shard order published first (``cachefs.publish_order``), as a job that shuffles
+  its shards and knows the order would;
 * ``pipe``: ``wds.WebDataset("pipe:cat MOUNT/shard-{...}.tar")`` over a cachefs mount (webdataset's own way out);
 * ``mount``: ``wds.WebDataset("MOUNT/shard-{...}.tar")``, a plain path on the mount (root: FUSE).
 
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--per-shard", type=int, default=64, help="samples per shard")
     p.add_argument("--delay-ms", type=float, default=10, help="added to every origin request")
     a = p.parse_args()
+    from cachefs import publish_order
     from cachefs.loaders import register_webdataset
 
     shards, samples = make_shards(a.shards, int(a.shard_mib * (1 << 20)), a.per_shard)
@@ -87,11 +90,11 @@ def main() -> None:
             # webdataset reads one shard after another: one GET at a time is what it must wait for at least
             bare = server_ceiling(server.endpoint, list(shards), in_flight=1)
             local_s = min(epoch(f"{local}/{brace}", samples) for _ in range(2))
-            for way in ("url", "pipe", "mount"):
+            for way in ("url", "order", "pipe", "mount"):
                 cache, mnt = os.path.join(work, f"cache-{way}"), os.path.join(work, f"mnt-{way}")
                 os.makedirs(mnt)
                 mount = None
-                if way == "url":
+                if way in ("url", "order"):
                     register_webdataset(cachefs={"cache_dir": cache, "s3": {"endpoint_url": server.endpoint}})
                     url = f"cachefs://bench/wds/{brace}"
                 else:
@@ -100,6 +103,9 @@ def main() -> None:
                 try:
                     times, origin = [], []
                     for _ in range(2):
+                        if way == "order":
+                            publish_order("s3://bench/wds", [os.path.basename(k) for k in sorted(shards)],
+                                          cache_dir=cache)
                         server.requests(reset=True)
                         times.append(epoch(url, samples))
                         gets = server.requests()["gets"]
