@@ -69,6 +69,12 @@ class Evictor:
         self._scan_full_until: dict[str, float] = {}  # a scan's writes refused at once until then
         #: Bytes of scanned datasets not admitted (served without caching) since start.
         self.scan_refused = 0
+        #: ``passed(dataset, path)``: whether every declared read order holding that file has had its reader go
+        #: past it this epoch (set by the engine, which follows the orders). Such a file is not read again before
+        #: the next epoch: bytes fetched ahead of a reader take its place first (eviction by next use).
+        self.passed: Callable[[str, str], bool] | None = None
+        #: Bytes of files readers had passed, evicted for bytes fetched ahead of them, since start.
+        self.passed_evicted = 0
 
     # -- scans ----------------------------------------------------------------------------------------------
     def scans(self) -> dict[str, ScanRecord]:
@@ -109,14 +115,16 @@ class Evictor:
             self._scans_read = 0.0  # read them back with the others' at the next look
 
     # -- writers ----------------------------------------------------------------------------------------------
-    def store(self, nbytes: int, write: Callable[[], T], dataset: str | None = None) -> T | None:
+    def store(self, nbytes: int, write: Callable[[], T], dataset: str | None = None, *,
+              ahead: bool = False) -> T | None:
         """Run ``write()`` (which puts ``nbytes`` on the disk and may raise :class:`CacheFullError`) if there is
         room, evicting once if there is not; None when the bytes were not stored. ``dataset``: whose bytes they
-        are (a scanned dataset's are admitted as the module says). Blocking: a disk thread."""
+        are (a scanned dataset's are admitted as the module says). ``ahead``: they were fetched ahead of a reader
+        that has not read them yet. Blocking: a disk thread."""
         if dataset is not None:
             scan = self.scans().get(dataset)
             if scan is not None:
-                return self._store_for_scan(dataset, scan.since, nbytes, write)
+                return self._store_for_scan(dataset, scan.since, nbytes, write, ahead=ahead)
         if self.space.full:
             self.space.refused += 1
             return None
@@ -149,7 +157,8 @@ class Evictor:
             self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
         return room
 
-    def _store_for_scan(self, dataset: str, since: float, nbytes: int, write: Callable[[], T]) -> T | None:
+    def _store_for_scan(self, dataset: str, since: float, nbytes: int, write: Callable[[], T], *,
+                        ahead: bool = False) -> T | None:
         c = self.config.cache
         limit = int(self.capacity * c.high_watermark) - nbytes
         floor = max(self.min_free * 1.1, self.min_free + nbytes)
@@ -160,7 +169,7 @@ class Evictor:
                 if time.monotonic() < self._scan_full_until.get(dataset, 0.0):
                     break
                 with self._one_at_a_time:
-                    self._evict_for_scan(dataset, since, limit, floor)
+                    self._evict_for_scan(dataset, since, limit, floor, ahead=ahead)
             if self._under(limit, floor):
                 try:
                     return write()
@@ -171,23 +180,37 @@ class Evictor:
         self.scan_refused += nbytes
         return None
 
-    def _evict_for_scan(self, dataset: str, since: float, target: int, floor: float) -> int:
-        """Room for a scan's bytes: guest data, then what the policy offers of other datasets' bytes that nobody
-        used since the scan began; never the scan's own."""
+    def _evict_for_scan(self, dataset: str, since: float, target: int, floor: float, *, ahead: bool = False) -> int:
+        """Room for a scan's bytes: guest data; then, for bytes fetched ahead of a reader in a declared order, the
+        scan's own files that its readers have passed this epoch (they are not read again before the next one);
+        then what the policy offers of other datasets' bytes that nobody used since the scan began. Never the
+        scan's own bytes otherwise: a miss does not displace the pinned part."""
         self.flush_stats()
         freed = self._evict_guests(target, floor)
         if self._under(target, floor):
             return freed
-        candidates = [*(Candidate(okey, rec) for okey, rec in self.index.objects() if rec.dataset != dataset),
-                      *(Candidate(None, p) for p in self.index.packs() if p.dataset != dataset)]
-        for victim in self.policy.order([c for c in candidates if c.last_access < since], self.current_hints()):
+        hints = self.current_hints()
+        passed = self.passed
+        victims: list[Candidate] = []
+        if ahead and passed is not None:
+            # Only objects: a pack holds many files, most of them still ahead in a shuffled order.
+            own = [Candidate(okey, rec) for okey, rec in self.index.objects()
+                   if rec.dataset == dataset and passed(dataset, rec.path)]
+            victims += self.policy.order(own, hints)
+        others = [*(Candidate(okey, rec) for okey, rec in self.index.objects() if rec.dataset != dataset),
+                  *(Candidate(None, p) for p in self.index.packs() if p.dataset != dataset)]
+        victims += self.policy.order([c for c in others if c.last_access < since], hints)
+        for victim in victims:
             if self._under(target, floor):
                 break
             try:
-                freed += self._evict_one(victim.okey, victim.record)
+                got = self._evict_one(victim.okey, victim.record)
             except CacheFullError as exc:
                 log.error("eviction stopped: %s", exc)
                 break
+            freed += got
+            if victim.record.dataset == dataset:
+                self.passed_evicted += got
         return freed
 
     def store_guest(self, nbytes: int, write: Callable[[], T]) -> T | None:

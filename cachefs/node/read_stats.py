@@ -111,6 +111,11 @@ class ReadStats:
                 if not blocks:
                     del self._blocks_ahead[okey]
 
+    def block_ahead(self, okey: bytes, idx: int) -> bool:
+        """Whether block ``idx`` of ``okey`` is being read ahead (no reader has been served it)."""
+        with self._lock:
+            return idx in self._blocks_ahead.get(okey, ())
+
     def any_block_ahead(self, okey: bytes) -> bool:
         return okey in self._blocks_ahead
 

@@ -107,6 +107,14 @@ class OrderBook:
             return (sum(len(o.ahead) for o in orders), sum(o.ahead_bytes for o in orders),
                     max((len(o.ahead) * o.per_file for o in orders), default=0.0))
 
+    def passed(self, ds_id: str, path: str) -> bool:
+        """Whether every order of ``ds_id`` that holds ``path`` has had its reader go past it (it is not read again
+        in this epoch); False for a file no order holds, or with no order. An order its reader has finished says
+        nothing: the next epoch's, about to be read (within a second), reads every file again."""
+        with self._lock:
+            holding = [o for o in self._orders.get(ds_id, {}).values() if path in o.position]
+            return bool(holding) and all(o.position[path] < o.reached < len(o.paths) - 1 for o in holding)
+
     def orders(self, ds_id: str) -> list[dict]:
         """What ``cachefs status`` shows of a dataset's orders."""
         with self._lock:

@@ -326,7 +326,8 @@ class BlockStrategy(ReadStrategy):
             small = len(data) < 256 * 1024 and not self.evictor.scanning(dataset)  # (a scan is admitted otherwise)
             decided, stored = self.space.try_store(len(data), write) if small else (False, None)
             if not decided:
-                stored = await self.disk.run(self.evictor.store, len(data), write, dataset)
+                stored = await self.disk.run(functools.partial(self.evictor.store, ahead=self.stats.block_ahead(ob.key, idx)),
+                                             len(data), write, dataset)
         if not stored:
             return False
         ob.present[idx] = (checksum, len(data))

@@ -55,6 +55,29 @@ def test_what_the_reader_passed_meanwhile_is_no_longer_ahead(tmp_path):
     assert [p for p, check in handed.items() if check()] == ["f3"]
 
 
+def test_a_file_is_passed_once_every_order_holding_it_has_its_reader_past_it(tmp_path):
+    """What eviction by next use may take first (cachefs.node.eviction): files no order will read again."""
+    write_order(str(tmp_path), DS, URL, [f"f{i}" for i in range(50)], epoch=0, publisher="job-a")
+    book = OrderBook(str(tmp_path))
+    assert not book.passed(DS, "f0")  # no reader yet
+    for i in range(6):
+        book.opened(DS, f"f{i}", 30, _sizes)
+    assert [f"f{i}" for i in range(50) if book.passed(DS, f"f{i}")] == ["f0", "f1", "f2", "f3", "f4"]  # f5: open now
+    assert not book.passed(DS, "not-in-it") and not book.passed("other-dataset", "f0")
+    write_order(str(tmp_path), DS, URL, [f"f{i}" for i in reversed(range(50))], epoch=0, publisher="job-b")
+    book._read_at.clear()  # (the directory is re-read once a second; the test does not wait)
+    book.opened(DS, "f49", 30, _sizes)  # job b's reader starts at the other end
+    assert not book.passed(DS, "f0")  # job b still has f0 ahead
+    for i in reversed(range(1, 49)):
+        book.opened(DS, f"f{i}", 30, _sizes)
+    book.opened(DS, "f6", 30, _sizes)  # (job a's reader, near where it was)
+    assert book.passed(DS, "f3") and not book.passed(DS, "f0")  # job b is at f1 now
+    book.opened(DS, "f7", 30, _sizes)
+    for i in range(8, 50):  # job a's reader finishes its epoch: its next order will read everything again
+        book.opened(DS, f"f{i}", 30, _sizes)
+    assert not book.passed(DS, "f3")
+
+
 def test_files_already_here_take_no_budget(tmp_path):
     write_order(str(tmp_path), DS, URL, [f"f{i}" for i in range(10)], epoch=None, publisher="p")
     book = OrderBook(str(tmp_path))
