@@ -39,6 +39,7 @@ from cachefs.base.config import default_log_dir
 from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.fuse.holder import start_holder
 from cachefs.index.mounts import mount_file
+from cachefs.prefetch.samplers import parse_sampler
 
 __all__ = ["LocalMounter", "MountRequest", "Mounter", "MounterUnavailable", "RemoteMounter", "serve_mounter"]
 
@@ -62,6 +63,7 @@ class MountRequest:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # credentials: kept out of repr and logs
     group: int | None = None  # the files' group (a pod's fsGroup); None: root's
     mode: int = 0o444  # the files' read bits
+    sampler: str = ""  # the readers' declared sampler (cachefs.prefetch.samplers), "" for none
 
 
 #: The errors a mounter's answer may name (its ``kind``), so that the plugin answers kubelet with their code.
@@ -95,6 +97,8 @@ class LocalMounter:
                 "--cache-dir", self.cache_dir, "--allow-other", "--mode", f"0{req.mode:o}"]
         if req.group is not None:
             argv += ["--group", str(req.group)]
+        if req.sampler:
+            argv += ["--sampler", req.sampler]
         if req.endpoint_url:
             argv += ["--endpoint-url", req.endpoint_url]
         if req.region:
@@ -156,7 +160,8 @@ class RemoteMounter:
 
     def mount(self, req: MountRequest) -> None:
         self._call({"op": "mount", "url": req.url, "mountpoint": req.mountpoint, "endpoint_url": req.endpoint_url,
-                    "region": req.region, "group": req.group, "mode": req.mode, "env": req.env},
+                    "region": req.region, "group": req.group, "mode": req.mode, "sampler": req.sampler,
+                    "env": req.env},
                    timeout=MOUNT_TIMEOUT + 10)
 
     def healthy(self) -> tuple[bool, str]:
@@ -180,9 +185,14 @@ def parse_request(raw: bytes, root: str) -> MountRequest | None:
         return None
     if op != "mount":
         raise ValueError(f"unknown op {op!r} (known: mount, ping)")
-    strings = {k: msg.get(k, "") for k in ("url", "mountpoint", "endpoint_url", "region")}
+    strings = {k: msg.get(k, "") for k in ("url", "mountpoint", "endpoint_url", "region", "sampler")}
     if not all(isinstance(v, str) for v in strings.values()):
-        raise ValueError("url, mountpoint, endpoint_url and region must be strings")
+        raise ValueError("url, mountpoint, endpoint_url, region and sampler must be strings")
+    if strings["sampler"]:
+        try:
+            parse_sampler(strings["sampler"])
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
     env = msg.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("env must be an object of strings")
@@ -196,7 +206,8 @@ def parse_request(raw: bytes, root: str) -> MountRequest | None:
     mnt = os.path.realpath(strings["mountpoint"])
     if os.path.commonpath([mnt, root]) != root or mnt == root:
         raise ValueError(f"mount point {strings['mountpoint']!r} is outside {root}")
-    return MountRequest(strings["url"], mnt, strings["endpoint_url"], strings["region"], env, group, mode)
+    return MountRequest(strings["url"], mnt, strings["endpoint_url"], strings["region"], env, group, mode,
+                        strings["sampler"])
 
 
 def serve_mounter(socket_path: str, root: str, cache_dir: str, *, ready: threading.Event | None = None,

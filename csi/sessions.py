@@ -68,7 +68,7 @@ class SessionManager:
                 self._env[vol.session_key] = dict(env)
             self.mounter.mount(MountRequest(vol.url, mnt, vol.endpoint_url, vol.region,
                                             dict(env or self._env.get(vol.session_key, {})),
-                                            group=vol.group, mode=vol.file_mode))
+                                            group=vol.group, mode=vol.file_mode, sampler=vol.sampler))
             log.info("session for %s mounted at %s", vol.url, mnt)
             return mnt
 

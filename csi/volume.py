@@ -11,6 +11,9 @@ Volume attributes (a PV's ``volumeAttributes``, an inline volume's ``volumeAttri
                (owner root, group the pod's ``fsGroup``) when the pod has an fsGroup,
                else ``0444`` (a pod's processes may run as any user). ``0444`` widens a
                group's volume to every user in the pod on purpose.
+``sampler``    the readers' sampler (``torch-distributed:seed=0,world-size=8,ranks=0-7,…``,
+               docs/SEMANTICS.md "Epochs"): the volume's mount publishes each epoch's read
+               order itself, so a job that uses the sampler needs no cachefs code
 ============== =====================================================================
 
 Who reads: the pod's ``fsGroup`` reaches NodePublishVolume as the mount group (``VOLUME_MOUNT_GROUP``; the
@@ -35,10 +38,11 @@ from dataclasses import dataclass
 
 from cachefs.base.errors import ConfigError
 from cachefs.base.values import parse_read_mode
+from cachefs.prefetch.samplers import parse_sampler
 
 __all__ = ["ATTRIBUTES", "KUBE_ADDED", "DatasetVolume", "VolumeError", "credentials_env"]
 
-ATTRIBUTES = ("url", "endpointUrl", "region", "mode")
+ATTRIBUTES = ("url", "endpointUrl", "region", "mode", "sampler")
 _ID_PREFIX = "cfs1."
 _SECRET_KEYS = {
     "awsAccessKeyID": "AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
@@ -57,6 +61,7 @@ class DatasetVolume:
     endpoint_url: str = ""
     region: str = ""
     mode: str = ""  # the ``mode`` attribute as given ("" = the default for the pod's group)
+    sampler: str = ""  # the ``sampler`` attribute as given ("" = none declared)
     #: The group (a pod's fsGroup) this volume is published for: who reads it, not what it is, so it is kept
     #: out of the attributes and the volume id.
     group: int | None = None
@@ -80,7 +85,13 @@ class DatasetVolume:
                 parse_read_mode(mode, "volume attribute 'mode'")
             except ConfigError as exc:
                 raise VolumeError(str(exc)) from None
-        return cls(url, attrs.get("endpointUrl", "").strip(), attrs.get("region", "").strip(), mode)
+        sampler = attrs.get("sampler", "").strip()
+        if sampler:
+            try:
+                parse_sampler(sampler)
+            except ConfigError as exc:
+                raise VolumeError(f"volume attribute 'sampler': {exc}") from None
+        return cls(url, attrs.get("endpointUrl", "").strip(), attrs.get("region", "").strip(), mode, sampler)
 
     def for_group(self, group: int | None) -> DatasetVolume:
         """This volume as published for a pod whose fsGroup is ``group`` (None: no fsGroup)."""
@@ -101,6 +112,8 @@ class DatasetVolume:
             out["region"] = self.region
         if self.mode:
             out["mode"] = self.mode
+        if self.sampler:
+            out["sampler"] = self.sampler
         return out
 
     @property

@@ -123,6 +123,8 @@ async def evict(args: argparse.Namespace, config: Config) -> int:
 
 
 async def order(args: argparse.Namespace, config: Config) -> int:
+    if args.sampler:
+        return await _sampler_orders(args, config)
     try:
         f = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
     except OSError as exc:
@@ -135,6 +137,32 @@ async def order(args: argparse.Namespace, config: Config) -> int:
     written = publish_order(args.dataset, paths, epoch=args.epoch, cache_dir=config.cache.dir,
                             publisher=args.publisher)
     print(f"published an order of {len(paths)} files ({written})")
+    return 0
+
+
+async def _sampler_orders(args: argparse.Namespace, config: Config) -> int:
+    import os
+
+    from cachefs.prefetch.samplers import parse_sampler, sampler_files, sampler_orders
+
+    spec = parse_sampler(args.sampler)
+    if "://" in args.dataset:
+        engine = Engine(config)
+        try:
+            ds = await engine.open_dataset(args.dataset)
+            paths = [e.path for e in ds.walk_files()]
+        finally:
+            await engine.aclose()
+    else:  # a mount point: its tree (the mount lists it from the manifest)
+        root = os.path.abspath(args.dataset)
+        paths = [os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files]
+    files = sampler_files(paths, spec)
+    if not files:
+        raise ConfigError(f"{args.dataset}: no file under {spec.under or '/'!r} matches {spec.match!r}")
+    epoch = spec.start_epoch if args.epoch is None else args.epoch
+    for rank, ordered in sampler_orders(files, spec, epoch).items():
+        publish_order(args.dataset, ordered, epoch=epoch, cache_dir=config.cache.dir, publisher=spec.publisher(rank))
+    print(f"published epoch {epoch}'s orders of {len(spec.ranks)} rank(s), {len(files)} files in all")
     return 0
 
 
@@ -203,17 +231,28 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     if not args.answer_after >= 0:
         raise ConfigError("--answer-after must be 0 or more seconds")
     access = _read_access(args)
+    sampler = None
+    if args.sampler:
+        from cachefs.prefetch.samplers import parse_sampler
+
+        sampler = parse_sampler(args.sampler)
     if args.attach:  # the serving daemon, started (and restarted) by the holder below
         await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 passthrough=not args.no_passthrough, prefill=not args.no_prefill,
-                                skip_opens=not args.keep_opens, access=access)
+                                skip_opens=not args.keep_opens, access=access, sampler=sampler)
         return 0
     await asyncio.to_thread(_check_mountpoint, config, mnt, args.nonempty)
     # The dataset opens (credentials, bucket, a manifest on this node) before anything is mounted, so a typo
     # is one line and an exit code, never a mount that hangs.
     engine = Engine(config)
     try:
-        await engine.open_dataset(args.url)
+        ds = await engine.open_dataset(args.url)
+        if sampler is not None:
+            from cachefs.prefetch.samplers import sampler_files
+
+            if not sampler_files((e.path for e in ds.walk_files()), sampler):
+                raise ConfigError(f"--sampler: no file of {args.url} is under {sampler.under or '/'!r} and matches "
+                                  f"{sampler.match!r}")
     finally:
         await engine.aclose()
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
@@ -293,7 +332,7 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
         out.append("--allow-other")
     if args.nonempty:
         out.append("--nonempty")
-    for flag, value in (("--group", args.group), ("--mode", args.mode)):
+    for flag, value in (("--group", args.group), ("--mode", args.mode), ("--sampler", args.sampler)):
         if value:
             out += [flag, value]
     if args.verbose:

@@ -125,8 +125,13 @@ def _parser() -> argparse.ArgumentParser:
     od = sub.add_parser("order", parents=[base, cache],
                         help="publish the order a job will read a dataset in (the cache fetches ahead of it)")
     od.add_argument("dataset", help="the dataset's URL, or a cachefs mount point of it")
-    od.add_argument("--file", required=True, help="the paths in reading order, one a line ('-': standard input)")
-    od.add_argument("--epoch", type=int, help="the epoch it is for (shown by cachefs status)")
+    how = od.add_mutually_exclusive_group(required=True)
+    how.add_argument("--file", help="the paths in reading order, one a line ('-': standard input)")
+    how.add_argument("--sampler", metavar="SPEC",
+                     help="compute the orders of a known sampler instead, e.g. torch-distributed:seed=0,world-size=8,"
+                          "ranks=0-7,under=train,match=*.JPEG (one order per rank; docs/SEMANTICS.md, Epochs)")
+    od.add_argument("--epoch", type=int, help="the epoch it is for (shown by cachefs status; with --sampler, the "
+                                              "epoch whose orders to compute, default its start-epoch)")
     od.add_argument("--publisher", default="cli",
                     help="whose order it is (default: cli); a later order of the same publisher replaces the earlier "
                          "one, so a job that runs this every epoch leaves one order, not one per run")
@@ -165,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
                          "or 0440 with --group. Readers other than the mounting user need --allow-other too")
     mt.add_argument("--nonempty", action="store_true",
                     help="mount over a directory that has entries (they are hidden until unmounted)")
+    mt.add_argument("--sampler", metavar="SPEC",
+                    help="the readers' sampler, e.g. torch-distributed:seed=0,world-size=8,ranks=0-7: the mount "
+                         "publishes each epoch's order itself, one epoch ahead (docs/SEMANTICS.md, Epochs)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
 
     um = sub.add_parser("umount", parents=[base], help="unmount a cachefs mount")

@@ -24,6 +24,7 @@ from cachefs.fuse.journal import MountJournal
 from cachefs.fuse.mount import is_stale_mount, unmount
 from cachefs.fuse.session import FuseSession
 from cachefs.index.mounts import forget_mount, mount_file, record_mount, record_pin
+from cachefs.prefetch.samplers import SamplerPublisher, SamplerSpec, sampler_files
 
 __all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_mount", "unmount"]
 
@@ -45,11 +46,12 @@ def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str]
 
 def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,
                 passthrough: bool = True, prefill: bool = True, skip_opens: bool = True,
-                access: ReadAccess | None = None, ready=None) -> FuseSession:
+                access: ReadAccess | None = None, ready=None, sampler: SamplerSpec | None = None) -> FuseSession:
     """Serve ``url`` on the mount whose descriptor the holder at socket ``attach`` owns, until unmounted.
     The first daemon of a mount answers the kernel's INIT; a later one resumes from the mount journal.
     ``ready(session)`` is called once the mount is usable (``session.mode`` known). Files are owned by this
-    process's user and group, readable by all, unless ``access`` says otherwise."""
+    process's user and group, readable by all, unless ``access`` says otherwise. ``sampler``: the readers'
+    declared sampler, whose orders the daemon publishes one epoch ahead of them."""
     # Request threads and the event-loop thread hand the GIL back and forth for every fetched READ; the default
     # 5 ms switch interval would add up to that much to each such request.
     sys.setswitchinterval(0.0002)
@@ -72,6 +74,11 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     # The origin client takes a while to set up (hundreds of ms for S3): do it now, not in the first cold read.
     asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
     asyncio.run_coroutine_threadsafe(engine.start_background(), get_loop())  # hits of local reads reach the index
+    orders = None
+    if sampler is not None:
+        orders = SamplerPublisher(sampler, cache_dir, ds.ref.id, ds.ref.url,
+                                  sampler_files((e.path for e in ds.walk_files()), sampler), engine.ordered.orders)
+        orders.start()
     fs = CacheFS(engine, ds, journal=journal, access=access or ReadAccess(os.geteuid(), os.getegid()))
     fs.prefill = prefill
     session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens)
@@ -88,6 +95,8 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
             ticks = 0
             while True:
                 try:
+                    if orders is not None:
+                        orders.tick()
                     if ticks % 5 == 0:
                         s.maybe_skip_opens()
                     if ticks % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough

@@ -95,6 +95,11 @@ class OrderBook:
             self._orders.pop(ds_id, None)
         return new
 
+    def reread(self, ds_id: str) -> None:
+        """Read ``ds_id``'s orders again at the next look (this process has just published one)."""
+        with self._lock:
+            self._read_at.pop(ds_id, None)
+
     def _still_ahead(self, ds_id: str, order: _Order, pos: int) -> bool:
         with self._lock:
             return pos > order.reached and self._orders.get(ds_id, {}).get(order.publisher) is order

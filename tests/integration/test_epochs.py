@@ -119,7 +119,7 @@ def test_with_an_order_files_the_reader_passed_make_room_for_what_it_reads_next(
         order = list(paths)
         random.Random(100 + epoch).shuffle(order)
         cachefs.publish_order(url, order, epoch=epoch, cache_dir=cache)
-        engine.ordered.orders._read_at.clear()  # (orders are re-read once a second; the test does not wait)
+        engine.ordered.orders.reread(engine.known_dataset_for(url).id)  # (else read again within a second)
         for p in order:
             with fs.open(f"{bucket}/big/{p}", "rb") as f:
                 assert f.read() == files[p]

@@ -358,3 +358,29 @@ def test_forked_workers_read_through_the_parents_filesystem_and_keep_what_they_r
     server.requests(reset=True)
     assert [fs.cat_file(f"{root}/{n}") for n in names] == [files[n] for n in names]
     assert not [k for k in server.requests()["gets"] if "/small/" in k], "the children's reads were not kept"
+
+
+def test_the_order_command_computes_a_declared_samplers_orders(s3, cache_dir):
+    """``cachefs order URL --sampler ...``: every rank's order of the epoch, computed from the dataset's listing
+    (cachefs.prefetch.samplers), as the job's DistributedSampler will read it; bad specs are one line."""
+    from cachefs.base.types import DatasetRef
+    from cachefs.index.orders import list_orders, read_order
+    from cachefs.prefetch.samplers import parse_sampler, sampler_files, sampler_orders
+
+    _, client, bucket = s3
+    files = {f"train/c{i % 3}/{i:03d}.jpg": b"x" for i in range(30)} | {"train/README": b"r", "val/0.jpg": b"v"}
+    put_tree(client, bucket, "ds", files)
+    url = f"s3://{bucket}/ds"
+    text = "torch-distributed:seed=5,world-size=4,ranks=0-3,under=train,match=*.jpg"
+    r = cli("order", url, "--sampler", text, "--epoch", "2", "--cache-dir", cache_dir)
+    assert r.returncode == 0, r.stderr
+    assert "4 rank(s), 30 files" in r.stdout
+    spec = parse_sampler(text)
+    want = sampler_orders(sampler_files(files, spec), spec, 2)
+    got = {f.publisher: read_order(f.path) for f in list_orders(cache_dir, DatasetRef.from_url(url).id)}
+    assert got == {f"sampler-r{rank}": (2, want[rank]) for rank in range(4)}
+    # (every sample once, and two again: 30 padded to 32, a multiple of the world size, as DistributedSampler pads)
+    assert {p for order in want.values() for p in order} == {p for p in files if p.startswith("train/c")}
+    assert sum(map(len, want.values())) == 32
+    r = cli("order", url, "--sampler", "torch-distributed:under=nowhere", "--cache-dir", cache_dir)
+    assert r.returncode == 2 and "no file under 'nowhere'" in r.stderr and "Traceback" not in r.stderr

@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import tarfile
+import time
 
 import fsspec
 import pytest
@@ -276,5 +277,55 @@ def test_dali_file_reader_over_a_mount_sticks_to_its_shard_and_maps_files(s3, tm
         assert not {b for _, b in got[0]} & {b for _, b in got[1]}  # each shard kept to its own files
         assert gets[1] == 0, gets
         print(f"DALI readers.file over the mount (2 shards, mmap): origin GETs per epoch {gets}")
+    finally:
+        m.close()
+
+
+def test_declared_sampler_orders_are_torchs_distributed_sampler_orders():
+    """cachefs computes DistributedSampler's orders without torch (cachefs.prefetch.samplers): the same indices
+    for every rank, over sizes, world sizes, seeds, epochs, drop_last and shuffle."""
+    import itertools
+
+    from cachefs.prefetch.samplers import SamplerSpec, distributed_indices
+
+    for n, world, seed, epoch, drop, shuffle in itertools.product((1, 7, 100, 1001), (1, 3, 8), (0, 17, 2**40 + 3),
+                                                                  (0, 5), (False, True), (True, False)):
+        if drop and n < world:
+            continue
+        spec = SamplerSpec(seed=seed, world_size=world, ranks=tuple(range(world)), shuffle=shuffle, drop_last=drop)
+        for rank in range(world):
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
+                                         drop_last=drop)
+            sampler.set_epoch(epoch)
+            assert distributed_indices(n, epoch, spec, rank) == list(sampler), (n, world, seed, epoch, drop, rank)
+
+
+def test_a_mount_with_a_declared_sampler_publishes_each_epochs_order_ahead_of_the_job(images, tmp_path):
+    """``cachefs mount --sampler torch-distributed:...``: the job runs a plain DistributedSampler (no cachefs code);
+    the mount publishes its rank's order for epoch 0 at once and epoch 1's when the reader reaches the end of
+    epoch 0, each the order the job then reads."""
+    _, bucket, files, cache = images
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    # (--keep-opens: this dataset is soon all packed small files here, and the kernel would then stop asking the
+    # daemon to open files: right, as nothing is left to fetch, but the daemon would no longer see the epoch end)
+    m = Mounted(cache, f"s3://{bucket}/img", str(mnt), "--keep-opens", "--sampler",
+                "torch-distributed:seed=11,world-size=2,ranks=1,under=train,match=*.bin")
+    ds_id = DatasetRef.from_url(f"s3://{bucket}/img").id
+    try:
+        folder = ImageFolder(str(mnt / "train"), loader=read_bytes, is_valid_file=is_sample)
+        rel = [os.path.relpath(p, mnt) for p, _ in folder.samples]
+        sampler = DistributedSampler(folder, num_replicas=2, rank=1, shuffle=True, seed=11)
+        loader = DataLoader(folder, sampler=sampler, batch_size=None, num_workers=2)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want = [rel[i] for i in sampler]
+            (order,) = [read_order(f.path) for f in list_orders(cache, ds_id) if f.publisher == "sampler-r1"]
+            assert order == (epoch, want), f"epoch {epoch}: the mount's order is not the sampler's"
+            assert [data for data, _ in loader] == [files[p] for p in want]
+            deadline = time.monotonic() + 30
+            while read_order(next(f.path for f in list_orders(cache, ds_id)))[0] == epoch:  # the daemon, each second
+                assert time.monotonic() < deadline, "the next epoch's order was not published"
+                time.sleep(0.2)
     finally:
         m.close()

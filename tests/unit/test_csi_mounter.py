@@ -23,6 +23,21 @@ def test_parse_request_accepts_a_mount_under_the_root_and_a_ping(tmp_path):
                                                               {"AWS_ACCESS_KEY_ID": "x"})
     assert "AWS_ACCESS_KEY_ID" not in repr(req)  # credentials stay out of logs
     assert parse_request(b'{"op": "ping"}', root) is None
+    spec = "torch-distributed:seed=3,world-size=4,ranks=2"
+    req = parse_request(json.dumps({"op": "mount", "url": "s3://b/p", "mountpoint": f"{root}/m",
+                                    "sampler": spec}).encode(), root)
+    assert req.sampler == spec
+
+
+def test_a_volumes_sampler_attribute_is_checked_and_part_of_what_the_volume_is():
+    from csi.volume import DatasetVolume, VolumeError
+
+    vol = DatasetVolume.from_attributes({"url": "s3://b/p", "sampler": "torch-distributed:world-size=8,ranks=0-7"})
+    assert DatasetVolume.from_volume_id(vol.volume_id).sampler == "torch-distributed:world-size=8,ranks=0-7"
+    other = DatasetVolume.from_attributes({"url": "s3://b/p", "sampler": "torch-distributed:world-size=8,ranks=1"})
+    assert other.session_key != vol.session_key  # two ranks' pods on one node: two mounts, each its own orders
+    with pytest.raises(VolumeError, match=r"volume attribute 'sampler'.*below world-size"):
+        DatasetVolume.from_attributes({"url": "s3://b/p", "sampler": "torch-distributed:world-size=2,ranks=3"})
 
 
 @pytest.mark.parametrize("msg, why", [
@@ -35,6 +50,8 @@ def test_parse_request_accepts_a_mount_under_the_root_and_a_ping(tmp_path):
     (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/../escape"}', "outside"),
     (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT"}', "outside"),
     (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/m", "env": {"A": 1}}', "env"),
+    (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/m", "sampler": "random"}', "known samplers"),
+    (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/m", "sampler": 7}', "strings"),
 ])
 def test_parse_request_refuses_bad_requests_clearly(tmp_path, msg, why):
     with pytest.raises(ValueError, match=why):

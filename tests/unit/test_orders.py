@@ -65,7 +65,7 @@ def test_a_file_is_passed_once_every_order_holding_it_has_its_reader_past_it(tmp
     assert [f"f{i}" for i in range(50) if book.passed(DS, f"f{i}")] == ["f0", "f1", "f2", "f3", "f4"]  # f5: open now
     assert not book.passed(DS, "not-in-it") and not book.passed("other-dataset", "f0")
     write_order(str(tmp_path), DS, URL, [f"f{i}" for i in reversed(range(50))], epoch=0, publisher="job-b")
-    book._read_at.clear()  # (the directory is re-read once a second; the test does not wait)
+    book.reread(DS)  # (else read again within a second)
     book.opened(DS, "f49", 30, _sizes)  # job b's reader starts at the other end
     assert not book.passed(DS, "f0")  # job b still has f0 ahead
     for i in reversed(range(1, 49)):
