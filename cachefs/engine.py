@@ -104,7 +104,7 @@ class Engine:
         #: Declared read orders (cachefs.prefetch.orders): what readers open next is fetched ahead of them.
         self.ordered = OrderedLookahead(OrderBook(c.dir), self.prefetcher, self.strategy,
                                         min(e.order_lookahead, e.memory_budget // 8))
-        self.evictor.passed = self.ordered.orders.passed  # (eviction by next use: cachefs.node.eviction)
+        self.blocks.passed = self.ordered.orders.passed  # (eviction by next use: cachefs.node.eviction)
         mirror = small_chain.tier("mirror")
         #: The packed mirror tier, when the small files' chain has one.
         self.mirror = mirror if isinstance(mirror, MirrorTier) else None

@@ -69,10 +69,6 @@ class Evictor:
         self._scan_full_until: dict[str, float] = {}  # a scan's writes refused at once until then
         #: Bytes of scanned datasets not admitted (served without caching) since start.
         self.scan_refused = 0
-        #: ``passed(dataset, path)``: whether every declared read order holding that file has had its reader go
-        #: past it this epoch (set by the engine, which follows the orders). Such a file is not read again before
-        #: the next epoch: bytes fetched ahead of a reader take its place first (eviction by next use).
-        self.passed: Callable[[str, str], bool] | None = None
         #: Bytes of files readers had passed, evicted for bytes fetched ahead of them, since start.
         self.passed_evicted = 0
 
@@ -116,15 +112,17 @@ class Evictor:
 
     # -- writers ----------------------------------------------------------------------------------------------
     def store(self, nbytes: int, write: Callable[[], T], dataset: str | None = None, *,
-              ahead: bool = False) -> T | None:
+              passed: Callable[[str, str], bool] | None = None) -> T | None:
         """Run ``write()`` (which puts ``nbytes`` on the disk and may raise :class:`CacheFullError`) if there is
         room, evicting once if there is not; None when the bytes were not stored. ``dataset``: whose bytes they
-        are (a scanned dataset's are admitted as the module says). ``ahead``: they were fetched ahead of a reader
-        that has not read them yet. Blocking: a disk thread."""
+        are (a scanned dataset's are admitted as the module says). ``passed``, for bytes fetched ahead of a reader
+        that has not read them yet: ``passed(dataset, path)`` tells whether every declared read order holding that
+        file has had its reader go past it this epoch; such files of a scanned dataset make room for these bytes
+        first (eviction by next use: they are not read again before the next epoch). Blocking: a disk thread."""
         if dataset is not None:
             scan = self.scans().get(dataset)
             if scan is not None:
-                return self._store_for_scan(dataset, scan.since, nbytes, write, ahead=ahead)
+                return self._store_for_scan(dataset, scan.since, nbytes, write, passed)
         if self.space.full:
             self.space.refused += 1
             return None
@@ -157,8 +155,8 @@ class Evictor:
             self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
         return room
 
-    def _store_for_scan(self, dataset: str, since: float, nbytes: int, write: Callable[[], T], *,
-                        ahead: bool = False) -> T | None:
+    def _store_for_scan(self, dataset: str, since: float, nbytes: int, write: Callable[[], T],
+                        passed: Callable[[str, str], bool] | None) -> T | None:
         c = self.config.cache
         limit = int(self.capacity * c.high_watermark) - nbytes
         floor = max(self.min_free * 1.1, self.min_free + nbytes)
@@ -169,7 +167,7 @@ class Evictor:
                 if time.monotonic() < self._scan_full_until.get(dataset, 0.0):
                     break
                 with self._one_at_a_time:
-                    self._evict_for_scan(dataset, since, limit, floor, ahead=ahead)
+                    self._evict_for_scan(dataset, since, limit, floor, passed)
             if self._under(limit, floor):
                 try:
                     return write()
@@ -180,22 +178,24 @@ class Evictor:
         self.scan_refused += nbytes
         return None
 
-    def _evict_for_scan(self, dataset: str, since: float, target: int, floor: float, *, ahead: bool = False) -> int:
-        """Room for a scan's bytes: guest data; then, for bytes fetched ahead of a reader in a declared order, the
-        scan's own files that its readers have passed this epoch (they are not read again before the next one);
-        then what the policy offers of other datasets' bytes that nobody used since the scan began. Never the
-        scan's own bytes otherwise: a miss does not displace the pinned part."""
+    def _evict_for_scan(self, dataset: str, since: float, target: int, floor: float,
+                        passed: Callable[[str, str], bool] | None = None) -> int:
+        """Room for a scan's bytes: guest data; then, for bytes fetched ahead of a reader (``passed`` given: see
+        :meth:`store`), the scan's own files its readers have passed this epoch; then what the policy offers of
+        other datasets' bytes that nobody used since the scan began. Never the scan's own bytes otherwise: a miss
+        does not displace the pinned part."""
         self.flush_stats()
         freed = self._evict_guests(target, floor)
         if self._under(target, floor):
             return freed
         hints = self.current_hints()
-        passed = self.passed
         victims: list[Candidate] = []
-        if ahead and passed is not None:
+        if passed is not None:
             # Only objects: a pack holds many files, most of them still ahead in a shuffled order.
-            own = [Candidate(okey, rec) for okey, rec in self.index.objects()
-                   if rec.dataset == dataset and passed(dataset, rec.path)]
+            own = []
+            for okey, rec in self.index.objects():
+                if rec.dataset == dataset and passed(dataset, rec.path):
+                    own.append(Candidate(okey, rec))
             victims += self.policy.order(own, hints)
         others = [*(Candidate(okey, rec) for okey, rec in self.index.objects() if rec.dataset != dataset),
                   *(Candidate(None, p) for p in self.index.packs() if p.dataset != dataset)]

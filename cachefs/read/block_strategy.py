@@ -61,6 +61,10 @@ class BlockStrategy(ReadStrategy):
         self.objects, self.chain, self.funnel, self.evictor, self.disk, self.stats = (
             objects, chain, funnel, evictor, disk, stats)
         self.prefetcher = prefetcher
+        #: ``passed(dataset, path)``: whether the readers of every declared order holding that file have passed
+        #: it this epoch (the engine sets it from the orders it follows); handed to the evictor with blocks read
+        #: ahead, which such files make room for (cachefs.node.eviction.Evictor.store).
+        self.passed: Callable[[str, str], bool] | None = None
         self.space = evictor.space
         self._fetches = SingleFlight()  # (object key, block) → (bytes, stored, guest)
         #: Blocks a full disk could not take, kept for their readers (see the module docstring).
@@ -326,8 +330,9 @@ class BlockStrategy(ReadStrategy):
             small = len(data) < 256 * 1024 and not self.evictor.scanning(dataset)  # (a scan is admitted otherwise)
             decided, stored = self.space.try_store(len(data), write) if small else (False, None)
             if not decided:
-                stored = await self.disk.run(functools.partial(self.evictor.store, ahead=self.stats.block_ahead(ob.key, idx)),
-                                             len(data), write, dataset)
+                passed = self.passed if self.stats.block_ahead(ob.key, idx) else None
+                stored = await self.disk.run(functools.partial(self.evictor.store, passed=passed), len(data), write,
+                                             dataset)
         if not stored:
             return False
         ob.present[idx] = (checksum, len(data))

@@ -97,6 +97,7 @@ def test_with_an_order_files_the_reader_passed_make_room_for_what_it_reads_next(
     dataset in the first epoch in three runs of four with ``evictor.passed`` unset). Every byte right, no epoch
     costs more than the dataset from the origin, and later epochs still hit about c."""
     import cachefs
+    from cachefs.base.types import DatasetRef
 
     server, client, bucket = s3
     rng = random.Random(4)
@@ -119,7 +120,7 @@ def test_with_an_order_files_the_reader_passed_make_room_for_what_it_reads_next(
         order = list(paths)
         random.Random(100 + epoch).shuffle(order)
         cachefs.publish_order(url, order, epoch=epoch, cache_dir=cache)
-        engine.ordered.orders.reread(engine.known_dataset_for(url).id)  # (else read again within a second)
+        engine.ordered.orders.reread(DatasetRef.from_url(url).id)  # (else read again within a second)
         for p in order:
             with fs.open(f"{bucket}/big/{p}", "rb") as f:
                 assert f.read() == files[p]
