@@ -15,8 +15,10 @@ handed out once per order (a new order, the next epoch's, starts afresh).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from cachefs.base.errors import ConfigError
 from cachefs.index.orders import list_orders, read_order
 
-__all__ = ["FOLLOW_SLACK", "OrderBook", "relative_paths"]
+__all__ = ["FOLLOW_SLACK", "OrderBook", "published_here", "relative_paths"]
 
 #: How far from a reader's position (in files) an open still counts as that reader moving on (a sixteenth of
 #: the order if less, at least 8).
@@ -64,6 +66,18 @@ class _Order:
         return False
 
 
+_books: weakref.WeakSet[OrderBook] = weakref.WeakSet()
+
+
+def published_here(cache_dir: str, ds_id: str) -> None:
+    """An order of ``ds_id`` was just written into ``cache_dir`` by this process: its books read it at their next
+    look, not up to a second later (a reader in this process may start on it at once)."""
+    here = os.path.realpath(cache_dir)
+    for book in list(_books):
+        if os.path.realpath(book.cache_dir) == here:
+            book.reread(ds_id)
+
+
 class OrderBook:
     """This process's view of the node's published orders. Thread-safe."""
 
@@ -73,6 +87,7 @@ class OrderBook:
         self._lock = threading.Lock()
         self._orders: dict[str, dict[str, _Order]] = {}  # dataset id → publisher → order
         self._read_at: dict[str, float] = {}
+        _books.add(self)
 
     def _refresh(self, ds_id: str) -> dict[str, _Order]:
         now = time.monotonic()

@@ -15,7 +15,7 @@ from cachefs.base.config import load_config
 from cachefs.base.errors import ConfigError
 from cachefs.base.types import DatasetRef
 from cachefs.index.orders import check_publisher, write_order
-from cachefs.prefetch.orders import relative_paths
+from cachefs.prefetch.orders import published_here, relative_paths
 
 __all__ = ["default_publisher", "publish_order"]
 
@@ -45,7 +45,9 @@ def publish_order(dataset: str, paths: Iterable[str], *, epoch: int | None = Non
     cfg = load_config(config, overrides={**options, "cache_dir": cache_dir})
     ref = DatasetRef.from_url(dataset)
     rel = relative_paths(paths, [ref.url])
-    return write_order(cfg.cache.dir, ref.id, ref.url, rel, epoch=epoch, publisher=publisher)
+    written = write_order(cfg.cache.dir, ref.id, ref.url, rel, epoch=epoch, publisher=publisher)
+    published_here(cfg.cache.dir, ref.id)
+    return written
 
 
 def _publish_through_mount(mountpoint: str, paths: list[str], epoch: int | None, publisher: str) -> str:

@@ -78,6 +78,15 @@ def test_a_file_is_passed_once_every_order_holding_it_has_its_reader_past_it(tmp
     assert not book.passed(DS, "f3")
 
 
+def test_an_order_published_in_this_process_is_followed_at_once(tmp_path):
+    """(Orders are read again once a second; one this process wrote is read at the next look.)"""
+    book = OrderBook(str(tmp_path))
+    cachefs.publish_order(URL, ["a", "b", "c"], epoch=0, cache_dir=str(tmp_path), publisher="p")
+    assert _opened(book, DS, "a", 100, _sizes) == ["b", "c"]
+    cachefs.publish_order(URL, ["c", "b", "a"], epoch=1, cache_dir=str(tmp_path), publisher="p")
+    assert _opened(book, DS, "c", 100, _sizes) == ["b", "a"]
+
+
 def test_files_already_here_take_no_budget(tmp_path):
     write_order(str(tmp_path), DS, URL, [f"f{i}" for i in range(10)], epoch=None, publisher="p")
     book = OrderBook(str(tmp_path))
