@@ -95,18 +95,6 @@ def test_hf_datasets_parquet_by_url(origin, streaming, tmp_path):
         assert not [k for k in server.requests()["gets"] if f"/{bucket}/tab/" in k]
 
 
-@pytest.mark.parametrize("streaming", [True, False])
-def test_hf_datasets_chained_url_with_an_empty_first_hop(origin, streaming, tmp_path):
-    """``cachefs://::s3://bucket/key`` is fsspec's chained form with the path given once: HF datasets reads its first
-    hop as a URL, hands each layer its own options, and so takes the chained form in both modes."""
-    server, bucket, table, _, nested = origin
-    side = {"cachefs": {"cache_dir": nested["cachefs"]["cache_dir"]}, "s3": {"endpoint_url": server.endpoint}}
-    ds = datasets.load_dataset("parquet", data_files=f"cachefs://::s3://{bucket}/tab/*.parquet", split="train",
-                               streaming=streaming, storage_options=side, cache_dir=str(tmp_path / "hf"))
-    assert sorted(r["idx"] for r in ds) == table["idx"].to_pylist()
-    assert datasets_in(nested) == 1
-
-
 def test_hf_datasets_chained_url(origin, monkeypatch, tmp_path):
     """HF datasets hands a first hop without '://' no options (it takes 'cachefs' for a local file): with a chained
     URL the origin's options go beside ours and ours come from the environment, as docs/LOADERS.md says."""
