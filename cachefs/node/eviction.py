@@ -67,6 +67,7 @@ class Evictor:
         self._scans: dict[str, ScanRecord] = {}  # the node's scans, as last read from the index
         self._scans_read = self._scans_published = 0.0
         self._scan_full_until: dict[str, float] = {}  # a scan's writes refused at once until then
+        self._ahead_full_until: dict[str, float] = {}  # a scan's reading ahead paused until then (ahead_refusing)
         #: Bytes of scanned datasets not admitted (served without caching) since start.
         self.scan_refused = 0
         #: Bytes of files readers had passed, evicted for bytes fetched ahead of them, since start.
@@ -91,6 +92,12 @@ class Evictor:
 
     def scanning(self, dataset: str) -> bool:
         return dataset in self.scans()
+
+    def ahead_refusing(self, dataset: str) -> bool:
+        """Whether reading ahead in a scanned dataset is paused: the disk refused bytes read ahead of its readers
+        (nothing passed yet to make room), and what the disk does not keep waits in memory among the readers' own
+        misses, which can push it out before its reader comes (it is then fetched twice)."""
+        return time.monotonic() < self._ahead_full_until.get(dataset, 0.0)
 
     def scan_refusing(self, dataset: str) -> bool:
         """Whether a scanned dataset's writes are being refused at once (it has no room left)."""
@@ -175,6 +182,8 @@ class Evictor:
                     pass
         else:
             self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
+        if passed is not None:
+            self._ahead_full_until[dataset] = time.monotonic() + FULL_BACKOFF
         self.scan_refused += nbytes
         return None
 
@@ -189,17 +198,16 @@ class Evictor:
         if self._under(target, floor):
             return freed
         hints = self.current_hints()
-        victims: list[Candidate] = []
-        if passed is not None:
-            # Only objects: a pack holds many files, most of them still ahead in a shuffled order.
-            own = []
-            for okey, rec in self.index.objects():
-                if rec.dataset == dataset and passed(dataset, rec.path):
-                    own.append(Candidate(okey, rec))
-            victims += self.policy.order(own, hints)
-        others = [*(Candidate(okey, rec) for okey, rec in self.index.objects() if rec.dataset != dataset),
-                  *(Candidate(None, p) for p in self.index.packs() if p.dataset != dataset)]
-        victims += self.policy.order([c for c in others if c.last_access < since], hints)
+        own: list[Candidate] = []
+        others = [Candidate(None, p) for p in self.index.packs() if p.dataset != dataset and p.last_access < since]
+        for okey, rec in self.index.objects():  # (one pass over the objects for both lists)
+            if rec.dataset != dataset:
+                if rec.last_access < since:
+                    others.append(Candidate(okey, rec))
+            elif passed is not None and passed(dataset, rec.path):
+                # Only objects: a pack holds many files, most of them still ahead in a shuffled order.
+                own.append(Candidate(okey, rec))
+        victims = self.policy.order(own, hints) + self.policy.order(others, hints)
         for victim in victims:
             if self._under(target, floor):
                 break

@@ -45,14 +45,16 @@ class DiskSpace:
 
     def room(self) -> int:
         """Bytes that may still be stored: within the capacity and above the free-space floor."""
-        _, free = self.store.disk_usage()
-        return max(0, min(self.capacity - self.index.totals()[0], free - self.min_free))
+        return self._room_below(self.capacity)
 
     def room_under_high(self) -> int:
         """Bytes that may be stored without passing the high watermark (so without setting eviction off) and above
         the free-space floor: all a scanned dataset is admitted into, and all read-ahead may ask for."""
+        return self._room_below(int(self.capacity * self.high_watermark))
+
+    def _room_below(self, limit: int) -> int:
         _, free = self.store.disk_usage()
-        return max(0, min(int(self.capacity * self.high_watermark) - self.index.totals()[0], free - self.min_free))
+        return max(0, min(limit - self.index.totals()[0], free - self.min_free))
 
     def admits(self, nbytes: int) -> bool:
         return nbytes <= self.room()

@@ -40,7 +40,6 @@ from cachefs.node.flight import SingleFlight
 from cachefs.node.funnel import OriginFunnel
 from cachefs.node.open_objects import OpenObject, OpenObjects
 from cachefs.node.read_stats import ReadStats
-from cachefs.node.space import FULL_BACKOFF
 from cachefs.prefetch.planners import blocks_ahead, grow_window
 from cachefs.prefetch.prefetcher import Hint, Prefetcher
 from cachefs.read.base import OpenFile, ReadStrategy, ReadStream
@@ -66,10 +65,6 @@ class BlockStrategy(ReadStrategy):
         #: it this epoch (the engine sets it from the orders it follows); handed to the evictor with blocks read
         #: ahead, which such files make room for (cachefs.node.eviction.Evictor.store).
         self.passed: Callable[[str, str], bool] | None = None
-        #: Dataset id → until when blocks are not fetched ahead in its orders: the disk refused one (a pinned
-        #: dataset with nothing passed to make room), and a block it does not keep waits in memory among the
-        #: reader's own misses, which can push it out before its reader comes (then it is fetched twice).
-        self._ahead_refused_until: dict[str, float] = {}
         self.space = evictor.space
         self._fetches = SingleFlight()  # (object key, block) → (bytes, stored, guest)
         #: Blocks a full disk could not take, kept for their readers (see the module docstring).
@@ -338,8 +333,6 @@ class BlockStrategy(ReadStrategy):
                 passed = self.passed if self.stats.block_ahead(ob.key, idx) else None
                 stored = await self.disk.run(functools.partial(self.evictor.store, passed=passed), len(data), write,
                                              dataset)
-                if passed is not None and not stored and self.evictor.scanning(dataset):
-                    self._ahead_refused_until[dataset] = time.monotonic() + FULL_BACKOFF
         if not stored:
             return False
         ob.present[idx] = (checksum, len(data))
@@ -382,7 +375,7 @@ class BlockStrategy(ReadStrategy):
         return {i: data for i, data in got.items() if data is not None}
 
     def ahead_hints(self, ds: Dataset, entry: Entry) -> list[Hint]:
-        if time.monotonic() < self._ahead_refused_until.get(ds.ref.id, 0.0):
+        if self.evictor.ahead_refusing(ds.ref.id):
             return []
         okey = object_key(ds.ref.id, entry.path, entry.version)
         ob = self.objects.acquire(ds.ref.id, entry, okey)
