@@ -156,9 +156,7 @@ async def _sampler_orders(args: argparse.Namespace, config: Config) -> int:
     else:  # a mount point: its tree (the mount lists it from the manifest)
         root = os.path.abspath(args.dataset)
         paths = [os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files]
-    files = sampler_files(paths, spec)
-    if not files:
-        raise ConfigError(f"{args.dataset}: no file under {spec.under or '/'!r} matches {spec.match!r}")
+    files = sampler_files(paths, spec, args.dataset)
     epoch = spec.start_epoch if args.epoch is None else args.epoch
     for rank, ordered in sampler_orders(files, spec, epoch).items():
         publish_order(args.dataset, ordered, epoch=epoch, cache_dir=config.cache.dir, publisher=spec.publisher(rank))
@@ -247,12 +245,10 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     engine = Engine(config)
     try:
         ds = await engine.open_dataset(args.url)
-        if sampler is not None:
+        if sampler is not None:  # (one line now, rather than a daemon that cannot start)
             from cachefs.prefetch.samplers import sampler_files
 
-            if not sampler_files((e.path for e in ds.walk_files()), sampler):
-                raise ConfigError(f"--sampler: no file of {args.url} is under {sampler.under or '/'!r} and matches "
-                                  f"{sampler.match!r}")
+            sampler_files((e.path for e in ds.walk_files()), sampler, args.url)
     finally:
         await engine.aclose()
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",

@@ -149,10 +149,14 @@ def distributed_indices(n: int, epoch: int, spec: SamplerSpec, rank: int) -> lis
     return indices[rank:total:world]
 
 
-def sampler_files(paths: Iterable[str], spec: SamplerSpec) -> list[str]:
-    """The samples in index order: the dataset's files under ``spec.under`` whose names match, by path."""
+def sampler_files(paths: Iterable[str], spec: SamplerSpec, where: str | None = None) -> list[str]:
+    """The samples in index order: the dataset's files under ``spec.under`` whose names match, by path. With
+    ``where`` (the dataset, for the message), none is a ConfigError."""
     prefix = spec.under + "/" if spec.under else ""
-    return sorted(p for p in paths if p.startswith(prefix) and fnmatch.fnmatchcase(posixpath.basename(p), spec.match))
+    files = sorted(p for p in paths if p.startswith(prefix) and fnmatch.fnmatchcase(posixpath.basename(p), spec.match))
+    if not files and where is not None:
+        raise ConfigError(f"{where}: no file under {spec.under or '/'!r} matches {spec.match!r}")
+    return files
 
 
 def sampler_orders(files: list[str], spec: SamplerSpec, epoch: int) -> dict[int, list[str]]:
@@ -169,7 +173,7 @@ class SamplerPublisher:
     def __init__(self, spec: SamplerSpec, cache_dir: str, ds_id: str, url: str, files: list[str],
                  book: OrderBook) -> None:
         if not files:
-            raise ConfigError(f"sampler: no file of {url} is under {spec.under or '/'!r} and matches {spec.match!r}")
+            raise ConfigError(f"{url}: no file under {spec.under or '/'!r} matches {spec.match!r}")
         self.spec, self.cache_dir, self.ds_id, self.url, self.files, self.book = spec, cache_dir, ds_id, url, files, book
         self.epoch: dict[int, int] = {}
 
