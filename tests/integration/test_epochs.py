@@ -90,6 +90,25 @@ def test_a_published_order_is_fetched_ahead_of_its_one_reader_once(s3, tmp_path,
         assert started == 0
 
 
+def _large_files(s3, tmp_path, name: str, *, count: int, size: int, seed: int, capacity: float, memory: int,
+                 **options):
+    """``count`` block-stored files of ``size`` bytes under ``name``, and a scan-admitting cachefs filesystem over
+    them whose cache holds ``capacity`` of them: ``(server, bucket, files, sizes, cache, url, fs)``."""
+    server, client, bucket = s3
+    rng = random.Random(seed)
+    files = {f"f{i:03d}.bin": rng.randbytes(size) for i in range(count)}
+    put_tree(client, bucket, name, files)
+    total = sum(map(len, files.values()))
+    sizes = {f"/{bucket}/{name}/{p}": len(b) for p, b in files.items()}
+    cache = str(tmp_path / "cache")
+    url = f"s3://{bucket}/{name}"
+    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache, dataset=url, skip_instance_cache=True,
+                           cache_capacity=str(int(capacity * total)), cache_min_free="0", cache_scan_admission=True,
+                           cache_block_size=str(128 << 10), cache_pack_threshold=str(16 << 10),
+                           cache_pack_size=str(64 << 10), engine_memory_budget=str(memory), **options)
+    return server, bucket, files, sizes, cache, url, fs
+
+
 def test_with_an_order_files_the_reader_passed_make_room_for_what_it_reads_next(s3, tmp_path):
     """Large files (block-stored), a cache of half the dataset, scan admission, a published order each epoch: once
     the pinned part fills the cache, blocks fetched ahead of the reader take the place of files it has passed this
@@ -99,19 +118,10 @@ def test_with_an_order_files_the_reader_passed_make_room_for_what_it_reads_next(
     import cachefs
     from cachefs.base.types import DatasetRef
 
-    server, client, bucket = s3
-    rng = random.Random(4)
-    files = {f"f{i:03d}.bin": rng.randbytes(600 << 10) for i in range(24)}
-    put_tree(client, bucket, "big", files)
+    server, bucket, files, sizes, cache, url, fs = _large_files(s3, tmp_path, "big", count=24, size=600 << 10, seed=4,
+                                                                capacity=C, memory=8 << 20,
+                                                                engine_order_lookahead=str(1 << 20))
     total = sum(map(len, files.values()))
-    sizes = {f"/{bucket}/big/{p}": len(b) for p, b in files.items()}
-    cache = str(tmp_path / "cache")
-    url = f"s3://{bucket}/big"
-    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache, dataset=url, skip_instance_cache=True,
-                           cache_capacity=str(int(C * total)), cache_min_free="0", cache_scan_admission=True,
-                           cache_block_size=str(128 << 10), cache_pack_threshold=str(16 << 10),
-                           cache_pack_size=str(64 << 10), engine_memory_budget=str(8 << 20),
-                           engine_order_lookahead=str(1 << 20))
     engine = fs.engine
     paths = sorted(files)
     server.requests(reset=True)
@@ -140,18 +150,9 @@ def test_with_an_order_blocks_are_not_fetched_again_in_the_same_epoch(s3, tmp_pa
     import cachefs
     from cachefs.base.types import DatasetRef
 
-    server, client, bucket = s3
-    rng = random.Random(6)
-    files = {f"f{i:03d}.bin": rng.randbytes(512 << 10) for i in range(16)}
-    put_tree(client, bucket, "lg", files)
+    server, bucket, files, sizes, cache, url, fs = _large_files(s3, tmp_path, "lg", count=16, size=512 << 10, seed=6,
+                                                                capacity=0.25, memory=2 << 20)
     total = sum(map(len, files.values()))
-    sizes = {f"/{bucket}/lg/{p}": len(b) for p, b in files.items()}
-    cache = str(tmp_path / "cache")
-    url = f"s3://{bucket}/lg"
-    fs = fsspec.filesystem("cachefs", target_protocol="s3", cache_dir=cache, dataset=url, skip_instance_cache=True,
-                           cache_capacity=str(int(0.25 * total)), cache_min_free="0", cache_scan_admission=True,
-                           cache_block_size=str(128 << 10), cache_pack_threshold=str(16 << 10),
-                           cache_pack_size=str(64 << 10), engine_memory_budget=str(2 << 20))
     paths = sorted(files)
     repeats = []
     for epoch in range(4):

@@ -9,6 +9,7 @@ compared with what the test wrote.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -84,6 +85,20 @@ def images(s3, tmp_path):
     return server, bucket, files, str(tmp_path / "cache")
 
 
+@contextlib.contextmanager
+def image_folder_on_a_mount(images, tmp_path, *mount_options: str):
+    """The images fixture's bucket mounted (``cachefs mount`` with ``mount_options``) and its ``train`` directory as
+    a torchvision ImageFolder: yields ``(mount point, folder)``; unmounted afterwards."""
+    _, bucket, _, cache = images
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache, f"s3://{bucket}/img", str(mnt), *mount_options)
+    try:
+        yield mnt, ImageFolder(str(mnt / "train"), loader=read_bytes, is_valid_file=is_sample)
+    finally:
+        m.close()
+
+
 @pytest.mark.parametrize("form", ["cachefs://", "cachefs::s3://"])
 def test_dataloader_workers_by_url(images, form):
     server, bucket, files, cache = images
@@ -105,12 +120,8 @@ def test_dataloader_workers_by_url(images, form):
 
 
 def test_imagefolder_dataloader_over_a_mount(images, tmp_path):
-    server, bucket, files, cache = images
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    m = Mounted(cache, f"s3://{bucket}/img", str(mnt))
-    try:
-        folder = ImageFolder(str(mnt / "train"), loader=read_bytes, is_valid_file=is_sample)
+    server, bucket, files, _ = images
+    with image_folder_on_a_mount(images, tmp_path) as (_, folder):
         assert folder.classes == [f"c{c}" for c in range(CLASSES)]
         loader = DataLoader(folder, batch_size=None, shuffle=True, num_workers=2)
         gets = []
@@ -122,19 +133,13 @@ def test_imagefolder_dataloader_over_a_mount(images, tmp_path):
             gets.append(len(object_gets(server, bucket)))
         assert gets[1] == 0, gets
         print(f"ImageFolder + DataLoader(num_workers=2) over the mount: origin GETs per epoch {gets}")
-    finally:
-        m.close()
 
 
 def test_distributed_sampler_publishes_each_epochs_order_through_the_mount(images, tmp_path):
     """Two ranks, as DistributedSampler splits a job: each rank's PublishingSampler hands that epoch's order to the
     mount, whose daemon writes it where the node's prefetcher reads it; the model sees the wrapped order."""
     _, bucket, files, cache = images
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    m = Mounted(cache, f"s3://{bucket}/img", str(mnt))
-    try:
-        folder = ImageFolder(str(mnt / "train"), loader=read_bytes, is_valid_file=is_sample)
+    with image_folder_on_a_mount(images, tmp_path) as (mnt, folder):
         ds_id = DatasetRef.from_url(f"s3://{bucket}/img").id
         rel = [os.path.relpath(p, mnt) for p, _ in folder.samples]
         by_path = {os.path.relpath(p, mnt): b for p, b in ((p, files[os.path.relpath(p, mnt)]) for p, _ in folder.samples)}
@@ -152,8 +157,6 @@ def test_distributed_sampler_publishes_each_epochs_order_through_the_mount(image
                 assert [by_path[rel[i]] for i in want_order] == [data for data, _ in got]
                 published = {f.publisher: read_order(f.path) for f in list_orders(cache, ds_id)}
                 assert published[f"rank{rank}"] == (epoch, [rel[i] for i in want_order])
-    finally:
-        m.close()
 
 
 def test_webdataset_in_dataloader_workers_by_url(s3, tmp_path):
@@ -305,15 +308,11 @@ def test_a_mount_with_a_declared_sampler_publishes_each_epochs_order_ahead_of_th
     the mount publishes its rank's order for epoch 0 at once and epoch 1's when the reader reaches the end of
     epoch 0, each the order the job then reads."""
     _, bucket, files, cache = images
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
+    ds_id = DatasetRef.from_url(f"s3://{bucket}/img").id
     # (--keep-opens: this dataset is soon all packed small files here, and the kernel would then stop asking the
     # daemon to open files: right, as nothing is left to fetch, but the daemon would no longer see the epoch end)
-    m = Mounted(cache, f"s3://{bucket}/img", str(mnt), "--keep-opens", "--sampler",
-                "torch-distributed:seed=11,world-size=2,ranks=1,under=train,match=*.bin")
-    ds_id = DatasetRef.from_url(f"s3://{bucket}/img").id
-    try:
-        folder = ImageFolder(str(mnt / "train"), loader=read_bytes, is_valid_file=is_sample)
+    with image_folder_on_a_mount(images, tmp_path, "--keep-opens", "--sampler",
+                                 "torch-distributed:seed=11,world-size=2,ranks=1,under=train,match=*.bin") as (mnt, folder):
         rel = [os.path.relpath(p, mnt) for p, _ in folder.samples]
         sampler = DistributedSampler(folder, num_replicas=2, rank=1, shuffle=True, seed=11)
         loader = DataLoader(folder, sampler=sampler, batch_size=None, num_workers=2)
@@ -327,5 +326,3 @@ def test_a_mount_with_a_declared_sampler_publishes_each_epochs_order_ahead_of_th
             while read_order(next(f.path for f in list_orders(cache, ds_id)))[0] == epoch:  # the daemon, each second
                 assert time.monotonic() < deadline, "the next epoch's order was not published"
                 time.sleep(0.2)
-    finally:
-        m.close()
