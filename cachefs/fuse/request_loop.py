@@ -1,0 +1,226 @@
+"""The FUSE request loop both file systems share: worker threads read requests from ``/dev/fuse``, decode the
+header, call the handler for the opcode and write the reply. Errors become errno once, here
+(:mod:`.errno_map`). :class:`~cachefs.fuse.session.FuseSession` (the read-only dataset) and
+:class:`~cachefs.fuse.writable.WritableSession` (checkpoint volumes) add their handlers.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Final, Literal, TypeAlias
+
+from cachefs.fuse import kernel_abi as abi
+from cachefs.fuse.errno_map import to_errno
+from cachefs.fuse.kernel_abi import Op
+from cachefs.fuse.order_channel import CALLER
+from cachefs.fuse.request_metrics import RequestMetrics
+
+__all__ = ["DEFERRED", "Answer", "Deferred", "Later", "RequestLoop"]
+
+log = logging.getLogger("cachefs.fuse")
+
+
+class Deferred(enum.Enum):
+    """A handler's answer that comes later (from a callback), not now."""
+
+    DEFERRED = "deferred"
+
+
+DEFERRED: Final = Deferred.DEFERRED
+#: What a request's handler answers now: the reply's payload, or DEFERRED.
+Answer: TypeAlias = "bytes | bytearray | Literal[Deferred.DEFERRED]"
+#: Set in ``unique`` of requests the kernel sends again after FUSE_NOTIFY_RESEND.
+UNIQUE_RESEND = 1 << 63
+
+
+class Later:
+    """A request a handler finishes after the device is handed to another thread (see RequestLoop._worker)."""
+
+    def finish(self, session: Any) -> None:
+        raise NotImplementedError
+
+
+class RequestLoop:
+    """Serves the mounted ``/dev/fuse`` descriptor ``fd`` with ``workers`` threads; ``ops`` maps opcodes to
+    handlers ``(nodeid, unique, body) -> payload | DEFERRED | Later | None``."""
+
+    def __init__(self, fd: int, *, workers: int, timeout: float) -> None:
+        self.fd = fd
+        self.workers = max(1, workers)
+        self.timeout = timeout
+        self.mode = "starting"
+        self.stopped = threading.Event()
+        #: Called with the session once INIT is answered (the mount is usable, ``mode`` is known).
+        self.on_init: Callable[[Any], None] | None = None
+        #: Counters `cachefs status` shows (the file system's own, shared).
+        self.stats: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._turn = threading.Lock()  # held by the thread reading /dev/fuse (see _worker)
+        self._inflight: dict[int, Future] = {}  # requests waiting on the event loop, by unique (INTERRUPT cancels)
+        self._started: dict[int, float] = {}  # READs not answered yet: when they were read
+        #: Requests answered, by opcode, and their times (kept here, added to the metrics once a second).
+        self.metrics = RequestMetrics()
+        self.ops: dict[int, Callable[[int, int, memoryview], Any]] = {}
+
+    def unhandled_errno(self, opcode: int) -> int:
+        """The answer to an opcode without a handler."""
+        return errno.ENOSYS
+
+    def forget(self, nodeid: int, nlookup: int) -> None:
+        """The kernel dropped ``nlookup`` references to ``nodeid``."""
+
+    def _resume(self) -> None:
+        """Take over from a daemon that died (see serve)."""
+
+    # -- loop -----------------------------------------------------------------------------------------------
+    def serve(self, *, resume: bool = False) -> None:
+        """Run until the file system is unmounted (the device answers ENODEV). With ``resume``, take over a
+        mount whose previous daemon died: its state comes from the journal, and the kernel is asked to send
+        again every request the dead daemon had read but not answered."""
+        if resume:
+            self._resume()
+        threads = [threading.Thread(target=self._worker, name=f"cachefs-fuse-{i}", daemon=True)
+                   for i in range(self.workers)]
+        for t in threads:
+            t.start()
+        while not self.stopped.wait(1.0):  # timed, so that signal handlers run (see csi.server.serve)
+            pass
+        for t in threads:
+            t.join(timeout=0.1)
+
+    def _worker(self) -> None:
+        """Leader/followers: one thread at a time reads /dev/fuse and answers what is quick itself (lookups,
+        opens, reads from the page cache: microseconds of Python). A request that would wait (a large READ,
+        whose copy runs without the GIL, or a read from the disk) comes back as a :class:`_Later`; this thread
+        then lets a waiting one read the device and finishes that request meanwhile. Every thread reading at
+        once measured half the rate on small files: each request then woke a second thread to fight over the
+        GIL (bench/fuse_bench.py)."""
+        buf = bytearray(abi.MAX_REQUEST)
+        view = memoryview(buf)
+        while not self.stopped.is_set():
+            later = None
+            with self._turn:
+                while later is None:
+                    n = self._next_request(buf)
+                    if not n:
+                        break
+                    later = self._handle(view[:n])
+            if later is not None:
+                later.finish(self)
+
+    def _next_request(self, buf: bytearray) -> int:
+        """Read one request (its length), or 0 when there is none to handle (retry, or the session ended)."""
+        while not self.stopped.is_set():
+            try:
+                n = os.readv(self.fd, [buf])
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue
+                if exc.errno != errno.ENODEV:
+                    log.error("reading /dev/fuse: %s", exc)
+                self.stopped.set()
+                return 0
+            if n >= abi.IN_HEADER.size:
+                return n
+        return 0
+
+    def _handle(self, req: memoryview) -> Later | None:
+        started = time.perf_counter()
+        length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
+        CALLER.set((uid, gid, pid))
+        body = req[abi.IN_HEADER.size:length - 8 * extlen]  # extension headers (8-byte units) sit at the end
+        if opcode in _UNANSWERED:
+            try:
+                self._unanswered(opcode, nodeid, body)
+            except struct.error:  # truncated: the kernel expects no answer, so there is nobody to tell
+                log.warning("ignored a malformed %s request (%d bytes)", _op_name(opcode), len(req))
+            return None
+        if unique & UNIQUE_RESEND:
+            self.stats["resent_requests"] = self.stats.get("resent_requests", 0) + 1
+        handler = self.ops.get(opcode)
+        if handler is None:
+            self._reply(unique, self.unhandled_errno(opcode))
+            self.metrics.answered(opcode, started, ok=False)
+            return None
+        if opcode == Op.READ:
+            self._started[unique] = started  # (a READ answered later is timed to its answer)
+        try:
+            payload = handler(nodeid, unique, body)
+        except struct.error:  # a request shorter than its opcode's arguments
+            log.warning("malformed %s request (%d bytes)", _op_name(opcode), len(req))
+            self._reply(unique, errno.EINVAL)
+            self._answered(unique, opcode, started, ok=False)
+            return None
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
+            self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
+            self._answered(unique, opcode, started, ok=False)
+            return None
+        if payload is DEFERRED:
+            return None  # answered when its fetch completes
+        if isinstance(payload, Later):
+            return payload  # answered once the device is handed on
+        if payload is not None:
+            self._reply(unique, 0, payload)
+        self._answered(unique, opcode, started)
+        if opcode == Op.INIT and self.on_init is not None:
+            self.on_init(self)
+        return None
+
+    def _interrupt(self, unique: int) -> None:
+        """The caller gave up (a signal): cancel its fetch and answer EINTR now."""
+        with self._lock:
+            fut = self._inflight.pop(unique, None)
+        if fut is None:
+            return  # already answered (or never waited)
+        fut.cancel()
+        self.stats["interrupted"] = self.stats.get("interrupted", 0) + 1
+        self._reply(unique, errno.EINTR)
+
+    def _reply(self, unique: int, err: int, payload: bytes | bytearray = b"") -> None:
+        try:
+            head = abi.OUT_HEADER.pack(abi.OUT_HEADER.size + len(payload), -err, unique)
+            if len(payload) > 4096:  # large READ answers: gather, do not copy the payload behind the header
+                os.writev(self.fd, [head, payload])
+            else:
+                os.write(self.fd, head + payload)
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                self.stopped.set()
+            elif exc.errno != errno.ENOENT:  # ENOENT: the request was interrupted meanwhile
+                log.warning("replying to request %d: %s", unique, exc)
+
+    def _unanswered(self, opcode: int, nodeid: int, body: memoryview) -> None:
+        """FORGET, BATCH_FORGET and INTERRUPT: the kernel waits for no answer."""
+        if opcode == Op.FORGET:
+            self.forget(nodeid, abi.FORGET_IN.unpack_from(body)[0])
+        elif opcode == Op.BATCH_FORGET:
+            count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
+            count = min(count, (len(body) - abi.BATCH_FORGET_IN.size) // abi.FORGET_ONE.size)
+            for i in range(count):
+                ino, nlookup = abi.FORGET_ONE.unpack_from(body, abi.BATCH_FORGET_IN.size + i * abi.FORGET_ONE.size)
+                self.forget(ino, nlookup)
+        else:
+            self._interrupt(abi.INTERRUPT_IN.unpack_from(body)[0])
+
+    def _answered(self, unique: int, opcode: int, started: float, ok: bool = True) -> None:
+        if opcode == Op.READ:
+            self._started.pop(unique, None)
+        self.metrics.answered(opcode, started, ok=ok)
+
+
+_UNANSWERED = frozenset({Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT})
+
+
+def _op_name(opcode: int) -> str:
+    try:
+        return Op(opcode).name
+    except ValueError:
+        return f"opcode {opcode}"
