@@ -26,7 +26,8 @@ from cachefs.base.values import (
     resolve_size,
 )
 
-__all__ = ["MAX_REPLICAS", "CacheConfig", "ClusterConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig",
+__all__ = ["MAX_REPLICAS", "CacheConfig", "CheckpointConfig",
+           "ClusterConfig", "Config", "EngineConfig", "MetricsConfig", "OriginConfig",
            "default_cache_dir", "default_log_dir", "default_metrics_dir", "load_config",
            "parse_listen", "parse_replicas", "parse_size", "prepare_cache_dir", "resolve_size", "tier_names"]
 
@@ -161,6 +162,22 @@ class MetricsConfig:
     dir: str = field(default_factory=default_metrics_dir)
 
 
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Writable checkpoint volumes (``cachefs mount --writable``, ``cachefs={"writable": True}``;
+    docs/SEMANTICS.md)."""
+
+    #: Bytes written and not yet on the origin that a node may hold (a size, or a percentage of the cache file
+    #: system). Past it writers wait while the upload drains; they never get ENOSPC while it makes progress.
+    staging_limit: str = "25%"
+    #: Multipart part size: S3 allows 5MiB–5GiB; 16MiB keeps a 2GiB checkpoint at 128 parts, each one request.
+    part_size: int = 16 * 1024 * 1024
+    #: Parts in flight per volume (across files: later files upload while an earlier one completes).
+    upload_concurrency: int = 8
+    #: Seconds a writer waits for room past the staging limit while the upload makes no progress, before ENOSPC.
+    stall_timeout: float = 600.0
+
+
 def tier_names(spec: str) -> tuple[str, ...]:
     """``engine.small_tiers`` / ``engine.block_tiers``: ``peer,mirror,origin`` → ("peer", "mirror", "origin")."""
     return tuple(t.strip() for t in spec.split(",") if t.strip())
@@ -173,6 +190,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> Config:
         c, o, e = self.cache, self.origin, self.engine
@@ -223,14 +241,23 @@ class Config:
             if not tiers or tiers[-1] != "origin" or len(set(tiers)) != len(tiers):
                 raise ConfigError(f"engine.{name} {getattr(e, name)!r}: tier names separated by commas, each once, "
                                   "the origin last")
+        k = self.checkpoint
+        check_size_or_percent(k.staging_limit, "checkpoint.staging_limit")
+        if not 5 * 1024 * 1024 <= k.part_size <= 5 * 1024 * 1024 * 1024:
+            raise ConfigError("checkpoint.part_size must be between 5MiB and 5GiB (S3's multipart limits)")
+        if k.upload_concurrency < 1:
+            raise ConfigError("checkpoint.upload_concurrency must be at least 1")
+        if k.stall_timeout <= 0:
+            raise ConfigError("checkpoint.stall_timeout must be positive")
         self.cluster.validate()
         return self
 
 _SECTIONS = {"cache": CacheConfig, "origin": OriginConfig, "engine": EngineConfig, "metrics": MetricsConfig,
-             "cluster": ClusterConfig}
+             "cluster": ClusterConfig, "checkpoint": CheckpointConfig}
 _SIZE_FIELDS = {("cache", "block_size"), ("cache", "pack_threshold"), ("cache", "pack_size"),
                 ("engine", "memory_budget"), ("engine", "readahead_max"),
-                ("engine", "fetch_window"), ("engine", "order_lookahead")}
+                ("engine", "fetch_window"), ("engine", "order_lookahead"),
+                ("checkpoint", "part_size")}
 
 
 def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:

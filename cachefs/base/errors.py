@@ -16,6 +16,7 @@ __all__ = [
     "AccessDeniedError",
     "CacheFSError",
     "CacheFullError",
+    "CommitConflictError",
     "ConfigError",
     "CorruptBlockError",
     "CredentialsError",
@@ -116,6 +117,12 @@ class CacheFullError(CacheFSError):
     """The cache disk is full and eviction could not make room."""
 
     default_errno = errno.ENOSPC
+
+
+class CommitConflictError(CacheFSError):
+    """Another writer committed (or claimed) a checkpoint of the same name first."""
+
+    default_errno = errno.EEXIST
 
 
 class ReadOnlyError(CacheFSError):

@@ -115,6 +115,18 @@ PEER_REFUSED_CONNECTIONS = Counter("cachefs_peer_refused_connections", "Connecti
                                    "once: their client already held as many as one client may")
 
 # -- CSI -------------------------------------------------------------------------------------------------------
+CHECKPOINT_STAGED_BYTES = Gauge("cachefs_checkpoint_staged_bytes", "Bytes written to writable volumes and not yet on "
+                                "the origin (all live processes)", multiprocess_mode="livesum")
+CHECKPOINT_STAGED_FILES = Gauge("cachefs_checkpoint_staged_files", "Closed files waiting for their upload",
+                                multiprocess_mode="livesum")
+CHECKPOINT_BELOW_PROMISE = Gauge("cachefs_checkpoint_below_promise_bytes", "Staged bytes held by fewer copies than "
+                                 "checkpoint durability promises (written but not yet closed or fsynced)",
+                                 multiprocess_mode="livesum")
+CHECKPOINT_OLDEST_SECONDS = Gauge("cachefs_checkpoint_oldest_staged_seconds", "Age of the oldest closed file not yet "
+                                  "on the origin", multiprocess_mode="max")
+CHECKPOINT_UPLOADED_BYTES = Counter("cachefs_checkpoint_uploaded_bytes", "Bytes of closed files written to the origin")
+CHECKPOINT_FAILURES = Counter("cachefs_checkpoint_upload_failures", "Uploads that failed (each attempt of a queue "
+                              "entry), by reason", ["reason"])
 CSI_CALLS = Counter("cachefs_csi_calls", "CSI calls answered, by method and gRPC code", ["method", "code"])
 
 

@@ -8,13 +8,28 @@ from cachefs.base.config import Config
 from cachefs.base.errors import InvalidURLError, translate_origin_error
 from cachefs.sources.base import RetryingSource, RetryPolicy, Source, with_retries
 
-__all__ = ["RetryPolicy", "RetryingSource", "Source", "open_origin", "open_raw_origin", "with_retries"]
+__all__ = ["RetryPolicy", "RetryingSource", "Source", "open_object_writes", "open_origin", "open_raw_origin",
+           "with_retries"]
 
 
 def open_origin(url: str, config: Config, storage_options: dict[str, Any] | None = None) -> Source:
     """The origin :class:`Source` for a dataset URL's scheme, with retries, timeouts and error translation."""
     o = config.origin
     return RetryingSource(open_raw_origin(url, config, storage_options),
+                          RetryPolicy(o.max_attempts, o.backoff_base, o.backoff_max), o.request_timeout)
+
+
+def open_object_writes(url: str, config: Config, storage_options: dict[str, Any] | None = None):
+    """The :class:`~cachefs.sources.writes.ObjectWrites` for a volume URL: S3 only (writable volumes need
+    multipart uploads and conditional writes, which other fsspec backends do not all offer)."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("s3", "s3a"):
+        raise InvalidURLError(f"{url!r}: writable volumes are on S3 (s3://bucket/prefix); {scheme}:// is read-only")
+    from cachefs.sources.s3 import S3Source
+    from cachefs.sources.writes import S3ObjectWrites
+
+    o = config.origin
+    return S3ObjectWrites(S3Source(o, config.engine, storage_options),
                           RetryPolicy(o.max_attempts, o.backoff_base, o.backoff_max), o.request_timeout)
 
 

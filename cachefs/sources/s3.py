@@ -89,6 +89,10 @@ class S3Source(Source):
     async def connect(self) -> None:
         await self._s3()
 
+    async def client(self) -> Any:
+        """The aiobotocore S3 client (built on first use), for the writes of :mod:`cachefs.sources.writes`."""
+        return await self._s3()
+
     async def _s3(self):
         if self._client is not None:
             return self._client
