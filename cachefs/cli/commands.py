@@ -228,6 +228,10 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError("--workers must be at least 1")
     if not args.answer_after >= 0:
         raise ConfigError("--answer-after must be 0 or more seconds")
+    if args.writable:
+        from cachefs.cli.volumes import mount_writable
+
+        return await mount_writable(args, config, mnt)
     access = _read_access(args)
     sampler = None
     if args.sampler:
@@ -328,6 +332,8 @@ def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
         out.append("--allow-other")
     if args.nonempty:
         out.append("--nonempty")
+    if args.writable:
+        out.append("--writable")
     for flag, value in (("--group", args.group), ("--mode", args.mode), ("--sampler", args.sampler)):
         if value:
             out += [flag, value]
@@ -344,6 +350,10 @@ async def umount(args: argparse.Namespace, config: Config) -> int:
     mnt = os.path.abspath(args.mountpoint)
     if not is_fuse_mount(mnt):
         raise ConfigError(f"{args.mountpoint}: not a cachefs mount")
+    if not args.no_sync:
+        from cachefs.cli.volumes import drain_mount
+
+        await drain_mount(config, mnt, args.timeout)
     unmount(mnt)
     return 0
 

@@ -1,4 +1,4 @@
-"""``cachefs``: prefetch, status, evict, refresh, demo.
+"""``cachefs``: prefetch, status, evict, refresh, mount, sync, checkpoints, demo.
 
 Errors end the command with one line on stderr and an exit code that says what kind of failure it was
 (see ``EXIT_CODES``); ``-v`` adds logs, never credentials.
@@ -139,8 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     rf = sub.add_parser("refresh", parents=[base, cache, origin], help="take a new manifest snapshot of a dataset")
     rf.add_argument("url")
 
-    mt = sub.add_parser("mount", parents=common, help="mount a dataset read-only (FUSE)")
-    mt.add_argument("url", help="dataset URL")
+    mt = sub.add_parser("mount", parents=common,
+                        help="mount a dataset read-only, or with --writable a checkpoint volume (FUSE)")
+    mt.add_argument("url", help="dataset URL (with --writable: the S3 prefix checkpoints go to)")
     mt.add_argument("mountpoint", help="an existing directory")
     mt.add_argument("--foreground", action="store_true",
                     help="stay in the foreground until unmounted (this process holds the mount and restarts "
@@ -173,10 +174,33 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--sampler", metavar="SPEC",
                     help="the readers' sampler, e.g. torch-distributed:seed=0,world-size=8,ranks=0-7: the mount "
                          "publishes each epoch's order itself, one epoch ahead (docs/SEMANTICS.md, Epochs)")
+    mt.add_argument("--writable", action="store_true",
+                    help="a checkpoint volume: files written there are durable on this node at close and fsync, and "
+                         "go to the origin in the background, in the order they were closed; a directory renamed "
+                         "from D.tmp to D is committed (docs/SEMANTICS.md, Checkpoints)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
 
-    um = sub.add_parser("umount", parents=[base], help="unmount a cachefs mount")
+    um = sub.add_parser("umount", parents=[base, cache], help="unmount a cachefs mount")
     um.add_argument("mountpoint")
+    um.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="a writable mount: wait this long for its uploads first (default 600); what is left stays "
+                         "queued on this node for the next mount or cachefs sync")
+    um.add_argument("--no-sync", action="store_true", help="a writable mount: unmount without waiting for uploads")
+
+    sy = sub.add_parser("sync", parents=[base, cache, origin],
+                        help="wait until every file closed so far in writable volumes is on the origin")
+    sy.add_argument("target", nargs="?",
+                    help="a writable mount point (or a directory in one), or a volume URL; default: every volume "
+                         "on this node")
+    sy.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after this long (exit 1, naming what "
+                                                                     "is pending)")
+    sy.add_argument("--commit", action="store_true",
+                    help="commit the directory TARGET as a checkpoint first (its commit record is written after "
+                         "its files)")
+    ck = sub.add_parser("checkpoints", parents=[base, cache, origin],
+                        help="list the checkpoints committed under a URL, with their sizes")
+    ck.add_argument("url", help="e.g. s3://bucket/run-17")
+    ck.add_argument("--json", action="store_true", help="machine-readable output")
 
     dm = sub.add_parser("demo", parents=[base, cache, capacity],
                         help="start a local S3 server with a sample dataset, prefetch it and read it back")
@@ -214,6 +238,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("evict", ev), ("order", od), ("refresh", rf),
                       ("mount", mt), ("umount", um), ("demo", dm), ("metrics", mx), ("agent", ag)):
         cmd.set_defaults(run=f"cachefs.cli.commands:{name}", node_process=name in ("mount", "metrics", "agent"))
+    for name, cmd in (("sync", sy), ("checkpoints", ck)):
+        cmd.set_defaults(run=f"cachefs.cli.volumes:{name}", node_process=name == "sync")
     # Commands of the other packages (csi, scheduler_hints) register themselves: cachefs imports neither.
     groups = {"base": base, "cache": cache, "capacity": capacity, "origin": origin}
     for ep in entry_points(group="cachefs.commands"):

@@ -1,5 +1,6 @@
 """The FUSE front door: our own implementation of the kernel's FUSE protocol (no libfuse), serving a
-dataset's manifest as a read-only tree, cached objects by passthrough, everything else from the engine.
+dataset's manifest as a read-only tree, cached objects by passthrough, everything else from the engine; and, as a
+sibling, writable checkpoint volumes (:mod:`.writable`, :mod:`.volume_mount`).
 
 :func:`hold_mount` mounts and keeps the ``/dev/fuse`` descriptor (:mod:`.holder`); :func:`serve_mount` is the
 daemon it runs, which serves the mount until it is unmounted and can be killed and restarted at any time.
@@ -23,23 +24,24 @@ from cachefs.fuse.holder import MountHolder, announce_failure, announce_ready, r
 from cachefs.fuse.journal import MountJournal
 from cachefs.fuse.mount import is_stale_mount, unmount
 from cachefs.fuse.session import FuseSession
+from cachefs.fuse.volume_mount import serve_writable_mount
 from cachefs.index.mounts import forget_mount, mount_file, record_mount, record_pin
 from cachefs.prefetch.samplers import SamplerPublisher, SamplerSpec, sampler_files
 
-__all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_mount", "unmount"]
+__all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_mount", "serve_writable_mount", "unmount"]
 
 log = logging.getLogger("cachefs.fuse")
 
 
 def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str], *, answer_after: float = 10.0,
-               allow_other: bool = False, nonempty: bool = False) -> int:
+               allow_other: bool = False, nonempty: bool = False, writable: bool = False) -> int:
     """Mount ``mountpoint`` and keep it mounted until unmounted, serving it by running ``daemon_argv`` (plus
     ``--attach SOCKET``) and restarting that daemon whenever it dies: readers wait, they never see ENOTCONN
     (unless no daemon can start for a while; see :mod:`.holder`). Only the mounting user may read it unless
     ``allow_other``."""
     holder = MountHolder(mountpoint, socket_path_for(mount_file(config.cache.dir, mountpoint, ".sock")), url=url,
                          cache_dir=config.cache.dir, answer_after=answer_after, allow_other=allow_other,
-                         nonempty=nonempty)
+                         nonempty=nonempty, writable=writable)
     holder.mount()
     return holder.run([*daemon_argv, "--attach", holder.socket_path])
 

@@ -255,11 +255,13 @@ class MountHolder:
 
     def __init__(self, mountpoint: str, socket_path: str, *, url: str = "", cache_dir: str | None = None,
                  restart_delay: float = 0.2, max_restart_delay: float = 5.0, answer_after: float = 10.0,
-                 max_failing_delay: float = 30.0, allow_other: bool = False, nonempty: bool = False) -> None:
+                 max_failing_delay: float = 30.0, allow_other: bool = False, nonempty: bool = False,
+                 writable: bool = False) -> None:
         """``allow_other``: every user of the node may read the mount (by default only the one who mounted it);
-        ``nonempty``: mount over a directory that has entries (hidden until unmounted)."""
+        ``nonempty``: mount over a directory that has entries (hidden until unmounted); ``writable``: a checkpoint
+        volume, mounted read-write."""
         self.mountpoint = os.path.abspath(mountpoint)
-        self.allow_other, self.nonempty = allow_other, nonempty
+        self.allow_other, self.nonempty, self.writable = allow_other, nonempty, writable
         self.socket_path = socket_path
         self.url, self.cache_dir = url, cache_dir
         self.restart_delay, self.max_restart_delay = restart_delay, max_restart_delay
@@ -292,7 +294,7 @@ class MountHolder:
             raise ConfigError(f"mount point {self.mountpoint} is not a directory")
         if not self.nonempty:
             check_empty(self.mountpoint)
-        self.fd = open_and_mount(self.mountpoint, allow_other=self.allow_other)
+        self.fd = open_and_mount(self.mountpoint, allow_other=self.allow_other, writable=self.writable)
         try:
             self.responder = ErrorResponder(self.fd)
             set_read_ahead(self.mountpoint, READ_AHEAD_KIB)

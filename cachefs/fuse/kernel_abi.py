@@ -1,6 +1,7 @@
-"""The kernel FUSE protocol's wire format: opcodes, flags and the structs this read-only server exchanges
-(little-endian, layouts of ``include/uapi/linux/fuse.h`` protocol 7.42; the kernel accepts our minor and
-speaks its own). Every struct has a ``struct.Struct`` here and nowhere else; golden-bytes tests pin them.
+"""The kernel FUSE protocol's wire format: opcodes, flags and the structs our servers exchange (little-endian,
+layouts of ``include/uapi/linux/fuse.h`` protocol 7.42; the kernel accepts our minor and speaks its own): the
+read-only dataset's, and the write side's for checkpoint volumes. Every struct has a ``struct.Struct`` here and
+nowhere else; golden-bytes tests pin them.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class InitFlag(enum.IntFlag):
     """``fuse_init_in/out.flags`` (low 32 bits) and ``flags2`` (bits 32–63, sent shifted down)."""
 
     ASYNC_READ = 1 << 0
+    ATOMIC_O_TRUNC = 1 << 3
     BIG_WRITES = 1 << 5
     AUTO_INVAL_DATA = 1 << 12
     DO_READDIRPLUS = 1 << 13
@@ -131,6 +133,26 @@ ACCESS_IN = struct.Struct("<II")  # mask, padding
 KSTATFS = struct.Struct("<QQQQQIII4x24x")  # blocks bfree bavail files ffree bsize namelen frsize (+padding, spare[6])
 DIRENT_HEAD = struct.Struct("<QQII")  # ino, off, namelen, type
 BACKING_MAP = struct.Struct("<iIQ")  # fd, flags, padding
+# The write side (checkpoint volumes).
+#: valid, padding, fh, size, lock_owner, atime, mtime, ctime, atimensec, mtimensec, ctimensec, mode, unused4, uid,
+#: gid, unused5
+SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
+WRITE_IN = struct.Struct("<QQIIQII")  # fh, offset, size, write_flags, lock_owner, flags, padding (data follows)
+WRITE_OUT = struct.Struct("<II")  # size, padding
+CREATE_IN = struct.Struct("<IIII")  # flags, mode, umask, open_flags (name follows)
+MKDIR_IN = struct.Struct("<II")  # mode, umask (name follows)
+MKNOD_IN = struct.Struct("<IIII")  # mode, rdev, umask, padding
+RENAME_IN = struct.Struct("<Q")  # newdir (old and new names follow)
+RENAME2_IN = struct.Struct("<QII")  # newdir, flags, padding
+FLUSH_IN = struct.Struct("<QIIQ")  # fh, unused, padding, lock_owner
+FSYNC_IN = struct.Struct("<QII")  # fh, fsync_flags, padding
+FALLOCATE_IN = struct.Struct("<QQQII")  # fh, offset, length, mode, padding
+SETXATTR_IN = struct.Struct("<II")  # size, flags (without FUSE_SETXATTR_EXT; name and value follow)
+#: SETATTR_IN.valid bits
+FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FATTR_ATIME, FATTR_MTIME, FATTR_FH, FATTR_ATIME_NOW, FATTR_MTIME_NOW = 1 << 4, 1 << 5, 1 << 6, 1 << 7, 1 << 8
+#: RENAME2_IN.flags (renameat2)
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1 << 0, 1 << 1
 
 ENTRY_OUT_SIZE = ENTRY_OUT_HEAD.size + ATTR.size  # 128
 #: ioctls on the /dev/fuse descriptor (magic 229).
@@ -148,6 +170,7 @@ MAX_STACK_DEPTH = 1
 # d_type values for dirents (from <dirent.h>).
 DT_DIR = 4
 DT_REG = 8
+DT_LNK = 10
 
 
 def pack_attr(ino: int, size: int, mode: int, mtime_ns: int, nlink: int = 1, uid: int = 0, gid: int = 0,

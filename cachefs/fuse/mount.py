@@ -43,21 +43,21 @@ def open_fuse_device() -> int:
                            "passed into this container?)", errno_=exc.errno) from None
 
 
-def open_and_mount(mountpoint: str, *, allow_other: bool = False) -> int:
-    """Mount a new FUSE file system at ``mountpoint`` (read-only, nosuid, nodev) and return its ``/dev/fuse``
-    descriptor: by mount(2) as root, through ``fusermount3`` otherwise."""
+def open_and_mount(mountpoint: str, *, allow_other: bool = False, writable: bool = False) -> int:
+    """Mount a new FUSE file system at ``mountpoint`` (read-only unless ``writable``; nosuid, nodev) and return its
+    ``/dev/fuse`` descriptor: by mount(2) as root, through ``fusermount3`` otherwise."""
     if os.geteuid() != 0:
-        return _fusermount(mountpoint, allow_other=allow_other)
+        return _fusermount(mountpoint, allow_other=allow_other, writable=writable)
     fd = open_fuse_device()
     try:
-        mount_fuse(fd, mountpoint, allow_other=allow_other)
+        mount_fuse(fd, mountpoint, allow_other=allow_other, writable=writable)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _fusermount(mountpoint: str, *, allow_other: bool) -> int:
+def _fusermount(mountpoint: str, *, allow_other: bool, writable: bool = False) -> int:
     helper = shutil.which("fusermount3")
     if helper is None:
         raise CacheFSError("mounting without root needs fusermount3 (Debian package fuse3), or run as root",
@@ -66,7 +66,8 @@ def _fusermount(mountpoint: str, *, allow_other: bool) -> int:
         log.warning("mounting without allow_other: /etc/fuse.conf lacks user_allow_other, so only this user "
                     "can read the mount")
         allow_other = False
-    opts = "ro,nosuid,nodev,default_permissions,fsname=cachefs,subtype=cachefs" + (",allow_other" if allow_other else "")
+    opts = ("rw" if writable else "ro") + ",nosuid,nodev,default_permissions,fsname=cachefs,subtype=cachefs" + \
+        (",allow_other" if allow_other else "")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
         proc = subprocess.run([helper, "-o", opts, "--", mountpoint], env={**os.environ,
@@ -91,14 +92,15 @@ def _user_allow_other() -> bool:
         return False
 
 
-def mount_fuse(fd: int, mountpoint: str, *, fsname: str = "cachefs", allow_other: bool = False) -> None:
-    """Mount the session on ``fd`` at ``mountpoint``, read-only, nosuid, nodev (needs root)."""
+def mount_fuse(fd: int, mountpoint: str, *, fsname: str = "cachefs", allow_other: bool = False,
+               writable: bool = False) -> None:
+    """Mount the session on ``fd`` at ``mountpoint``, read-only unless ``writable``, nosuid, nodev (needs root)."""
     st = os.stat(mountpoint)
     opts = f"fd={fd},rootmode={st.st_mode & 0o170000:o},user_id=0,group_id=0,default_permissions"
     if allow_other:
         opts += ",allow_other"
-    rc = _libc.mount(fsname.encode(), mountpoint.encode(), b"fuse.cachefs", MS_RDONLY | MS_NOSUID | MS_NODEV,
-                     opts.encode())
+    flags = MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
+    rc = _libc.mount(fsname.encode(), mountpoint.encode(), b"fuse.cachefs", flags, opts.encode())
     if rc != 0:
         e = ctypes.get_errno()
         raise CacheFSError(f"mount {mountpoint}: {os.strerror(e)}", errno_=e)

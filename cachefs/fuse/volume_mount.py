@@ -1,0 +1,70 @@
+"""The daemon of a writable checkpoint mount (``cachefs mount URL MOUNTPOINT --writable``): the volume, its
+upload, and the FUSE session over it, started by the mount's holder like the dataset daemon is."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from cachefs.base.aio import run_sync
+from cachefs.base.collector import quiet_collector
+from cachefs.base.config import Config
+from cachefs.engine import get_engine
+from cachefs.fuse.holder import announce_failure, announce_ready, receive_fd
+from cachefs.fuse.writable import WritableSession
+from cachefs.index.mounts import forget_mount, record_mount
+from cachefs.write.volume import open_volume
+
+__all__ = ["serve_writable_mount", "volume_session"]
+
+log = logging.getLogger("cachefs.fuse")
+
+
+def volume_session(mountpoint: str) -> str:
+    """The volume a writable mount point writes into: the same one again after a restart or a remount there."""
+    return "mount:" + os.path.abspath(mountpoint)
+
+
+def serve_writable_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,
+                         ready=None) -> WritableSession:
+    """Serve the writable volume of ``url`` on the mount whose descriptor the holder at ``attach`` owns, until
+    unmounted. A daemon started again after one died resumes the volume's queue from its journal."""
+    fd, info = receive_fd(attach)
+    engine = get_engine(config)  # the memory budget, and the read cache's evictor that makes room for staged bytes
+    try:
+        volume = open_volume(config, url, session=volume_session(mountpoint), budget=engine.budget,
+                             make_room=engine.evictor.make_room, mountpoint=os.path.abspath(mountpoint))
+        run_sync(volume.start())
+    except (OSError, ValueError) as exc:
+        announce_failure(attach, str(exc))
+        os.close(fd)
+        raise
+    generation = int(info.get("generation", 0))
+    session = WritableSession(volume, fd, workers=workers, generation=generation)
+    quiet_collector()
+    cache_dir = config.cache.dir
+
+    def publish(s: WritableSession) -> None:  # what `cachefs status` shows about this mount, every second
+        while not s.stopped.wait(1.0):
+            try:
+                s.metrics.flush(s.stats)
+                record_mount(cache_dir, mountpoint, volume.url, s.mode, dict(s.stats))
+            except Exception:
+                log.exception("mount statistics")
+
+    def on_init(s: WritableSession) -> None:
+        record_mount(cache_dir, mountpoint, volume.url, s.mode, dict(s.stats))
+        threading.Thread(target=publish, args=(s,), name="cachefs-fuse-stats", daemon=True).start()
+        if ready is not None:
+            ready(s)
+
+    session.on_init = on_init
+    try:
+        announce_ready(attach)
+        session.serve(resume=generation > 0)
+    finally:
+        forget_mount(cache_dir, mountpoint)
+        run_sync(volume.stop())
+        os.close(fd)
+    return session

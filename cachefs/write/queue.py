@@ -1,0 +1,239 @@
+"""A volume's upload queue: what must reach the origin, in order, kept in an append-only journal.
+
+Every change is one JSON line, fsynced before the call returns, so that what a writer was told is durable
+survives ``kill -9`` and a reboot: the queue is rebuilt by replaying the journal. Entries run in list order
+(:mod:`.uploader`); a new entry goes to the end, or ``before`` another when a rename or a commit must take
+effect ahead of uploads already queued (see :meth:`UploadQueue.add`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["QueueEntry", "UploadQueue", "fsync_dir", "keys_under", "under"]
+
+#: Kinds of entries: upload a closed file's snapshot, copy or delete an object, claim a checkpoint's name, write
+#: its commit record.
+KINDS = ("put", "copy", "delete", "claim", "commit")
+
+
+@dataclass
+class QueueEntry:
+    seq: int
+    kind: str
+    key: str  # the object (put, delete, copy's destination), or the checkpoint's name (claim, commit)
+    size: int = 0
+    src: str = ""  # copy: the source key
+    snap: int = 0  # put: the snapshot of the closed file (``queue/<snap>`` in the volume)
+    added: float = field(default_factory=time.time)
+    running: bool = False
+    upload_id: str = ""  # a multipart upload begun for it (aborted and begun again after a restart)
+    error: str = ""  # the last failure, while it is retried
+
+    def record(self) -> dict:
+        out = {"t": self.kind, "seq": self.seq, "key": self.key, "added": self.added}
+        if self.size:
+            out["size"] = self.size
+        if self.src:
+            out["src"] = self.src
+        if self.snap:
+            out["snap"] = self.snap
+        return out
+
+
+class UploadQueue:
+    """The ordered entries of one volume and their journal. Thread-safe: front doors add from their threads, the
+    uploader takes and finishes entries from the event loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.entries: list[QueueEntry] = []
+        self.next_seq = 1
+        self.failed: dict[int, str] = {}  # entries given up for good (a lost commit race), by seq
+        self.done_seqs: set[int] = set()
+        self.uploaded_bytes = 0
+        self._file = None
+        self.on_change: Callable[[], None] | None = None  # the uploader's wake-up (thread-safe)
+        self._replay()
+        self._file = open(path, "a", buffering=1)
+
+    # -- journal ------------------------------------------------------------------------------------------------
+    def _replay(self) -> None:
+        try:
+            with open(self.path) as f:
+                lines = f.readlines()
+        except FileNotFoundError:
+            return
+        by_seq: dict[int, QueueEntry] = {}
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line cut by a crash mid-write: it was never acknowledged
+                continue
+            t, seq = r.get("t"), int(r.get("seq", 0))
+            self.next_seq = max(self.next_seq, seq + 1)
+            if t in KINDS:
+                e = QueueEntry(seq, t, r["key"], int(r.get("size", 0)), r.get("src", ""), int(r.get("snap", 0)),
+                               float(r.get("added", 0)))
+                by_seq[seq] = e
+                before = r.get("before")
+                at = next((i for i, x in enumerate(self.entries) if x.seq == before), None) if before else None
+                self.entries.insert(len(self.entries) if at is None else at, e)
+            elif t == "move" and seq in by_seq:
+                e = by_seq.pop(seq)
+                self.entries.remove(e)
+                e.seq, e.key, e.upload_id = int(r["to"]), r["key"], ""
+                by_seq[e.seq] = e
+                self.entries.append(e)
+                self.next_seq = max(self.next_seq, e.seq + 1)
+            elif t == "mpu" and seq in by_seq:
+                by_seq[seq].upload_id = r["id"]
+            elif t in ("done", "drop", "failed"):
+                gone = by_seq.pop(seq, None)
+                if gone is not None:
+                    self.entries.remove(gone)
+                if t == "failed":
+                    self.failed[seq] = r.get("error", "")
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the journal with only the live entries (atomically): it never grows past the queue."""
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            for e in self.entries:
+                f.write(json.dumps(e.record()) + "\n")
+                if e.upload_id:
+                    f.write(json.dumps({"t": "mpu", "seq": e.seq, "id": e.upload_id}) + "\n")
+            for seq, err in self.failed.items():
+                f.write(json.dumps({"t": "failed", "seq": seq, "error": err}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fsync_dir(os.path.dirname(self.path))
+
+    def _append(self, record: dict, *, sync: bool = True) -> None:
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        if sync:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    # -- changes from the front doors ---------------------------------------------------------------------------
+    def add(self, kind: str, key: str, *, size: int = 0, src: str = "", snap: int = 0,
+            before: QueueEntry | None = None) -> QueueEntry:
+        """Queue an entry at the end, or just before ``before`` (which must not have started), durably."""
+        with self.lock:
+            e = QueueEntry(self.next_seq, kind, key, size, src, snap)
+            self.next_seq += 1
+            record = e.record()
+            if before is not None and before in self.entries and not before.running:
+                record["before"] = before.seq
+                self.entries.insert(self.entries.index(before), e)
+            else:
+                self.entries.append(e)
+            self._append(record)
+            self.changed.notify_all()
+        self._wake()
+        return e
+
+    def reserve_seq(self) -> int:
+        """A number for a snapshot about to be queued (linked under it before its entry is added)."""
+        with self.lock:
+            seq = self.next_seq
+            self.next_seq += 1
+            return seq
+
+    def move(self, e: QueueEntry, key: str) -> None:
+        """Send ``e`` (not started) to the end of the queue under ``key``: a rename before the upload uploads under
+        the final name, after what was queued before the rename."""
+        with self.lock:
+            new = self.next_seq
+            self.next_seq += 1
+            self._append({"t": "move", "seq": e.seq, "to": new, "key": key})
+            self.entries.remove(e)
+            e.seq, e.key, e.upload_id = new, key, ""
+            self.entries.append(e)
+            self.changed.notify_all()
+        self._wake()
+
+    def drop(self, e: QueueEntry) -> None:
+        with self.lock:
+            self.entries.remove(e)
+            self._append({"t": "drop", "seq": e.seq})
+            self.changed.notify_all()
+
+    def pending(self, match: Callable[[QueueEntry], bool] = lambda e: True) -> list[QueueEntry]:
+        with self.lock:
+            return [e for e in self.entries if match(e)]
+
+    # -- the uploader's side ------------------------------------------------------------------------------------
+    def head(self, n: int) -> list[QueueEntry]:
+        with self.lock:
+            return self.entries[:n]
+
+    def started(self, e: QueueEntry) -> None:
+        """``e`` is finishing: from now on a rename or delete of its key follows it instead of changing it."""
+        with self.lock:
+            e.running = True
+
+    def multipart(self, e: QueueEntry, upload_id: str) -> None:
+        """A multipart upload was begun for ``e`` (a restart aborts it)."""
+        with self.lock:
+            e.upload_id = upload_id
+            self._append({"t": "mpu", "seq": e.seq, "id": upload_id}, sync=False)
+
+    def finished(self, e: QueueEntry, *, failed: str = "") -> None:
+        """``e`` is on the origin (or given up for good, with the reason): off the queue, durably."""
+        with self.lock:
+            self._append({"t": "failed", "seq": e.seq, "error": failed} if failed else {"t": "done", "seq": e.seq})
+            if e in self.entries:
+                self.entries.remove(e)
+            if failed:
+                self.failed[e.seq] = failed
+            elif e.kind == "put":
+                self.uploaded_bytes += e.size
+            self.done_seqs.add(e.seq)
+            if not self.entries and not self.failed and self._file is not None:
+                self._file.close()
+                self._compact()
+                self._file = open(self.path, "a", buffering=1)
+            self.changed.notify_all()
+
+    def done_through(self, seq: int) -> bool:
+        """Whether every entry up to ``seq`` has left the queue (done, dropped or failed)."""
+        with self.lock:
+            return all(e.seq > seq for e in self.entries)
+
+    def _wake(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def close(self) -> None:
+        with self.lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def under(key: str, prefix: str) -> bool:
+    """Whether ``key`` is ``prefix`` or inside it (``/``-separated)."""
+    return key == prefix or key.startswith(prefix + "/") or prefix == ""
+
+
+def keys_under(keys: Iterable[str], prefix: str) -> list[str]:
+    return [k for k in keys if under(k, prefix)]

@@ -1,0 +1,268 @@
+"""The background upload of a volume's queue, in order.
+
+Entries *finish* strictly in queue order: an object appears on the origin (a single PUT, or the completion of its
+multipart upload) only after every entry before it finished, so a marker written last lands last. The parts of the
+next few large files upload meanwhile (``checkpoint.upload_concurrency`` parts in flight, each within the memory
+budget); parts are invisible until completed, so that keeps the order and the link busy. Failures are retried:
+each request by the sources' policy, the entry again after a backoff until it succeeds; a lost commit race fails
+the entries of that checkpoint for good, and the queue goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cachefs.base.errors import CacheFSError, CommitConflictError
+from cachefs.base.metrics import CHECKPOINT_FAILURES, CHECKPOINT_UPLOADED_BYTES, result_of, safely
+from cachefs.node.budget import MemoryBudget
+from cachefs.sources import Source
+from cachefs.sources.writes import ObjectWrites
+from cachefs.write import commits
+from cachefs.write.queue import QueueEntry, UploadQueue, under
+
+__all__ = ["Uploader"]
+
+log = logging.getLogger(__name__)
+
+#: Entries whose parts may upload ahead of the one finishing.
+LOOKAHEAD = 8
+
+
+class Uploader:
+    """Runs ``queue`` against the origin at ``url`` (the volume's root), on the event loop."""
+
+    def __init__(self, queue: UploadQueue, url: str, snapshot: Callable[[int], str], writes: ObjectWrites,
+                 source: Source, *, writer: str, part_size: int, concurrency: int, backoff_max: float,
+                 budget: MemoryBudget | None = None, on_done: Callable[[QueueEntry, str], None] | None = None) -> None:
+        self.queue, self.url, self.snapshot = queue, url.rstrip("/"), snapshot
+        self.writes, self.source, self.writer = writes, source, writer
+        self.part_size, self.backoff_max, self.budget = part_size, backoff_max, budget
+        self.on_done = on_done
+        self._parts = asyncio.Semaphore(concurrency)
+        self._prepared: dict[int, asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self.paused = False  # (tests hold the upload back)
+        #: The last failure of the entry at the head, while it is retried ("" when none).
+        self.last_error = ""
+        self.failures = 0
+        self.rate = 0.0  # bytes per second of the last finished upload
+        self.last_progress = time.monotonic()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.queue.on_change = self.wake
+        self._task = asyncio.ensure_future(self._run())
+
+    def wake(self) -> None:
+        """Look at the queue again (callable from any thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def forget_prepared(self, seq: int) -> None:
+        """Entry ``seq`` was renamed or dropped before it finished: drop the parts uploaded under its old key (any
+        thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._cancel_prepared, seq)
+
+    def _cancel_prepared(self, seq: int) -> None:
+        task = self._prepared.pop(seq, None)
+        if task is not None:
+            task.cancel()
+        self._wake.set()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._prepared.values():
+            task.cancel()
+        await asyncio.gather(*self._prepared.values(), return_exceptions=True)
+        self._prepared.clear()
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        await self._abort_leftovers()
+        delay = 0.0
+        while True:
+            head = [] if self.paused else self.queue.head(LOOKAHEAD)
+            if not head:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for e in head:
+                if e.kind == "put" and e.size > self.part_size and e.seq not in self._prepared:
+                    self._prepared[e.seq] = asyncio.ensure_future(self._prepare(e, e.key))
+            first = head[0]
+            try:
+                await self._finish(first)
+            except _Renamed:
+                continue  # its parts went up under a name it no longer has: prepare again
+            except CommitConflictError as exc:
+                self._give_up(first, str(exc))
+                continue
+            except (CacheFSError, OSError) as exc:
+                first.running = False
+                self._failed(first, exc)
+                delay = min(self.backoff_max * 6, max(0.1, delay * 2))
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                continue
+            delay = 0.0
+            self.last_error = ""
+            self.last_progress = time.monotonic()
+            self.queue.finished(first)
+            if self.on_done is not None:
+                self.on_done(first, "")
+
+    def _failed(self, e: QueueEntry, exc: BaseException) -> None:
+        self.failures += 1
+        self.last_error = f"{e.kind} {e.key}: {exc}"
+        e.error = str(exc)
+        safely(lambda: CHECKPOINT_FAILURES.labels(result_of(exc)).inc())
+        log.warning("upload of %s/%s failed, trying again: %s", self.url, e.key, exc)
+
+    def _give_up(self, first: QueueEntry, reason: str) -> None:
+        """A lost commit race: the checkpoint's entries fail for good (their bytes stay in the volume's tree)."""
+        log.error("%s/%s: %s; its files stay on this node only", self.url, first.key, reason)
+        name = first.key
+        for e in [first, *self.queue.pending(lambda e: e is not first and e.kind in ("put", "copy", "commit")
+                                              and under(e.key, name))]:
+            task = self._prepared.pop(e.seq, None)
+            if task is not None:
+                task.cancel()
+            self.queue.finished(e, failed=reason)
+            if self.on_done is not None:
+                self.on_done(e, reason)
+        self.last_error = reason
+
+    async def _abort_leftovers(self) -> None:
+        """Multipart uploads a previous process began are dropped: their entries upload again from the start."""
+        for e in self.queue.pending(lambda e: bool(e.upload_id)):
+            await self._abort_quietly(self._url(e.key), e.upload_id)
+            e.upload_id = ""
+
+    def _url(self, key: str) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    # -- one entry ----------------------------------------------------------------------------------------------
+    async def _finish(self, e: QueueEntry) -> None:
+        if e.kind == "put":
+            started = time.monotonic()
+            if e.size > self.part_size:
+                await self._complete(e)
+            else:
+                self.queue.started(e)
+                async with self._memory(e.size):
+                    data = await asyncio.to_thread(_pread, self.snapshot(e.snap), 0, e.size)
+                    await self.writes.put(self._url(e.key), data)
+            seconds = time.monotonic() - started
+            self.rate = e.size / seconds if seconds > 0 else 0.0
+            safely(lambda: CHECKPOINT_UPLOADED_BYTES.inc(e.size))
+            return
+        self.queue.started(e)
+        if e.kind == "copy":
+            await self.writes.copy(self._url(e.src), self._url(e.key), e.size)
+        elif e.kind == "delete":
+            await self.writes.delete(self._url(e.key))
+        elif e.kind == "claim":
+            await commits.claim(self.writes, self.source, self._url(e.key), self.writer)
+        elif e.kind == "commit":
+            await commits.write_record(self.writes, self.source, self._url(e.key), self.writer)
+
+    async def _complete(self, e: QueueEntry) -> None:
+        task = self._prepared.get(e.seq)
+        if task is None:
+            task = self._prepared[e.seq] = asyncio.ensure_future(self._prepare(e, e.key))
+        try:
+            key, upload_id, etags = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and not self._stopping:
+                raise _Renamed from None
+            raise
+        except BaseException:
+            self._prepared.pop(e.seq, None)  # (failed: begun again at the next try)
+            raise
+        self.queue.started(e)
+        if key != e.key:  # renamed in the instant its last part went up
+            self._prepared.pop(e.seq, None)
+            e.running = False
+            await self._abort_quietly(self._url(key), upload_id)
+            raise _Renamed
+        await self.writes.complete_multipart(self._url(e.key), upload_id, etags)
+        self._prepared.pop(e.seq, None)
+
+    async def _prepare(self, e: QueueEntry, key: str) -> tuple[str, str, list[str]]:
+        """Upload every part of ``e``'s snapshot under ``key``; (key, upload id, part ETags). Nothing is visible
+        until the upload is completed."""
+        url = self._url(key)
+        upload_id = await self.writes.start_multipart(url)
+        self.queue.multipart(e, upload_id)
+        try:
+            starts = range(0, e.size, self.part_size)
+            etags = await asyncio.gather(*(self._part(e.snap, e.size, url, upload_id, n, s) for n, s in enumerate(starts, 1)))
+        except BaseException:
+            await asyncio.shield(self._abort_quietly(url, upload_id))
+            raise
+        return key, upload_id, list(etags)
+
+    async def _abort_quietly(self, url: str, upload_id: str) -> None:
+        try:
+            await self.writes.abort_multipart(url, upload_id)
+        except (CacheFSError, OSError) as exc:
+            log.info("could not abort the upload of %s: %s", url, exc)
+
+    async def _part(self, snap: int, total: int, url: str, upload_id: str, number: int, start: int) -> str:
+        async with self._parts:
+            size = min(self.part_size, total - start)
+            async with self._memory(size):
+                data = await asyncio.to_thread(_pread, self.snapshot(snap), start, size)
+                return await self.writes.put_part(url, upload_id, number, data)
+
+    def _memory(self, size: int) -> contextlib.AbstractAsyncContextManager[Any]:
+        """``size`` bytes of the memory budget, held while a body is read and sent."""
+        if self.budget is None:
+            return contextlib.nullcontext()
+        return _Held(self.budget, size)
+
+
+class _Renamed(Exception):
+    """The entry's parts went up under a name it no longer has."""
+
+
+class _Held:
+    def __init__(self, budget: MemoryBudget, size: int) -> None:
+        self.budget, self.size = budget, size
+        self.reservation: Any = None
+
+    async def __aenter__(self) -> None:
+        self.reservation = await self.budget.take(self.size)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.reservation.release()
+
+
+def _pread(path: str, start: int, size: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = os.pread(fd, size, start)
+    finally:
+        os.close(fd)
+    if len(out) != size:
+        raise OSError(f"{path}: snapshot holds {start + len(out)} bytes, {start + size} were journalled")
+    return out
+
+
+def describe(uploader: Uploader) -> dict[str, Any]:
+    """What status shows about an uploader."""
+    return {"last_error": uploader.last_error, "failures": uploader.failures, "upload_rate": uploader.rate}

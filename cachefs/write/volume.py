@@ -1,0 +1,379 @@
+"""A writable volume: a directory tree on the node's disk whose closed files go to the origin, in order.
+
+The front doors change the tree with ordinary file operations and tell the volume at the points that matter:
+:meth:`WritableVolume.before_write` (room, and a copy for a file whose closed version still waits for its upload),
+:meth:`~WritableVolume.closed` (durable here and queued), :meth:`~WritableVolume.rename`,
+:meth:`~WritableVolume.unlink` and :meth:`~WritableVolume.commit` (what the origin must see, queued in order).
+Thread-safe: every change to the tree and the queue holds the queue's lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from typing import Any
+
+from cachefs.base.aio import run_sync
+from cachefs.base.config import Config, resolve_size
+from cachefs.base.errors import ConfigError
+from cachefs.base.files import atomic_write
+from cachefs.base.types import canonical_url
+from cachefs.index.volumes import volumes_root
+from cachefs.node.budget import MemoryBudget
+from cachefs.sources import open_object_writes, open_origin
+from cachefs.write import remote
+from cachefs.write.queue import QueueEntry, UploadQueue, fsync_dir, under
+from cachefs.write.staging import StagingRoom
+from cachefs.write.uploader import Uploader
+
+__all__ = ["WritableVolume", "lock_volume", "open_volume"]
+
+log = logging.getLogger(__name__)
+
+
+class WritableVolume:
+    """One volume: ``<dir>/tree`` (what the front door shows), ``<dir>/queue`` (snapshots of closed files waiting
+    for their upload), ``<dir>/journal`` (the queue), ``<dir>/status.json`` (what ``cachefs status`` shows)."""
+
+    def __init__(self, config: Config, url: str, vdir: str, *, writer: str, storage_options: dict | None = None,
+                 budget: MemoryBudget | None = None, make_room=None) -> None:
+        self.config, self.url, self.dir, self.writer = config, url.rstrip("/"), vdir, writer
+        self.tree = os.path.join(vdir, "tree")
+        self.snapdir = os.path.join(vdir, "queue")
+        os.makedirs(self.tree, exist_ok=True)
+        os.makedirs(self.snapdir, exist_ok=True)
+        self.queue = UploadQueue(os.path.join(vdir, "journal"))
+        self.lock = self.queue.lock
+        self.source = open_origin(self.url, config, storage_options)
+        k = config.checkpoint
+        self.uploader = Uploader(self.queue, self.url, self.snapshot, open_object_writes(self.url, config, storage_options),
+                                 self.source, writer=writer, part_size=k.part_size, concurrency=k.upload_concurrency,
+                                 backoff_max=config.origin.backoff_max, budget=budget, on_done=self._uploaded)
+        self.budget = budget
+        st = os.statvfs(vdir)
+        total = st.f_blocks * st.f_frsize
+        self.room = StagingRoom(vdir, limit=resolve_size(k.staging_limit, total, "checkpoint.staging_limit"),
+                                min_free=resolve_size(config.cache.min_free, total, "cache.min_free"),
+                                stall_timeout=k.stall_timeout, changed=self.queue.changed, queued=self.queued_bytes,
+                                dirty=lambda: sum(self._dirty.values()),
+                                last_progress=lambda: self.uploader.last_progress, make_room=make_room)
+        #: Objects on the origin now (the listing at start, then every upload, copy and delete that finished).
+        self.origin_keys: dict[str, int] = {}
+        self._dirty: dict[int, int] = {}  # inode → bytes written since its last close
+        self._snap_inode: dict[int, int] = {}  # snapshot → its inode (a write to that inode copies it first)
+        self._downloads: dict[str, threading.Event] = {}
+        self._stopped = threading.Event()
+        self._status_thread: threading.Thread | None = None
+        #: The owner lock's descriptor (open_volume takes it), released by stop().
+        self.lock_fd: int | None = None
+
+    def snapshot(self, snap: int) -> str:
+        return os.path.join(self.snapdir, str(snap))
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.tree, rel) if rel else self.tree
+
+    # -- life ---------------------------------------------------------------------------------------------------
+    async def start(self, *, list_origin: bool = True) -> None:
+        """Show the origin's objects (unless ``list_origin`` is false) and start uploading what is queued."""
+        _check_xattrs(self.tree)
+        for e in self.queue.pending(lambda e: e.kind == "put"):
+            try:
+                self._snap_inode[e.snap] = os.stat(self.snapshot(e.snap)).st_ino
+            except FileNotFoundError:
+                log.error("%s: the snapshot of %s is missing; its upload is dropped", self.dir, e.key)
+                self.queue.drop(e)
+        if list_origin:
+            keep = {e.key for e in self.queue.pending(lambda e: e.kind in ("put", "copy"))}
+            self.origin_keys = await remote.list_into_tree(self.source, self.url, self.tree, keep)
+        self.uploader.start()
+        self._status_thread = threading.Thread(target=self._publish_status, name="cachefs-volume-status", daemon=True)
+        self._status_thread.start()
+
+    async def stop(self) -> None:
+        self._stopped.set()
+        await self.uploader.stop()
+        await self.uploader.writes.close()
+        await self.source.close()
+        self.queue.close()
+        self._write_status()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+    # -- writes -------------------------------------------------------------------------------------------------
+    def open_for_write(self, rel: str, *, truncate: bool) -> None:
+        """A writer opens ``rel``: the origin's bytes are fetched first unless the open truncates."""
+        path = self.path(rel)
+        if truncate:
+            remote.drop_xattr(path, remote.REMOTE)
+            remote.drop_xattr(path, remote.CLEAN)
+        else:
+            self.materialize(rel)
+        self.before_write(os.stat(path).st_ino, rel, 0)
+
+    def before_write(self, inode: int, rel: str, nbytes: int) -> None:
+        """``nbytes`` are about to be written to ``rel`` (inode ``inode``): wait for room, copy a snapshot that
+        shares the inode, mark the file dirty. Blocking."""
+        if nbytes:
+            self.room.take(nbytes)
+        with self.lock:
+            if inode in self._snap_inode.values():
+                self._copy_snapshots(inode)
+            if inode not in self._dirty:
+                os.setxattr(self.path(rel), remote.DIRTY, b"1")
+                remote.drop_xattr(self.path(rel), remote.CLEAN)
+                self._dirty[inode] = 0
+            self._dirty[inode] += nbytes
+
+    def closed(self, rel: str, fd: int) -> QueueEntry | None:
+        """The writer closed (or fsynced) ``rel`` through ``fd``: its bytes are fsynced, a snapshot is linked into
+        the queue and journalled. Returns when that is durable; the upload follows."""
+        st = os.fstat(fd)
+        path = self.path(rel)
+        with self.lock:
+            dirty = st.st_ino in self._dirty or remote.xattr(path, remote.DIRTY) is not None
+            try:
+                here = os.stat(path).st_ino == st.st_ino
+            except FileNotFoundError:
+                here = False
+            if not dirty or not here:
+                self._dirty.pop(st.st_ino, None)
+                return None  # nothing written, or unlinked meanwhile: nothing to upload
+            os.fsync(fd)
+            snap = self.queue.reserve_seq()
+            os.link(path, self.snapshot(snap))
+            fsync_dir(self.snapdir)
+            e = self.queue.add("put", rel, size=st.st_size, snap=snap)
+            self._snap_inode[snap] = st.st_ino
+            self._dirty.pop(st.st_ino, None)
+            remote.drop_xattr(path, remote.DIRTY)
+            return e
+
+    def _copy_snapshots(self, inode: int) -> None:
+        """Give the queued snapshots of ``inode`` their own copy before the file changes (a running upload is let
+        finish first)."""
+        for snap in [s for s, i in self._snap_inode.items() if i == inode]:
+            while any(e.running and e.snap == snap for e in self.queue.pending()):
+                self.queue.changed.wait(timeout=1.0)
+            if snap not in self._snap_inode:
+                continue  # its upload finished meanwhile
+            tmp = self.snapshot(snap) + ".copy"
+            shutil.copyfile(self.snapshot(snap), tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.snapshot(snap))
+            self._snap_inode[snap] = os.stat(self.snapshot(snap)).st_ino
+
+    def materialize(self, rel: str) -> None:
+        """Download ``rel`` if it is a placeholder of an object on the origin (one download per file). Blocking."""
+        path = self.path(rel)
+        if remote.xattr(path, remote.REMOTE) is None:
+            return
+        with self.lock:
+            running = self._downloads.get(rel)
+            if running is None:
+                event = self._downloads[rel] = threading.Event()
+        if running is not None:
+            running.wait()
+            return
+        try:
+            k = self.config.checkpoint
+            run_sync(remote.download(self.source, f"{self.url}/{rel}", path, part_size=k.part_size,
+                                     concurrency=k.upload_concurrency, budget=self.budget))
+        finally:
+            with self.lock:
+                self._downloads.pop(rel, None)
+            event.set()
+
+    # -- the namespace ------------------------------------------------------------------------------------------
+    def rename(self, src: str, dst: str, *, noreplace: bool = False) -> None:
+        """Rename in the tree, and queue what the origin must see: entries not started go to the end under the new
+        name; objects already there are copied and deleted. ``X.tmp`` → ``X`` for a directory, and DCP's
+        ``.metadata.tmp`` → ``.metadata``, commit the checkpoint directory."""
+        with self.lock:
+            sp, dp = self.path(src), self.path(dst)
+            if noreplace and os.path.lexists(dp):
+                raise FileExistsError(17, "File exists", dst)
+            was_dir = os.path.isdir(sp)
+            os.rename(sp, dp)
+
+            def moved(key: str) -> str:
+                return dst + key[len(src):]
+
+            targets = set()
+            for e in self.queue.pending(lambda e: not e.running and e.kind in ("put", "copy") and under(e.key, src)):
+                old = e.seq
+                self.queue.move(e, moved(e.key))
+                self.uploader.forget_prepared(old)
+                targets.add(e.key)
+            deleting = {e.key for e in self.queue.pending(lambda e: e.kind == "delete")}
+            there = {k: n for k, n in self.origin_keys.items() if under(k, src) and k not in deleting}
+            for e in self.queue.pending(lambda e: e.running and e.kind in ("put", "copy") and under(e.key, src)):
+                there[e.key] = e.size
+            for key, size in sorted(there.items()):
+                if moved(key) not in targets:  # (a newer version goes up under that name anyway)
+                    self.queue.add("copy", moved(key), src=key, size=size)
+                self.queue.add("delete", key)
+            if os.path.basename(src) == ".metadata.tmp" and os.path.basename(dst) == ".metadata":
+                self.commit(os.path.dirname(dst))
+            elif was_dir and src == dst + ".tmp":
+                self.commit(dst)
+
+    def unlink(self, rel: str) -> None:
+        with self.lock:
+            inode = os.lstat(self.path(rel)).st_ino
+            os.unlink(self.path(rel))
+            for e in self.queue.pending(lambda e: not e.running and e.kind in ("put", "copy") and e.key == rel):
+                self.queue.drop(e)
+                self.uploader.forget_prepared(e.seq)
+                self._forget_snapshot(e)
+            running = self.queue.pending(lambda e: e.running and e.kind in ("put", "copy") and e.key == rel)
+            if rel in self.origin_keys or running:
+                self.queue.add("delete", rel)
+            self._dirty.pop(inode, None)
+
+    def commit(self, rel: str) -> None:
+        """Publish the checkpoint directory ``rel``: its name is claimed before any of its objects not yet
+        uploaded, and its commit record is written after all of them."""
+        with self.lock:
+            first = next(iter(self.queue.pending(lambda e: not e.running and e.kind in ("put", "copy", "delete")
+                                                 and under(e.key, rel))), None)
+            self.queue.add("claim", rel, before=first)
+            self.queue.add("commit", rel)
+
+    # -- the uploader's news ------------------------------------------------------------------------------------
+    def _uploaded(self, e: QueueEntry, failed: str) -> None:
+        with self.lock:
+            if e.kind == "put":
+                self._forget_snapshot(e)
+            if failed:
+                return
+            if e.kind in ("put", "copy"):
+                self.origin_keys[e.key] = e.size
+            elif e.kind == "delete":
+                self.origin_keys.pop(e.key, None)
+
+    def _forget_snapshot(self, e: QueueEntry) -> None:
+        if e.kind == "put" and e.snap:
+            self._snap_inode.pop(e.snap, None)
+            try:
+                os.unlink(self.snapshot(e.snap))
+            except FileNotFoundError:
+                pass
+
+    # -- what it holds ------------------------------------------------------------------------------------------
+    def queued_bytes(self) -> int:
+        with self.lock:
+            return sum(e.size for e in self.queue.entries if e.kind == "put")
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            entries = list(self.queue.entries)
+            dirty = sum(self._dirty.values())
+            failed = dict(self.queue.failed)
+            last = self.queue.next_seq - 1
+        puts = [e for e in entries if e.kind == "put"]
+        queued = sum(e.size for e in puts)
+        rate = self.uploader.rate
+        return {
+            "url": self.url, "dir": self.dir, "pid": os.getpid(), "writer": self.writer, "time": time.time(),
+            "durability": "local: fsynced on this node's disk (no other copy until the upload)",
+            "staged_bytes": queued + dirty, "staged_files": len(puts), "queued_entries": len(entries),
+            "below_promise_bytes": dirty, "staging_limit": self.room.limit, "writers_waiting": self.room.waiting,
+            "oldest_staged_age": (time.time() - min(e.added for e in entries)) if entries else 0.0,
+            "uploaded_bytes": self.queue.uploaded_bytes, "upload_rate": rate,
+            "upload_lag": queued / rate if rate > 0 else (0.0 if not queued else None),
+            "failures": self.uploader.failures, "last_error": self.uploader.last_error,
+            "failed": {str(k): v for k, v in failed.items()},
+            "pending": [f"{e.kind} {e.key}" for e in entries[:20]],
+            "last_seq": last, "done_through": (min(e.seq for e in entries) - 1) if entries else last,
+        }
+
+    def _write_status(self) -> dict[str, Any]:
+        st = self.status()
+        try:
+            atomic_write(os.path.join(self.dir, "status.json"), json.dumps(st))
+        except OSError as exc:
+            log.debug("volume status not written: %s", exc)
+        _export_metrics(st)
+        return st
+
+    def _publish_status(self) -> None:
+        while not self._stopped.wait(0.2):
+            try:
+                self._write_status()
+            except Exception:
+                log.exception("volume status")
+
+
+def _export_metrics(st: dict[str, Any]) -> None:
+    from cachefs.base.metrics import (
+        CHECKPOINT_BELOW_PROMISE,
+        CHECKPOINT_OLDEST_SECONDS,
+        CHECKPOINT_STAGED_BYTES,
+        CHECKPOINT_STAGED_FILES,
+        safely,
+    )
+
+    def update() -> None:
+        CHECKPOINT_STAGED_BYTES.set(st["staged_bytes"])
+        CHECKPOINT_STAGED_FILES.set(st["staged_files"])
+        CHECKPOINT_BELOW_PROMISE.set(st["below_promise_bytes"])
+        CHECKPOINT_OLDEST_SECONDS.set(st["oldest_staged_age"])
+
+    safely(update)
+
+
+def _check_xattrs(path: str) -> None:
+    probe = os.path.join(path, ".cachefs-xattr-probe")
+    try:
+        with open(probe, "wb"):
+            pass
+        os.setxattr(probe, "user.cachefs.probe", b"1")
+    except OSError as exc:
+        raise ConfigError(f"{path}: the cache directory's file system does not keep user xattrs ({exc.strerror}); "
+                          "writable volumes need them") from None
+    finally:
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass
+
+
+# -- where volumes live ---------------------------------------------------------------------------------------------
+def lock_volume(vdir: str) -> int | None:
+    """Take the volume's owner lock (held for the process's life); None if another live process holds it."""
+    fd = os.open(os.path.join(vdir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def open_volume(config: Config, url: str, *, session: str, storage_options: dict | None = None,
+                budget: MemoryBudget | None = None, make_room=None, **info: Any) -> WritableVolume:
+    """The volume of ``url`` for ``session`` (a mount point, or a process's own), locked for this process.
+    ``info`` is recorded in ``volume.json`` (e.g. the mount point)."""
+    url = canonical_url(url).rstrip("/")
+    key = hashlib.blake2b(f"{url}\0{session}".encode(), digest_size=8).hexdigest()
+    vdir = os.path.join(volumes_root(config.cache.dir), key)
+    os.makedirs(vdir, mode=0o700, exist_ok=True)
+    fd = lock_volume(vdir)
+    if fd is None:
+        raise ConfigError(f"{url} ({session}) is being written by another process on this node")
+    atomic_write(os.path.join(vdir, "volume.json"), json.dumps({"url": url, "session": session, **info}))
+    node = os.environ.get("NODE_NAME") or socket.gethostname()
+    volume = WritableVolume(config, url, vdir, writer=f"{node}/{key}", storage_options=storage_options,
+                            budget=budget, make_room=make_room)
+    volume.lock_fd = fd
+    return volume
