@@ -11,21 +11,28 @@ path (for listings) or at its parent directory (for files).
 
 Options (``cachefs={...}``): ``dataset``, ``manifest_version`` (pin a snapshot), ``cache_dir``, ``config``
 (a YAML file) and any config key as ``section_field`` (e.g. ``engine_memory_budget="1GiB"``).
+
+With ``writable=True`` (S3 only) the filesystem also writes: ``open(..., "wb")``, ``put``, ``pipe``, ``rm``,
+``mv``, ``mkdir``, ``touch`` go to this process's checkpoint volume (:mod:`cachefs.write.files`): durable on the
+node at close, on the origin in the background in close order; ``volume="s3://bucket/prefix"`` confines them to
+that prefix (default: the bucket). Files this process wrote are read back from the node.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
 from cachefs.base.aio import run_sync
 from cachefs.base.config import load_config
-from cachefs.base.errors import InvalidURLError, ReadOnlyError
+from cachefs.base.errors import ConfigError, InvalidURLError, ReadOnlyError
 from cachefs.base.types import Entry, canonical_url
 from cachefs.engine import WOULD_WAIT, Dataset, Engine, ReadStream, get_engine
+from cachefs.write.files import ProcessVolumes, VolumeFiles
 
 try:  # fsspec >= 2025.10 marks chaining-aware filesystems with this base class
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -55,6 +62,12 @@ class CacheFileSystem(_Base):
     ) -> None:
         super().__init__()
         target_protocol, target_options, layers, options = _layer_options(target_protocol, target_options, options)
+        writable = options.pop("writable", False)
+        if writable not in (True, False, "true", "false", 1, 0):
+            raise ConfigError(f"writable={writable!r}: True or False")
+        self.writable = writable in (True, "true", 1)
+        self.volume_url = canonical_url(options.pop("volume")) if options.get("volume") else None
+        self._writes: VolumeFiles | None = None
         overrides = {k: v for k, v in options.items() if k not in ("skip_instance_cache", "use_listings_cache",
                                                                     "listings_expiry_time", "max_paths")}
         overrides["cache_dir"] = cache_dir
@@ -71,6 +84,20 @@ class CacheFileSystem(_Base):
         self.dataset_url = canonical_url(dataset) if dataset else None
         self.manifest_version = manifest_version
         self._datasets: dict[str, Dataset] = {}
+
+    @property
+    def writes(self) -> VolumeFiles:
+        """This process's writable volumes (``writable=True`` only)."""
+        if not self.writable:
+            raise ReadOnlyError('cachefs is read-only here: pass cachefs={"writable": True} to write (S3 only)')
+        if self._writes is None or self._pid != os.getpid():
+            engine = self.engine
+            protocol = self.target_protocol or "s3"
+            options = {**self._origin_layers.get(protocol, {}), **self.target_options}
+            volumes = ProcessVolumes.of_process(self._config, budget=engine.budget, make_room=engine.evictor.make_room,
+                                                storage_options=options)
+            self._writes = VolumeFiles(volumes, self.volume_url)
+        return self._writes
 
     @property
     def engine(self) -> Engine:
@@ -141,6 +168,11 @@ class CacheFileSystem(_Base):
 
     # -- fsspec API ---------------------------------------------------------------------------------------
     def ls(self, path, detail=True, **kwargs):
+        if self.writable:
+            return _merge_listings(self, path, detail)
+        return self._ls_read(path, detail)
+
+    def _ls_read(self, path, detail=True):
         ds, rel = self._resolve(path, as_dir=True)
         entries = ds.listdir(rel) if ds.stat(rel).is_dir else [ds.stat(rel)]
         infos = [self._info(ds, e) for e in entries]
@@ -186,10 +218,20 @@ class CacheFileSystem(_Base):
         return {n: out[n] for n in names} if detail else names
 
     def info(self, path, **kwargs):
+        if self.writable:
+            local = self.writes.local(self._url(path)) or self.writes.local_dir(self._url(path))
+            if local is not None:
+                return _local_info(self._strip_protocol(path), local)
         ds, rel = self._resolve(path, as_dir=False)
         return self._info(ds, ds.stat(rel))
 
     def cat_file(self, path, start=None, end=None, **kwargs):
+        local = self.writes.local(self._url(path)) if self.writable else None
+        if local is not None:
+            with open(local, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                start, end = _norm_range(size, start, end)
+                return os.pread(f.fileno(), end - start, start)
         ds, rel = self._resolve(path, as_dir=False)
         entry = ds.file(rel)
         start, end = _norm_range(entry.size, start, end)
@@ -197,7 +239,13 @@ class CacheFileSystem(_Base):
 
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
         if "r" not in mode or any(c in mode for c in "wax+"):
-            raise ReadOnlyError(f"{path}: cachefs is read-only (mode {mode!r})")
+            if not self.writable:
+                raise ReadOnlyError(f"{path}: cachefs is read-only (mode {mode!r}; cachefs={{'writable': True}} "
+                                    "writes)")
+            return self.writes.open(self._url(path), mode)
+        local = self.writes.local(self._url(path)) if self.writable else None
+        if local is not None:
+            return open(local, "rb")
         ds, rel = self._resolve(path, as_dir=False)
         return CacheFile(self, ds, ds.file(rel))
 
@@ -209,10 +257,66 @@ class CacheFileSystem(_Base):
 
         return datetime.datetime.fromtimestamp(self.info(path)["mtime"], tz=datetime.UTC)
 
-    def _readonly(self, *args, **kwargs):
-        raise ReadOnlyError("cachefs is read-only")
+    # -- writes (writable=True) -----------------------------------------------------------------------------
+    def rm_file(self, path):
+        self.writes.remove(self._url(path))
 
-    rm_file = rm = mkdir = makedirs = rmdir = mv = cp_file = put_file = pipe_file = touch = _readonly
+    def rm(self, path, recursive=False, maxdepth=None):
+        for p in path if isinstance(path, list) else [path]:
+            self.writes.remove(self._url(p), recursive=recursive)
+
+    def mv(self, path1, path2, recursive=False, maxdepth=None, **kwargs):
+        self.writes.move(self._url(path1), self._url(path2))
+
+    def mkdir(self, path, create_parents=True, **kwargs):
+        self.writes.mkdir(self._url(path))
+
+    def makedirs(self, path, exist_ok=False):
+        self.writes.mkdir(self._url(path))
+
+    def rmdir(self, path):
+        local = self.writes.local_dir(self._url(path))
+        if local is not None:
+            os.rmdir(local)
+
+    def cp_file(self, path1, path2, **kwargs):
+        with self.open(path1, "rb") as src, self.open(path2, "wb") as dst:
+            shutil.copyfileobj(src, dst, 4 * 1024 * 1024)
+
+    # put_file is fsspec's: open(…, "wb") and write.
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        with self.open(path, "wb") as f:
+            f.write(value)
+
+    def touch(self, path, truncate=True, **kwargs):
+        if truncate or not self.exists(path):
+            with self.open(path, "wb"):
+                pass
+
+
+def _local_info(name: str, local: str) -> dict[str, Any]:
+    st = os.stat(local)
+    is_dir = os.path.isdir(local)
+    return {"name": name, "size": 0 if is_dir else st.st_size, "type": "directory" if is_dir else "file",
+            "mtime": st.st_mtime}
+
+
+def _merge_listings(fs: CacheFileSystem, path: str, detail: bool):
+    """A writable filesystem's listing: the origin's (through the read path) and what this process wrote."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        out.update({i["name"]: i for i in fs._ls_read(path, True)})
+    except FileNotFoundError:
+        pass
+    local = fs.writes.local_dir(fs._url(path))
+    base = fs._strip_protocol(path).rstrip("/")
+    if local is not None:
+        for name in sorted(os.listdir(local)):
+            out[f"{base}/{name}"] = _local_info(f"{base}/{name}", os.path.join(local, name))
+    if not out:
+        raise FileNotFoundError(2, "No such file or directory", path)
+    infos = [out[k] for k in sorted(out)]
+    return infos if detail else [i["name"] for i in infos]
 
 
 def _layer_options(target_protocol: str | None, target_options: dict[str, Any] | None, options: dict[str, Any],

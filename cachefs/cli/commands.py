@@ -69,6 +69,17 @@ async def status(args: argparse.Namespace, config: Config) -> int:
         if m.get("mirror_problem"):
             print(f"           its packed mirror cannot be used ({m['mirror_problem']}): small files are read one "
                   "GET each; `cachefs pack` writes it again")
+    for v in rep.get("volumes", []):
+        print(f"volume     {v.get('mountpoint') or v['url']}  {v['url']}  "
+              + (f"owner pid {v.get('pid')}" if v["owner_alive"] else "NO OWNER: cachefs sync resumes its uploads"))
+        print(f"           staged {human_bytes(v.get('staged_bytes', 0))} in {v.get('staged_files', 0)} closed files "
+              f"(limit {human_bytes(v.get('staging_limit', 0))}); not yet closed {human_bytes(v.get('below_promise_bytes', 0))}; "
+              f"oldest {v.get('oldest_staged_age', 0):.0f}s; uploaded {human_bytes(v.get('uploaded_bytes', 0))} "
+              f"at {human_bytes(v.get('upload_rate', 0))}/s; {v.get('durability', '')}")
+        if v.get("last_error"):
+            print(f"           upload failing ({v.get('failures', 0)} failures): {v['last_error']}")
+        for seq, reason in (v.get("failed") or {}).items():
+            print(f"           FAILED for good (entry {seq}): {reason}")
     corrupt = sum(rep.get("corrupt_reads", {}).values())
     if corrupt:
         print(f"disk       {corrupt} cached block(s) or file(s) failed their checksum and were fetched again "

@@ -19,6 +19,7 @@ from cachefs.index.counters import NodeCounters
 from cachefs.index.hints import HintStore, ScanRecord
 from cachefs.index.mounts import list_mounts
 from cachefs.index.orders import list_orders, read_order
+from cachefs.index.volumes import list_volumes
 
 __all__ = ["HEAT_STALE_AFTER", "NodeSummary", "cluster_report", "heat_path", "status_report", "write_heat"]
 
@@ -120,6 +121,8 @@ class NodeSummary:
             "hot_directories": [{**d, "url": urls.get(d["dataset"], "")} for d in
                                 self.index.hot_directories(self.config.engine.hot_dir_half_life)],
             "mounts": list_mounts(c.dir),
+            # Writable checkpoint volumes: staged bytes, the upload's progress and failures (docs/SEMANTICS.md).
+            "volumes": list_volumes(c.dir),
             # The cache group, from what the node's agent wrote (None outside a group, or without an agent).
             "cluster": self.cluster(urls),
             # Bytes served to readers of this cache directory by where they came from (every process adds to these

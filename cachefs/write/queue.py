@@ -34,6 +34,7 @@ class QueueEntry:
     running: bool = False
     upload_id: str = ""  # a multipart upload begun for it (aborted and begun again after a restart)
     error: str = ""  # the last failure, while it is retried
+    etag: str = ""  # put: the object's ETag once it is on the origin
 
     def record(self) -> dict:
         out = {"t": self.kind, "seq": self.seq, "key": self.key, "added": self.added}

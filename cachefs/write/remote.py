@@ -17,7 +17,7 @@ from cachefs.base.errors import CacheFSError
 from cachefs.node.budget import MemoryBudget
 from cachefs.sources import Source
 
-__all__ = ["CLEAN", "DIRTY", "REMOTE", "download", "is_internal", "list_into_tree", "xattr"]
+__all__ = ["CLEAN", "DIRTY", "REMOTE", "download", "is_internal", "list_into_tree", "to_placeholder", "xattr"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,18 @@ def _forget_gone(tree: str, found: dict[str, int], keep: set[str]) -> None:
                 continue
             if xattr(path, REMOTE) is not None or xattr(path, CLEAN) is not None:
                 os.unlink(path)  # deleted at the origin since we last listed it
+
+
+def to_placeholder(path: str) -> None:
+    """A clean copy becomes a placeholder again: its blocks are freed, its size and ETag kept."""
+    etag = xattr(path, CLEAN)
+    if etag is None:
+        return
+    size = os.lstat(path).st_size
+    os.setxattr(path, REMOTE, etag.encode())
+    drop_xattr(path, CLEAN)
+    os.truncate(path, 0)
+    os.truncate(path, size)
 
 
 async def download(source: Source, url: str, path: str, *, part_size: int, concurrency: int,

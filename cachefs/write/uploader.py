@@ -165,7 +165,7 @@ class Uploader:
                 self.queue.started(e)
                 async with self._memory(e.size):
                     data = await asyncio.to_thread(_pread, self.snapshot(e.snap), 0, e.size)
-                    await self.writes.put(self._url(e.key), data)
+                    e.etag = await self.writes.put(self._url(e.key), data)
             seconds = time.monotonic() - started
             self.rate = e.size / seconds if seconds > 0 else 0.0
             safely(lambda: CHECKPOINT_UPLOADED_BYTES.inc(e.size))
@@ -199,7 +199,7 @@ class Uploader:
             e.running = False
             await self._abort_quietly(self._url(key), upload_id)
             raise _Renamed
-        await self.writes.complete_multipart(self._url(e.key), upload_id, etags)
+        e.etag = await self.writes.complete_multipart(self._url(e.key), upload_id, etags)
         self._prepared.pop(e.seq, None)
 
     async def _prepare(self, e: QueueEntry, key: str) -> tuple[str, str, list[str]]:

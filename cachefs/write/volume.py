@@ -63,7 +63,8 @@ class WritableVolume:
                                 min_free=resolve_size(config.cache.min_free, total, "cache.min_free"),
                                 stall_timeout=k.stall_timeout, changed=self.queue.changed, queued=self.queued_bytes,
                                 dirty=lambda: sum(self._dirty.values()),
-                                last_progress=lambda: self.uploader.last_progress, make_room=make_room)
+                                last_progress=lambda: self.uploader.last_progress,
+                                make_room=[f for f in (make_room, self.drop_clean) if f is not None])
         #: Objects on the origin now (the listing at start, then every upload, copy and delete that finished).
         self.origin_keys: dict[str, int] = {}
         self._dirty: dict[int, int] = {}  # inode → bytes written since its last close
@@ -240,6 +241,16 @@ class WritableVolume:
                 self.queue.add("delete", rel)
             self._dirty.pop(inode, None)
 
+    def remove_remote(self, rel: str) -> None:
+        """Delete an object this volume's tree does not show (a writer that never listed the origin)."""
+        self.queue.add("delete", rel)
+
+    def move_remote(self, src: str, dst: str, size: int) -> None:
+        """Rename an object this volume's tree does not show: copied, then deleted, in order."""
+        with self.lock:
+            self.queue.add("copy", dst, src=src, size=size)
+            self.queue.add("delete", src)
+
     def commit(self, rel: str) -> None:
         """Publish the checkpoint directory ``rel``: its name is claimed before any of its objects not yet
         uploaded, and its commit record is written after all of them."""
@@ -253,6 +264,8 @@ class WritableVolume:
     def _uploaded(self, e: QueueEntry, failed: str) -> None:
         with self.lock:
             if e.kind == "put":
+                if not failed:
+                    self._mark_clean(e)
                 self._forget_snapshot(e)
             if failed:
                 return
@@ -260,6 +273,37 @@ class WritableVolume:
                 self.origin_keys[e.key] = e.size
             elif e.kind == "delete":
                 self.origin_keys.pop(e.key, None)
+
+    def _mark_clean(self, e: QueueEntry) -> None:
+        """The tree's file is the object just uploaded (same inode, not written since): a clean copy, which
+        :meth:`drop_clean` may turn back into a placeholder when the disk needs room."""
+        path = self.path(e.key)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if (st.st_ino == self._snap_inode.get(e.snap) and st.st_ino not in self._dirty and st.st_size == e.size
+                and remote.xattr(path, remote.DIRTY) is None and e.etag):
+            os.setxattr(path, remote.CLEAN, e.etag.encode())
+
+    def drop_clean(self, need: int) -> int:
+        """Turn clean copies back into placeholders, least lately read first, until ``need`` bytes are freed (or
+        none is left); bytes freed. Blocking."""
+        with self.lock:
+            clean = []
+            for dirpath, _dirs, files in os.walk(self.tree):
+                for name in files:
+                    path = os.path.join(dirpath, name)
+                    if remote.xattr(path, remote.CLEAN) is not None and os.lstat(path).st_ino not in self._dirty:
+                        st = os.lstat(path)
+                        clean.append((st.st_atime, path, st.st_blocks * 512))
+            freed = 0
+            for _atime, path, nbytes in sorted(clean):
+                if freed >= need:
+                    break
+                remote.to_placeholder(path)
+                freed += nbytes
+            return freed
 
     def _forget_snapshot(self, e: QueueEntry) -> None:
         if e.kind == "put" and e.snap:
