@@ -1,0 +1,70 @@
+"""The upload queue's journal: what a writer was told is durable comes back after a crash, in order."""
+
+from __future__ import annotations
+
+import json
+
+from cachefs.write.queue import UploadQueue, under
+
+
+def test_entries_come_back_in_order_after_a_crash_with_moves_drops_and_insertions(tmp_path):
+    path = str(tmp_path / "journal")
+    q = UploadQueue(path)
+    a = q.add("put", "step.tmp/a", size=10, snap=q.reserve_seq())
+    b = q.add("put", "step.tmp/b", size=20, snap=q.reserve_seq())
+    log = q.add("put", "log.txt", size=5, snap=q.reserve_seq())
+    q.move(a, "step/a")
+    q.move(b, "step/b")
+    q.add("claim", "step", before=a)
+    q.add("commit", "step")
+    q.drop(log)
+    done = q.add("delete", "old")
+    q.started(done)
+    q.finished(done)
+    before = [(e.kind, e.key, e.size, e.snap) for e in q.entries]
+    # (no close: the process died) and the last line was cut in half by the crash
+    with open(path, "a") as f:
+        f.write('{"t": "put", "seq": 99, "key": "half')
+    again = UploadQueue(path)
+    assert [(e.kind, e.key, e.size, e.snap) for e in again.entries] == before
+    assert before == [("claim", "step", 0, 0), ("put", "step/a", 10, 1), ("put", "step/b", 20, 3),
+                      ("commit", "step", 0, 0)]
+    # the replay rewrote the journal with the live entries only
+    with open(path) as f:
+        assert len(f.readlines()) == 4
+    assert again.next_seq > max(e.seq for e in again.entries)
+    q.close()
+    again.close()
+
+
+def test_a_multipart_upload_begun_is_remembered_and_a_finished_queue_leaves_an_empty_journal(tmp_path):
+    path = str(tmp_path / "journal")
+    q = UploadQueue(path)
+    e = q.add("put", "big", size=1 << 30, snap=q.reserve_seq())
+    q.multipart(e, "upload-1")
+    reread = UploadQueue(path)
+    assert reread.entries[0].upload_id == "upload-1"
+    reread.close()
+    q.started(e)
+    q.finished(e)
+    assert q.done_through(e.seq)
+    with open(path) as f:
+        assert f.read() == ""
+    q.close()
+
+
+def test_a_lost_commit_race_is_kept_as_failed(tmp_path):
+    path = str(tmp_path / "journal")
+    q = UploadQueue(path)
+    e = q.add("claim", "ckpt")
+    q.finished(e, failed="ckpt: committed by another writer first")
+    again = UploadQueue(path)
+    assert again.entries == [] and again.failed == {e.seq: "ckpt: committed by another writer first"}
+    with open(path) as f:
+        assert [json.loads(line)["t"] for line in f] == ["failed"]
+    q.close()
+    again.close()
+
+
+def test_under():
+    assert under("a/b", "a") and under("a", "a") and not under("ab", "a") and under("x", "")
