@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import ClassVar
 
-from cachefs.base.aio import run_sync
+from cachefs.base.aio import get_loop, run_sync
 from cachefs.base.config import Config
 from cachefs.base.errors import InvalidURLError
 from cachefs.node.budget import MemoryBudget
@@ -126,7 +126,11 @@ class ProcessVolumes:
         self._volumes: dict[str, WritableVolume] = {}
         self._lock = threading.Lock()
         self._session = f"process:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        atexit.register(self.close)
+        get_loop()
+        # The drain at exit needs the loop and the default executor (the uploads read snapshots in threads): it runs
+        # with threading's exit hooks, which run before the executor refuses new work and before atexit's, last
+        # registered first. (A private hook of the standard library; plain atexit where it is missing.)
+        getattr(threading, "_register_atexit", atexit.register)(self.close)
 
     def volume(self, root: str) -> WritableVolume:
         with self._lock:
