@@ -5,10 +5,12 @@ volume's lock (ABORTED while another call on the same volume runs, as the spec a
 volume is already in the requested state, and only then acts. Requests are logged by method, volume id and
 path; secrets and volume contexts are never logged.
 
-Volumes are read-only datasets. Multi-node writer modes (ReadWriteMany) are refused; single-node writer modes
-are accepted and mounted read-only (writes fail with EROFS), because kubelet sends SINGLE_NODE_WRITER for
-inline volumes and ReadWriteOnce claims even when the pod mounts them read-only. Only the mount access type is
-supported (no raw block devices).
+Datasets are read-only: multi-node writer modes (ReadWriteMany) are refused; single-node writer modes are accepted
+and mounted read-only (writes fail with EROFS), because kubelet sends SINGLE_NODE_WRITER for inline volumes and
+ReadWriteOnce claims even when the pod mounts them read-only. Checkpoint volumes (``writable: "true"``) take every
+access mode and are bound read-write (unless the pod mounts them read-only); NodeUnpublishVolume of a node's last
+publish of one waits for its uploads first, bounded. Only the mount access type is supported (no raw block
+devices).
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ def _check_volume_id(volume_id: str) -> None:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"volume_id is {len(volume_id)} bytes, over {MAX_VOLUME_ID}")
 
 
-def _check_capability(cap: pb.VolumeCapability) -> None:
-    if cap.access_mode.mode in _MULTI_WRITERS:
+def _check_capability(cap: pb.VolumeCapability, *, writable: bool = False) -> None:
+    if cap.access_mode.mode in _MULTI_WRITERS and not writable:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "cachefs volumes are read-only datasets: multi-node writer "
                      "access (ReadWriteMany) is not supported; use ReadOnlyMany")
     if cap.HasField("block"):
@@ -190,10 +192,10 @@ class ControllerService(rpc.ControllerServicer):
     def CreateVolume(self, request):
         _require(request.name, "name")
         _require(request.volume_capabilities, "volume_capabilities")
-        for cap in request.volume_capabilities:
-            _check_capability(cap)
         params = {k: v for k, v in request.parameters.items() if not k.startswith("csi.storage.k8s.io/")}
         vol = DatasetVolume.from_attributes(params)
+        for cap in request.volume_capabilities:
+            _check_capability(cap, writable=vol.writable)
         size = request.capacity_range.required_bytes or request.capacity_range.limit_bytes
         volume_id = vol.volume_id_for(request.name)
         with self._locks.hold(request.name), self._lock:
@@ -260,9 +262,9 @@ class NodeService(rpc.NodeServicer):
         _check_volume_id(request.volume_id)
         _require(request.target_path, "target_path")
         _require(request.HasField("volume_capability"), "volume_capability")
-        _check_capability(request.volume_capability)
         vol = volume_of(request.volume_id, dict(request.volume_context)).for_group(
             _mount_group(request.volume_capability.mount.volume_mount_group))
+        _check_capability(request.volume_capability, writable=vol.writable)
         target = os.path.abspath(request.target_path)
         if os.path.lexists(target) and not os.path.isdir(target):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"target path {target} exists and is not a directory")
@@ -272,7 +274,7 @@ class NodeService(rpc.NodeServicer):
             other = self.sessions.publishes.get(target)
             if other and other["volume_id"] != vol.volume_id:
                 raise _Abort(grpc.StatusCode.ALREADY_EXISTS, f"{target} already holds volume {other['volume_id']}")
-            self.sessions.publish(vol, target, credentials_env(dict(request.secrets)))
+            self.sessions.publish(vol, target, credentials_env(dict(request.secrets)), readonly=request.readonly)
         log.info("NodePublishVolume %s at %s", request.volume_id, target)
         return pb.NodePublishVolumeResponse()
 

@@ -64,6 +64,7 @@ class MountRequest:
     group: int | None = None  # the files' group (a pod's fsGroup); None: root's
     mode: int = 0o444  # the files' read bits
     sampler: str = ""  # the readers' declared sampler (cachefs.prefetch.samplers), "" for none
+    writable: bool = False  # a checkpoint volume (cachefs mount --writable)
 
 
 #: The errors a mounter's answer may name (its ``kind``), so that the plugin answers kubelet with their code.
@@ -94,7 +95,8 @@ class LocalMounter:
 
     def mount(self, req: MountRequest) -> None:
         argv = [sys.executable, "-m", "cachefs.cli.main", "mount", req.url, req.mountpoint, "--foreground",
-                "--cache-dir", self.cache_dir, "--allow-other", "--mode", f"0{req.mode:o}"]
+                "--cache-dir", self.cache_dir, "--allow-other"]
+        argv += ["--writable"] if req.writable else ["--mode", f"0{req.mode:o}"]
         if req.group is not None:
             argv += ["--group", str(req.group)]
         if req.sampler:
@@ -161,7 +163,7 @@ class RemoteMounter:
     def mount(self, req: MountRequest) -> None:
         self._call({"op": "mount", "url": req.url, "mountpoint": req.mountpoint, "endpoint_url": req.endpoint_url,
                     "region": req.region, "group": req.group, "mode": req.mode, "sampler": req.sampler,
-                    "env": req.env},
+                    "writable": req.writable, "env": req.env},
                    timeout=MOUNT_TIMEOUT + 10)
 
     def healthy(self) -> tuple[bool, str]:
@@ -203,11 +205,14 @@ def parse_request(raw: bytes, root: str) -> MountRequest | None:
         raise ValueError("mode must be read bits (0444 at most, 0400 at least)")
     if not strings["url"] or not strings["mountpoint"]:
         raise ValueError("url and mountpoint are required")
+    writable = msg.get("writable", False)
+    if type(writable) is not bool:
+        raise ValueError("writable must be true or false")
     mnt = os.path.realpath(strings["mountpoint"])
     if os.path.commonpath([mnt, root]) != root or mnt == root:
         raise ValueError(f"mount point {strings['mountpoint']!r} is outside {root}")
     return MountRequest(strings["url"], mnt, strings["endpoint_url"], strings["region"], env, group, mode,
-                        strings["sampler"])
+                        strings["sampler"], writable)
 
 
 def serve_mounter(socket_path: str, root: str, cache_dir: str, *, ready: threading.Event | None = None,

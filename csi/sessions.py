@@ -3,7 +3,7 @@
 One dataset (same URL and origin options) has one FUSE session per node, mounted under the state directory
 at ``sessions/<key>/mnt`` by a :class:`~.mounter.Mounter` (in a deployment, the node pod's mounter container,
 so that the session's holder outlives restarts of this plugin's container; the holder in turn keeps the mount
-alive across restarts of the FUSE daemon). Each pod's target path is a read-only bind mount of it, so a
+alive across restarts of the FUSE daemon). Each pod's target path is a bind mount of it (read-only for datasets), so a
 second pod starts warm and removing a pod removes only its bind mount. A session no pod uses is stopped after
 an idle time (its daemon's memory comes back); the cached data stays on disk (eviction, not pod churn, decides
 what stays cached), so the next pod of the dataset starts warm all the same.
@@ -23,6 +23,7 @@ import time
 from cachefs.base.errors import CacheFSError
 from cachefs.base.files import atomic_write
 from cachefs.fuse.mount import bind_mount, is_fuse_mount, is_mount_point, is_stale_mount, other_mounts_of, unmount
+from cachefs.index.volumes import wait_uploaded
 from csi.mounter import LocalMounter, Mounter, MountRequest
 from csi.volume import DatasetVolume
 
@@ -35,8 +36,12 @@ class SessionManager:
     """Sessions and publishes of one node. ``cache_dir`` is the node's cache; ``state_dir`` holds sessions and
     the publish record; ``mounter`` starts sessions (default: holders started by this process)."""
 
-    def __init__(self, state_dir: str, cache_dir: str, mounter: Mounter | None = None) -> None:
+    def __init__(self, state_dir: str, cache_dir: str, mounter: Mounter | None = None, *,
+                 drain_timeout: float = 90.0) -> None:
         self.state_dir, self.cache_dir = os.path.abspath(state_dir), os.path.abspath(cache_dir)
+        #: How long the last unpublish of a writable volume on this node waits for its uploads (kubelet's own
+        #: timeout for the call is two minutes).
+        self.drain_timeout = drain_timeout
         self.sessions_dir = os.path.join(self.state_dir, "sessions")
         os.makedirs(self.sessions_dir, exist_ok=True)
         # Sessions are mounted allow_other (pods read as any user): only root may walk to them on the node; pods
@@ -68,7 +73,8 @@ class SessionManager:
                 self._env[vol.session_key] = dict(env)
             self.mounter.mount(MountRequest(vol.url, mnt, vol.endpoint_url, vol.region,
                                             dict(env or self._env.get(vol.session_key, {})),
-                                            group=vol.group, mode=vol.file_mode, sampler=vol.sampler))
+                                            group=vol.group, mode=vol.file_mode, sampler=vol.sampler,
+                                            writable=vol.writable))
             log.info("session for %s mounted at %s", vol.url, mnt)
             return mnt
 
@@ -109,17 +115,29 @@ class SessionManager:
         return bool(rec and rec["volume_id"] == vol.volume_id and rec.get("group") == vol.group and is_mount_point(target)
                     and not is_stale_mount(target))
 
-    def publish(self, vol: DatasetVolume, target: str, env: dict[str, str] | None = None) -> None:
-        """Bind the session of ``vol`` read-only at ``target`` (created if missing)."""
+    def publish(self, vol: DatasetVolume, target: str, env: dict[str, str] | None = None, *,
+                readonly: bool = False) -> None:
+        """Bind the session of ``vol`` at ``target`` (created if missing): read-only, unless ``vol`` is a writable
+        volume the pod does not mount read-only."""
         src = self.ensure_session(vol, env)
         os.makedirs(target, exist_ok=True)
         if is_mount_point(target):  # a broken earlier bind (stale session): replace it
             unmount(target)
-        bind_mount(src, target, readonly=True)
-        self._record(target, {"volume_id": vol.volume_id, "attributes": vol.attributes(), "group": vol.group})
+        bind_mount(src, target, readonly=readonly or not vol.writable)
+        self._record(target, {"volume_id": vol.volume_id, "attributes": vol.attributes(), "group": vol.group,
+                              "readonly": readonly})
 
     def unpublish(self, target: str) -> None:
-        """Remove the bind mount at ``target`` and the directory; the shared session stays."""
+        """Remove the bind mount at ``target`` and the directory; the shared session stays. The last pod of a
+        writable volume on this node leaving waits (up to ``drain_timeout``) until what it wrote is uploaded."""
+        rec = self.publishes.get(target)
+        vol = _recorded_volume(rec) if rec else None
+        if vol is not None and vol.writable and not any(
+                t != target and _recorded_volume(r).session_key == vol.session_key for t, r in self.publishes.items()):
+            done, pending = wait_uploaded(self.cache_dir, self.session_path(vol), self.drain_timeout)
+            if not done:
+                log.warning("%s: %d uploads still pending after %.0f s; they stay on this node and go on in the "
+                            "background", target, len(pending), self.drain_timeout)
         while is_mount_point(target):
             unmount(target)
         if os.path.isdir(target):
@@ -144,7 +162,7 @@ class SessionManager:
                 self._record(target, None)
                 continue
             try:
-                self.publish(vol, target)
+                self.publish(vol, target, readonly=bool(rec.get("readonly")))
                 repaired.append(target)
             except (CacheFSError, OSError) as exc:
                 log.error("could not repair %s: %s", target, exc)

@@ -14,6 +14,10 @@ Volume attributes (a PV's ``volumeAttributes``, an inline volume's ``volumeAttri
 ``sampler``    the readers' sampler (``torch-distributed:seed=0,world-size=8,ranks=0-7,…``,
                docs/SEMANTICS.md "Epochs"): the volume's mount publishes each epoch's read
                order itself, so a job that uses the sampler needs no cachefs code
+``writable``   ``"true"``: a checkpoint volume (S3 only; docs/SEMANTICS.md "Checkpoints"):
+               files written there are durable on the node at close and fsync and reach
+               the origin in the background, in close order; ReadWriteOnce and
+               ReadWriteMany are accepted (each node uploads what its pods wrote)
 ============== =====================================================================
 
 Who reads: the pod's ``fsGroup`` reaches NodePublishVolume as the mount group (``VOLUME_MOUNT_GROUP``; the
@@ -42,7 +46,7 @@ from cachefs.prefetch.samplers import parse_sampler
 
 __all__ = ["ATTRIBUTES", "KUBE_ADDED", "DatasetVolume", "VolumeError", "credentials_env"]
 
-ATTRIBUTES = ("url", "endpointUrl", "region", "mode", "sampler")
+ATTRIBUTES = ("url", "endpointUrl", "region", "mode", "sampler", "writable")
 _ID_PREFIX = "cfs1."
 _SECRET_KEYS = {
     "awsAccessKeyID": "AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
@@ -62,6 +66,7 @@ class DatasetVolume:
     region: str = ""
     mode: str = ""  # the ``mode`` attribute as given ("" = the default for the pod's group)
     sampler: str = ""  # the ``sampler`` attribute as given ("" = none declared)
+    writable: bool = False  # a checkpoint volume (the ``writable`` attribute)
     #: The group (a pod's fsGroup) this volume is published for: who reads it, not what it is, so it is kept
     #: out of the attributes and the volume id.
     group: int | None = None
@@ -91,7 +96,16 @@ class DatasetVolume:
                 parse_sampler(sampler)
             except ConfigError as exc:
                 raise VolumeError(f"volume attribute 'sampler': {exc}") from None
-        return cls(url, attrs.get("endpointUrl", "").strip(), attrs.get("region", "").strip(), mode, sampler)
+        writable = attrs.get("writable", "false").strip().lower()
+        if writable not in ("true", "false"):
+            raise VolumeError(f"volume attribute 'writable' is {writable[:32]!r}: \"true\" or \"false\"")
+        if writable == "true":
+            if scheme not in ("s3", "s3a"):
+                raise VolumeError(f"url {url!r}: writable volumes are on S3 (s3://bucket/prefix)")
+            if sampler or mode:
+                raise VolumeError("'sampler' and 'mode' are for read-only datasets, not writable volumes")
+        return cls(url, attrs.get("endpointUrl", "").strip(), attrs.get("region", "").strip(), mode, sampler,
+                   writable == "true")
 
     def for_group(self, group: int | None) -> DatasetVolume:
         """This volume as published for a pod whose fsGroup is ``group`` (None: no fsGroup)."""
@@ -114,6 +128,8 @@ class DatasetVolume:
             out["mode"] = self.mode
         if self.sampler:
             out["sampler"] = self.sampler
+        if self.writable:
+            out["writable"] = "true"
         return out
 
     @property

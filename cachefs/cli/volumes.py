@@ -14,7 +14,7 @@ from typing import Any
 from cachefs.base.config import Config
 from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.base.types import canonical_url
-from cachefs.index.volumes import journal_last_seq, owner_alive, read_status, volume_dirs
+from cachefs.index.volumes import journal_last_seq, owner_alive, read_status, volume_dirs, wait_for_owner
 
 __all__ = ["checkpoints", "drain_mount", "mount_writable", "sync"]
 
@@ -24,10 +24,13 @@ async def mount_writable(args: argparse.Namespace, config: Config, mnt: str) -> 
     from cachefs.fuse import hold_mount, serve_writable_mount
     from cachefs.fuse.holder import start_holder
 
-    if args.sampler or args.group or args.mode:
-        raise ConfigError("--sampler, --group and --mode are for dataset mounts, not --writable ones")
+    if args.sampler or args.mode:
+        raise ConfigError("--sampler and --mode are for dataset mounts, not --writable ones")
     if args.attach:  # the serving daemon, started (and restarted) by the holder below
-        await asyncio.to_thread(serve_writable_mount, config, args.url, mnt, attach=args.attach, workers=args.workers)
+        from cachefs.base.values import parse_group
+
+        await asyncio.to_thread(serve_writable_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
+                                group=parse_group(args.group) if args.group else None, shared=args.allow_other)
         return 0
     await asyncio.to_thread(_check_mountpoint, config, mnt, args.nonempty)
     await _check_volume_url(config, args.url)  # (one line now, rather than a daemon that cannot start)
@@ -76,13 +79,9 @@ async def _drain(config: Config, vdir: str, info: dict[str, Any], deadline: floa
     without a live owner is taken over and drained here."""
     target = journal_last_seq(vdir)
     if owner_alive(vdir):
-        while True:
-            st = read_status(vdir)
-            if int(st.get("done_through", -1)) >= target and st.get("time", 0) > 0:
-                return True, []
-            if deadline is not None and time.monotonic() > deadline:
-                return False, list(st.get("pending") or [f"entries up to {target}"])
-            await asyncio.sleep(0.1)
+        done, pending = await asyncio.to_thread(wait_for_owner, vdir, target, deadline)
+        if done or owner_alive(vdir):
+            return done, pending
     from cachefs.write.volume import open_volume
 
     extra = {k: v for k, v in info.items() if k not in ("url", "session")}

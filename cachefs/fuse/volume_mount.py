@@ -27,15 +27,22 @@ def volume_session(mountpoint: str) -> str:
 
 
 def serve_writable_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,
-                         ready=None) -> WritableSession:
+                         group: int | None = None, shared: bool = False, ready=None) -> WritableSession:
     """Serve the writable volume of ``url`` on the mount whose descriptor the holder at ``attach`` owns, until
-    unmounted. A daemon started again after one died resumes the volume's queue from its journal."""
+    unmounted. A daemon started again after one died resumes the volume's queue from its journal. Who may
+    create files at the top: members of ``group`` (setgid, 2775); with ``shared`` and no group, every user the
+    mount lets in (1777, as /tmp); else the mounting user (0755)."""
     fd, info = receive_fd(attach)
     engine = get_engine(config)  # the memory budget, and the read cache's evictor that makes room for staged bytes
     try:
         volume = open_volume(config, url, session=volume_session(mountpoint), budget=engine.budget,
                              make_room=engine.evictor.make_room, mountpoint=os.path.abspath(mountpoint))
         run_sync(volume.start())
+        if group is not None:
+            os.chown(volume.tree, -1, group)
+            os.chmod(volume.tree, 0o2775)
+        else:
+            os.chmod(volume.tree, 0o1777 if shared else 0o755)
     except (OSError, ValueError) as exc:
         announce_failure(attach, str(exc))
         os.close(fd)

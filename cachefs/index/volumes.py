@@ -10,9 +10,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from typing import Any
 
-__all__ = ["journal_last_seq", "list_volumes", "owner_alive", "volume_dirs", "volumes_root"]
+__all__ = ["journal_last_seq", "list_volumes", "owner_alive", "read_status", "volume_dirs", "volumes_root", "wait_for_owner",
+           "wait_uploaded"]
 
 
 def volumes_root(cache_dir: str) -> str:
@@ -80,3 +82,27 @@ def list_volumes(cache_dir: str) -> list[dict[str, Any]]:
         st = read_status(vdir)
         out.append({**info, **st, "dir": vdir, "owner_alive": owner_alive(vdir)})
     return out
+
+
+def wait_for_owner(vdir: str, target: int, deadline: float | None) -> tuple[bool, list[str]]:
+    """Wait while the volume's live owner uploads every entry up to ``target``; (done, what is pending). Done
+    too when the owner is gone (nothing more happens here: whoever opens the volume next resumes it)."""
+    while True:
+        st = read_status(vdir)
+        if int(st.get("done_through", -1)) >= target and st.get("time", 0) > 0:
+            return True, []
+        if not owner_alive(vdir):
+            return False, list(st.get("pending") or [f"entries up to {target}"])
+        if deadline is not None and time.monotonic() > deadline:
+            return False, list(st.get("pending") or [f"entries up to {target}"])
+        time.sleep(0.1)
+
+
+def wait_uploaded(cache_dir: str, mountpoint: str, timeout: float) -> tuple[bool, list[str]]:
+    """Wait (up to ``timeout`` seconds) until the writable mount at ``mountpoint`` has uploaded every file closed
+    so far; (done, what is pending). A mount point without a volume has nothing to wait for."""
+    deadline = time.monotonic() + timeout
+    for vdir, info in volume_dirs(cache_dir):
+        if info.get("mountpoint") == os.path.abspath(mountpoint):
+            return wait_for_owner(vdir, journal_last_seq(vdir), deadline)
+    return True, []

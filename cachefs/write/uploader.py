@@ -110,7 +110,7 @@ class Uploader:
             except CommitConflictError as exc:
                 self._give_up(first, str(exc))
                 continue
-            except Exception as exc:  # any failure: the queue is retried, never given up (a bug shows in status)
+            except Exception as exc:  # noqa: BLE001 - any failure: retried, never given up (a bug shows in status)
                 first.running = False
                 self._failed(first, exc)
                 delay = min(self.backoff_max * 6, max(0.1, delay * 2))

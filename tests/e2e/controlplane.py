@@ -229,6 +229,7 @@ _PATHS = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "CSIDriver": ("/apis/storage.k8s.io/v1", "csidrivers", False),
     "StorageClass": ("/apis/storage.k8s.io/v1", "storageclasses", False),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
     "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
     "ValidatingAdmissionPolicyBinding": ("/apis/admissionregistration.k8s.io/v1",
                                          "validatingadmissionpolicybindings", False),

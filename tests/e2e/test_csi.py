@@ -525,3 +525,54 @@ def test_a_session_no_pod_uses_is_stopped_after_the_idle_time_and_the_cache_stay
         unmount_under(tmp_path)
         for h in mgr.mounter.holders:
             h.wait(20)
+
+
+def test_a_writable_volume_takes_rwx_writes_as_the_pods_group_and_unpublish_waits_for_the_upload(plugin, tmp_path,
+                                                                                                 s3):
+    server, client, bucket = s3
+    url = f"s3://{bucket}/ckpt"
+    env = server.env()  # (the plugin started before the origin: its address and credentials come with the volume)
+    attrs = {"url": url, "writable": "true", "endpointUrl": env["AWS_ENDPOINT_URL"]}
+    secrets = {"awsAccessKeyID": env["AWS_ACCESS_KEY_ID"], "awsSecretAccessKey": env["AWS_SECRET_ACCESS_KEY"]}
+    cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(volume_mount_group="4242"),
+                              access_mode=pb.VolumeCapability.AccessMode(
+                                  mode=pb.VolumeCapability.AccessMode.MULTI_NODE_MULTI_WRITER))
+    # A dataset volume still refuses ReadWriteMany; a checkpoint volume takes it, and an attribute it cannot use.
+    for context in ({"url": url}, {"url": url, "writable": "yes"}, {"url": "file:///tmp", "writable": "true"}):
+        with pytest.raises(grpc.RpcError) as err:
+            plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+                volume_id="vol-ckpt", target_path=str(tmp_path / "bad"), volume_context=context,
+                volume_capability=cap))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    targets = [kubelet_target(tmp_path / "kubelet", f"pod-{i}", "ckpt") for i in range(2)]
+    for target in targets:  # two pods of the job on this node: one session, both read-write
+        plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+            volume_id="vol-ckpt", target_path=str(target), volume_context=attrs, secrets=secrets,
+            volume_capability=cap))
+    data = os.urandom(3 << 20)
+    code = ("import os, sys\nroot = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+            "os.setgroups([4242]); os.setgid(4242); os.setuid(1000)\n"
+            "os.mkdir('step-1.tmp', dir_fd=root)\n"
+            "fd = os.open('step-1.tmp/rank0.pt', os.O_WRONLY | os.O_CREAT, 0o640, dir_fd=root)\n"
+            "os.write(fd, sys.stdin.buffer.read()); os.close(fd)\n"
+            "os.rename('step-1.tmp', 'step-1', src_dir_fd=root, dst_dir_fd=root)\n"
+            "print(os.stat('step-1/rank0.pt', dir_fd=root).st_uid)")
+    server.proc.send_signal(signal.SIGSTOP)  # the origin stalls: the upload waits
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(targets[0])], input=data, capture_output=True,
+                           timeout=60)
+        assert r.stdout.strip() == b"1000", r.stderr  # written as the pod's user, in the pod's group
+        with open(targets[1] / "step-1" / "rank0.pt", "rb") as f:  # the other pod reads it back on this node
+            assert f.read() == data
+        plugin.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id="vol-ckpt",
+                                                                      target_path=str(targets[0])))
+        last = plugin.node.NodeUnpublishVolume.future(pb.NodeUnpublishVolumeRequest(volume_id="vol-ckpt",
+                                                                                    target_path=str(targets[1])))
+        time.sleep(1.5)
+        assert not last.done()  # the node's last pod of the volume leaves only once its checkpoint is uploaded
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    last.result(timeout=60)
+    got = client.get_object(Bucket=bucket, Key="ckpt/step-1/rank0.pt")["Body"].read()
+    assert got == data
+    assert client.head_object(Bucket=bucket, Key="ckpt/.cachefs/commits/step-1.json")

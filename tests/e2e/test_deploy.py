@@ -53,6 +53,10 @@ def check_base(k8s) -> None:
     assert mounts["pods-dir"]["mountPropagation"] == "Bidirectional"
     sc = k8s.request("GET", "/apis/storage.k8s.io/v1/storageclasses/cachefs-example")
     assert sc["provisioner"] == "csi.cachefs.io"
+    (mounter,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "mounter"]
+    assert mounter["lifecycle"]["preStop"]["exec"]["command"][:2] == ["cachefs", "sync"]  # uploads drain first
+    pdb = k8s.request("GET", "/apis/policy/v1/namespaces/cachefs-system/poddisruptionbudgets/cachefs-node")
+    assert pdb["spec"]["maxUnavailable"] == 1
 
 
 def test_example_training_job_is_accepted(k8s):
@@ -66,6 +70,22 @@ def test_example_training_job_is_accepted(k8s):
         k8s.apply(*objs)
         job = k8s.request("GET", "/apis/batch/v1/namespaces/deploy-example/jobs/resnet50")
         assert job["spec"]["template"]["spec"]["schedulerName"] == "cachefs"
+    finally:
+        delete_all(k8s, objs)
+
+
+def test_example_checkpoint_volume_is_accepted(k8s):
+    k8s.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "deploy-ckpt"}})
+    objs = docs(REPO / "deploy" / "examples" / "checkpoints.yaml")
+    for d in objs:
+        if d["kind"] != "StorageClass":
+            d["metadata"]["namespace"] = "deploy-ckpt"
+    try:
+        k8s.apply(*objs)
+        sc = k8s.request("GET", "/apis/storage.k8s.io/v1/storageclasses/cachefs-checkpoints")
+        assert sc["parameters"]["writable"] == "true"
+        pvc = k8s.request("GET", "/api/v1/namespaces/deploy-ckpt/persistentvolumeclaims/run-17-checkpoints")
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     finally:
         delete_all(k8s, objs)
 

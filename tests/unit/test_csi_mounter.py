@@ -40,6 +40,22 @@ def test_a_volumes_sampler_attribute_is_checked_and_part_of_what_the_volume_is()
         DatasetVolume.from_attributes({"url": "s3://b/p", "sampler": "torch-distributed:world-size=2,ranks=3"})
 
 
+def test_a_writable_volume_is_its_own_volume_and_session_and_checks_its_attributes(tmp_path):
+    from csi.volume import DatasetVolume, VolumeError
+
+    vol = DatasetVolume.from_attributes({"url": "s3://b/ckpt", "writable": "true"})
+    assert vol.writable and DatasetVolume.from_volume_id(vol.volume_id).writable
+    assert vol.session_key != DatasetVolume.from_attributes({"url": "s3://b/ckpt"}).session_key
+    for attrs, why in (({"url": "s3://b/c", "writable": "yes"}, '"true" or "false"'),
+                       ({"url": "file:///data", "writable": "true"}, "S3"),
+                       ({"url": "s3://b/c", "writable": "true", "mode": "0440"}, "read-only datasets")):
+        with pytest.raises(VolumeError, match=why):
+            DatasetVolume.from_attributes(attrs)
+    req = parse_request(json.dumps({"op": "mount", "url": "s3://b/c", "mountpoint": f"{tmp_path}/m",
+                                    "writable": True}).encode(), str(tmp_path))
+    assert req.writable
+
+
 @pytest.mark.parametrize("msg, why", [
     (b"not json", "not JSON"),
     (b"[1, 2]", "JSON object"),
@@ -52,6 +68,7 @@ def test_a_volumes_sampler_attribute_is_checked_and_part_of_what_the_volume_is()
     (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/m", "env": {"A": 1}}', "env"),
     (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/m", "sampler": "random"}', "known samplers"),
     (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/m", "sampler": 7}', "strings"),
+    (b'{"op": "mount", "url": "s3://b", "mountpoint": "ROOT/m", "writable": "yes"}', "writable"),
 ])
 def test_parse_request_refuses_bad_requests_clearly(tmp_path, msg, why):
     with pytest.raises(ValueError, match=why):
