@@ -73,7 +73,7 @@ def test_a_read_only_filesystem_refuses_writes_with_one_clear_error(s3, cache_di
 
 
 def test_cachefs_sync_finishes_the_uploads_of_a_process_that_died(s3, cache_dir):
-    server, client, bucket = s3
+    _server, client, bucket = s3
     data = random.Random(2).randbytes(7 * MiB)
     # The writer closes its file (durable), then dies before the upload: the origin is unreachable to it.
     r = run(f"""
