@@ -95,7 +95,7 @@ class CacheFileSystem(_Base):
             protocol = self.target_protocol or "s3"
             options = {**self._origin_layers.get(protocol, {}), **self.target_options}
             volumes = ProcessVolumes.of_process(self._config, budget=engine.budget, make_room=engine.evictor.make_room,
-                                                storage_options=options)
+                                                storage_options=options, group=engine.group.view)
             self._writes = VolumeFiles(volumes, self.volume_url)
         return self._writes
 

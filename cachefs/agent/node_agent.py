@@ -24,8 +24,9 @@ from importlib.metadata import entry_points
 
 from cachefs.agent.peer_listener import PeerListener, raise_fd_limit
 from cachefs.agent.peer_server import make_peer_app
+from cachefs.agent.replicas import ReplicaStore
 from cachefs.agent.serving import GroupServing
-from cachefs.base.config import ClusterConfig, Config, parse_listen, prepare_cache_dir
+from cachefs.base.config import ClusterConfig, Config, parse_listen, prepare_cache_dir, resolve_size
 from cachefs.base.errors import ConfigError
 from cachefs.base.log_limits import limit_logs
 from cachefs.base.values import parse_size
@@ -160,8 +161,11 @@ async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metri
     serving = GroupServing(engine, k.serve)
     heat = HeatTracker(hot_requests=k.hot_requests_per_s, hot_bytes=hot_bytes_per_s(k), replicas=k.hot_replicas)
     tls = GroupTLS.of(k.tls_cert, k.tls_key, k.tls_ca)
+    st = os.statvfs(config.cache.dir)
+    replicas = ReplicaStore(config.cache.dir, resolve_size(config.checkpoint.staging_limit, st.f_blocks * st.f_frsize,
+                                                           "checkpoint.staging_limit"))
     app = make_peer_app(serving, table, verifier, weight=float(engine.capacity), ready=synced.is_set, heat=heat,
-                        tls=tls is not None, max_manifest=parse_size(k.max_manifest_push))
+                        tls=tls is not None, max_manifest=parse_size(k.max_manifest_push), replicas=replicas)
     host, port = parse_listen(k.listen, "cluster.listen")
     limit_logs()
     raise_fd_limit()

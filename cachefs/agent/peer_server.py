@@ -11,6 +11,8 @@
     candidates fetches it then, from the owner (never from the origin first), and keeps it.
 ``POST /v1/evict/{dataset id}?url=…``
     drop what this node caches of the dataset (``cachefs evict --group``, a purge; docs/SECURITY.md).
+``PUT|GET|POST|DELETE /v1/replica/…``, ``GET /v1/replicas/…``
+    copies of other members' checkpoint files until their upload (:mod:`cachefs.agent.replicas`).
 ``GET /v1/info``, ``/healthz``, ``/readyz``
     this member's name and weight; liveness; readiness (membership known).
 
@@ -40,6 +42,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from cachefs.agent.replicas import ReplicaHandlers, ReplicaStore
 from cachefs.agent.serving import GroupServing
 from cachefs.base.checksum import block_checksum
 from cachefs.base.errors import CacheFSError, InvalidURLError, ObjectNotFoundError
@@ -318,8 +321,10 @@ class PeerHandlers:
 
 def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight: float = 1.0,
                   ready: Callable[[], bool] = lambda: True, heat: HeatTracker | None = None,
-                  tls: bool = False, max_manifest: int = MAX_MANIFEST) -> web.Application:
-    """The peer server's application (:class:`PeerHandlers`)."""
+                  tls: bool = False, max_manifest: int = MAX_MANIFEST,
+                  replicas: ReplicaStore | None = None) -> web.Application:
+    """The peer server's application (:class:`PeerHandlers`; with ``replicas``, the replica routes of
+    :mod:`cachefs.agent.replicas` too)."""
     h = PeerHandlers(serving, table, verifier, weight=weight, ready=ready, heat=heat, tls=tls,
                      max_manifest=max_manifest)
     # Requests carry no bodies, except a manifest a member pushes after a refresh (read by its handler, bounded).
@@ -330,6 +335,8 @@ def make_peer_app(serving: GroupServing, table: MemberTable, verifier, *, weight
     app.router.add_post("/v1/manifest/{dataset}", h.pushed_manifest)
     app.router.add_post("/v1/evict/{dataset}", h.evict)
     app.router.add_get("/v1/info", h.info)
+    if replicas is not None:  # (their bodies are streamed to disk by their handler, checked and bounded)
+        ReplicaHandlers(replicas).routes(app)
     app.router.add_get("/healthz", h.healthz)
     app.router.add_get("/readyz", h.readyz)
     return app

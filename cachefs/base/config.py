@@ -176,6 +176,9 @@ class CheckpointConfig:
     upload_concurrency: int = 8
     #: Seconds a writer waits for room past the staging limit while the upload makes no progress, before ENOSPC.
     stall_timeout: float = 600.0
+    #: Other members of the node's cache group that hold a copy of each closed file until its upload, before
+    #: close returns (0 outside a group).
+    replicas: int = 1
 
 
 def tier_names(spec: str) -> tuple[str, ...]:
@@ -249,6 +252,8 @@ class Config:
             raise ConfigError("checkpoint.upload_concurrency must be at least 1")
         if k.stall_timeout <= 0:
             raise ConfigError("checkpoint.stall_timeout must be positive")
+        if not 0 <= k.replicas <= 3:
+            raise ConfigError("checkpoint.replicas must be between 0 and 3")
         self.cluster.validate()
         return self
 

@@ -10,11 +10,12 @@ outside its cache), and a block by its index.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import aiohttp
 
-from cachefs.base.checksum import block_checksum
+from cachefs.base.checksum import block_checksum, block_hasher
 from cachefs.base.errors import CacheFSError
 from cachefs.base.metrics import PEER_ERRORS, safely
 from cachefs.cluster.auth import read_token
@@ -182,6 +183,69 @@ class PeerClient:
             raise
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError) as exc:
             raise _failed("unreachable", f"peer {address}: {type(exc).__name__}: {exc}") from None
+
+    # -- checkpoint replicas (cachefs.agent.replicas) ---------------------------------------------------------------
+    async def _call(self, method: str, address: str, path: str, *, params: dict | None = None, data=None,
+                    headers: dict | None = None, timeout: float | None = None) -> tuple[int, bytes]:
+        try:
+            async with self._client().request(
+                    method, f"{self._scheme}://{address}{path}", params=params, data=data,
+                    headers={**self._headers(), **(headers or {})},
+                    timeout=aiohttp.ClientTimeout(total=timeout or self.timeout)) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise _failed("unreachable", f"peer {address}: {type(exc).__name__}: {exc}") from None
+
+    async def put_replica(self, address: str, volume: str, entry: int, url: str, key: str, path: str,
+                          size: int, checksum: int) -> None:
+        """Have a member hold a copy of a closed checkpoint file (``path``, ``size`` bytes) until its upload."""
+        with open(path, "rb") as f:
+            status, body = await self._call(
+                "PUT", address, f"/v1/replica/{volume}/{entry}", params={"url": url, "key": key}, data=f,
+                headers={CHECKSUM_HEADER: f"{checksum:016x}", "Content-Length": str(size)},
+                timeout=self.timeout + size / (50 << 20))  # (a slow link is not a hung peer)
+        if status != 200:
+            raise _failed("http", f"peer {address}: HTTP {status} {body[:200].decode(errors='replace')}")
+
+    async def replicas(self, address: str, volume: str) -> list[dict]:
+        """The copies of a volume's files a member holds: ``[{"entry", "key", "size", "writer"}]``."""
+        status, body = await self._call("GET", address, f"/v1/replicas/{volume}")
+        if status != 200:
+            raise _failed("http", f"peer {address}: HTTP {status}")
+        try:
+            out = json.loads(body)
+            return [r for r in out if isinstance(r, dict) and {"entry", "key", "size"} <= r.keys()]
+        except (ValueError, TypeError):
+            raise _failed("bad_answer", f"peer {address}: not a replica listing") from None
+
+    async def get_replica(self, address: str, volume: str, entry: str, fd: int, size: int) -> None:
+        """Write the copy a member holds into ``fd`` (from offset 0), checked against its xxh3 and ``size``."""
+        url = f"{self._scheme}://{address}/v1/replica/{volume}/{entry}"
+        hasher, got = block_hasher(), 0
+        try:
+            async with self._client().get(url, headers=self._headers(), timeout=aiohttp.ClientTimeout(
+                    total=self.timeout + size / (50 << 20))) as resp:
+                if resp.status != 200:
+                    raise _failed("http", f"peer {address}: HTTP {resp.status}")
+                expected = int(resp.headers.get(CHECKSUM_HEADER, "x"), 16)
+                async for chunk in resp.content.iter_chunked(1 << 20):
+                    hasher.update(chunk)
+                    os.pwrite(fd, chunk, got)
+                    got += len(chunk)
+        except PeerError:
+            raise
+        except ValueError:
+            raise _failed("bad_answer", f"peer {address}: no checksum with the replica") from None
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise _failed("unreachable", f"peer {address}: {type(exc).__name__}: {exc}") from None
+        if got != size or hasher.intdigest() != expected:
+            raise _failed("corrupt", f"peer {address}: the replica of entry {entry} failed its length or checksum")
+
+    async def drop_replica(self, address: str, volume: str, entry: int) -> None:
+        await self._call("DELETE", address, f"/v1/replica/{volume}/{entry}")
+
+    async def rekey_replica(self, address: str, volume: str, entry: int, key: str) -> None:
+        await self._call("POST", address, f"/v1/replica/{volume}/{entry}", params={"key": key})
 
     async def close(self) -> None:
         for session in [*self._retired, self._session]:

@@ -36,7 +36,9 @@ def serve_writable_mount(config: Config, url: str, mountpoint: str, *, attach: s
     engine = get_engine(config)  # the memory budget, and the read cache's evictor that makes room for staged bytes
     try:
         volume = open_volume(config, url, session=volume_session(mountpoint), budget=engine.budget,
-                             make_room=engine.evictor.make_room, mountpoint=os.path.abspath(mountpoint))
+                             make_room=engine.evictor.make_room, group=engine.group.view,
+                             mountpoint=os.path.abspath(mountpoint))
+        run_sync(engine.start_background())  # (follows the cache group's members file: where copies go)
         run_sync(volume.start())
         if group is not None:
             os.chown(volume.tree, -1, group)

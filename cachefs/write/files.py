@@ -21,6 +21,7 @@ from typing import ClassVar
 from cachefs.base.aio import get_loop, run_sync
 from cachefs.base.config import Config
 from cachefs.base.errors import InvalidURLError
+from cachefs.cluster.link import GroupView
 from cachefs.node.budget import MemoryBudget
 from cachefs.write import remote
 from cachefs.write.volume import WritableVolume, open_volume
@@ -120,8 +121,8 @@ class ProcessVolumes:
             return found
 
     def __init__(self, config: Config, *, budget: MemoryBudget | None, make_room=None,
-                 storage_options: dict | None = None) -> None:
-        self.config, self.budget, self.make_room = config, budget, make_room
+                 storage_options: dict | None = None, group: GroupView | None = None) -> None:
+        self.config, self.budget, self.make_room, self.group = config, budget, make_room, group
         self.storage_options = storage_options
         self._volumes: dict[str, WritableVolume] = {}
         self._lock = threading.Lock()
@@ -137,7 +138,8 @@ class ProcessVolumes:
             v = self._volumes.get(root)
             if v is None:
                 v = open_volume(self.config, root, session=self._session, budget=self.budget,
-                                make_room=self.make_room, storage_options=self.storage_options, pid=os.getpid())
+                                make_room=self.make_room, storage_options=self.storage_options, group=self.group,
+                                pid=os.getpid())
                 run_sync(v.start(list_origin=False))
                 self._volumes[root] = v
             return v

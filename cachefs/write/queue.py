@@ -35,6 +35,7 @@ class QueueEntry:
     upload_id: str = ""  # a multipart upload begun for it (aborted and begun again after a restart)
     error: str = ""  # the last failure, while it is retried
     etag: str = ""  # put: the object's ETag once it is on the origin
+    held_by: list[str] = field(default_factory=list)  # put: members holding a copy until the upload
 
     def record(self) -> dict:
         out = {"t": self.kind, "seq": self.seq, "key": self.key, "added": self.added}
@@ -94,6 +95,8 @@ class UploadQueue:
                 by_seq[e.seq] = e
                 self.entries.append(e)
                 self.next_seq = max(self.next_seq, e.seq + 1)
+            elif t == "held" and seq in by_seq:
+                by_seq[seq].held_by = [str(m) for m in r.get("by", [])]
             elif t == "mpu" and seq in by_seq:
                 by_seq[seq].upload_id = r["id"]
             elif t in ("done", "drop", "failed"):
@@ -112,6 +115,8 @@ class UploadQueue:
                 f.write(json.dumps(e.record()) + "\n")
                 if e.upload_id:
                     f.write(json.dumps({"t": "mpu", "seq": e.seq, "id": e.upload_id}) + "\n")
+                if e.held_by:
+                    f.write(json.dumps({"t": "held", "seq": e.seq, "by": e.held_by}) + "\n")
             for seq, err in self.failed.items():
                 f.write(json.dumps({"t": "failed", "seq": seq, "error": err}) + "\n")
             f.flush()
@@ -183,6 +188,12 @@ class UploadQueue:
         """``e`` is finishing: from now on a rename or delete of its key follows it instead of changing it."""
         with self.lock:
             e.running = True
+
+    def held(self, e: QueueEntry, members: list[str]) -> None:
+        """Other members hold a copy of ``e``'s snapshot (dropped after its upload), durably."""
+        with self.lock:
+            e.held_by = list(members)
+            self._append({"t": "held", "seq": e.seq, "by": e.held_by})
 
     def multipart(self, e: QueueEntry, upload_id: str) -> None:
         """A multipart upload was begun for ``e`` (a restart aborts it)."""

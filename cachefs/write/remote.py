@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 
@@ -17,13 +18,15 @@ from cachefs.base.errors import CacheFSError
 from cachefs.node.budget import MemoryBudget
 from cachefs.sources import Source
 
-__all__ = ["CLEAN", "DIRTY", "REMOTE", "download", "is_internal", "list_into_tree", "to_placeholder", "xattr"]
+__all__ = ["CLEAN", "COPY", "DIRTY", "REMOTE", "download", "download_copy", "is_internal", "list_into_tree",
+           "place_copy", "to_placeholder", "xattr"]
 
 log = logging.getLogger(__name__)
 
 REMOTE = "user.cachefs.remote"  # a placeholder: the object's ETag; the bytes are on the origin only
 CLEAN = "user.cachefs.etag"  # a downloaded copy of that ETag
 DIRTY = "user.cachefs.dirty"  # written since its last close: not yet in the upload queue
+COPY = "user.cachefs.copy"  # a placeholder of a copy another member holds (JSON: member, entry, size)
 
 
 def xattr(path: str, name: str) -> str | None:
@@ -94,6 +97,34 @@ def _forget_gone(tree: str, found: dict[str, int], keep: set[str]) -> None:
                 continue
             if xattr(path, REMOTE) is not None or xattr(path, CLEAN) is not None:
                 os.unlink(path)  # deleted at the origin since we last listed it
+
+
+def place_copy(tree: str, key: str, size: int, member: str, entry: str) -> None:
+    """A placeholder of a file another member holds a copy of (its writer's upload has not finished)."""
+    path = os.path.join(tree, key)
+    if os.path.lexists(path):
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.cachefs-placing"
+        with open(tmp, "wb") as f:
+            f.truncate(size)
+        os.setxattr(tmp, COPY, json.dumps([member, entry, size]).encode())
+        os.replace(tmp, path)
+    except (IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
+        log.warning("%s: not shown in the volume (%s)", key, exc.strerror)
+
+
+async def download_copy(replicator, path: str, copy: str) -> None:
+    """Fill the placeholder at ``path`` from the member holding its copy; afterwards it is a plain file here."""
+    member, entry, size = json.loads(copy)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        await replicator.fetch(member, entry, fd, size)
+        await asyncio.to_thread(os.fsync, fd)
+    finally:
+        os.close(fd)
+    drop_xattr(path, COPY)
 
 
 def to_placeholder(path: str) -> None:

@@ -9,6 +9,7 @@ Thread-safe: every change to the tree and the queue holds the queue's lock.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import json
@@ -25,11 +26,13 @@ from cachefs.base.config import Config, resolve_size
 from cachefs.base.errors import ConfigError
 from cachefs.base.files import atomic_write
 from cachefs.base.types import canonical_url
+from cachefs.cluster.link import GroupView
 from cachefs.index.volumes import volumes_root
 from cachefs.node.budget import MemoryBudget
 from cachefs.sources import open_object_writes, open_origin
 from cachefs.write import remote
 from cachefs.write.queue import QueueEntry, UploadQueue, fsync_dir, under
+from cachefs.write.replicas import Replicator
 from cachefs.write.staging import StagingRoom
 from cachefs.write.uploader import Uploader
 
@@ -43,7 +46,7 @@ class WritableVolume:
     for their upload), ``<dir>/journal`` (the queue), ``<dir>/status.json`` (what ``cachefs status`` shows)."""
 
     def __init__(self, config: Config, url: str, vdir: str, *, writer: str, storage_options: dict | None = None,
-                 budget: MemoryBudget | None = None, make_room=None) -> None:
+                 budget: MemoryBudget | None = None, make_room=None, group: GroupView | None = None) -> None:
         self.config, self.url, self.dir, self.writer = config, url.rstrip("/"), vdir, writer
         self.tree = os.path.join(vdir, "tree")
         self.snapdir = os.path.join(vdir, "queue")
@@ -57,6 +60,7 @@ class WritableVolume:
                                  self.source, writer=writer, part_size=k.part_size, concurrency=k.upload_concurrency,
                                  backoff_max=config.origin.backoff_max, budget=budget, on_done=self._uploaded)
         self.budget = budget
+        self.replicator = Replicator(group, self.url, config.checkpoint.replicas)
         st = os.statvfs(vdir)
         total = st.f_blocks * st.f_frsize
         self.room = StagingRoom(vdir, limit=resolve_size(k.staging_limit, total, "checkpoint.staging_limit"),
@@ -94,6 +98,11 @@ class WritableVolume:
         if list_origin:
             keep = {e.key for e in self.queue.pending(lambda e: e.kind in ("put", "copy"))}
             self.origin_keys = await remote.list_into_tree(self.source, self.url, self.tree, keep)
+            # Files other members hold copies of, not on the origin yet: their writer's upload is pending (or its
+            # node is gone). They show as placeholders read from those members.
+            for key, (member, entry, size) in (await self.replicator.held()).items():
+                if key not in self.origin_keys and key not in keep and not remote.is_internal(key):
+                    await asyncio.to_thread(remote.place_copy, self.tree, key, size, member, entry)
         self.uploader.start()
         self._status_thread = threading.Thread(target=self._publish_status, name="cachefs-volume-status", daemon=True)
         self._status_thread.start()
@@ -156,7 +165,29 @@ class WritableVolume:
             self._snap_inode[snap] = st.st_ino
             self._dirty.pop(st.st_ino, None)
             remote.drop_xattr(path, remote.DIRTY)
-            return e
+        if self.replicator.wanted:  # (outside the lock: the network)
+            self._replicate(e)
+        return e
+
+    def _replicate(self, e: QueueEntry) -> None:
+        """Before ``close`` returns: a copy on ``checkpoint.replicas`` other members of the group."""
+        try:
+            members = run_sync(self.replicator.push(e.snap, e.key, self.snapshot(e.snap), e.size))
+        except FileNotFoundError:  # uploaded (and its snapshot dropped) meanwhile: nothing to copy
+            return
+        with self.lock:
+            if e in self.queue.entries:
+                self.queue.held(e, members)
+                return
+        self._background(self.replicator.drop(members, e.snap))  # uploaded meanwhile
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` on the uploader's loop, from any thread, without waiting (copies dropped, re-keyed)."""
+        loop = self.uploader.loop
+        if loop is None or loop.is_closed():
+            coro.close()
+            return
+        asyncio.run_coroutine_threadsafe(coro, loop)
 
     def _copy_snapshots(self, inode: int) -> None:
         """Give the queued snapshots of ``inode`` their own copy before the file changes (a running upload is let
@@ -174,9 +205,10 @@ class WritableVolume:
             self._snap_inode[snap] = os.stat(self.snapshot(snap)).st_ino
 
     def materialize(self, rel: str) -> None:
-        """Download ``rel`` if it is a placeholder of an object on the origin (one download per file). Blocking."""
+        """Download ``rel`` if it is a placeholder of an object on the origin, or of a copy a member holds (one
+        download per file). Blocking."""
         path = self.path(rel)
-        if remote.xattr(path, remote.REMOTE) is None:
+        if remote.xattr(path, remote.REMOTE) is None and remote.xattr(path, remote.COPY) is None:
             return
         with self.lock:
             running = self._downloads.get(rel)
@@ -187,8 +219,12 @@ class WritableVolume:
             return
         try:
             k = self.config.checkpoint
-            run_sync(remote.download(self.source, f"{self.url}/{rel}", path, part_size=k.part_size,
-                                     concurrency=k.upload_concurrency, budget=self.budget))
+            copy = remote.xattr(path, remote.COPY)
+            if copy is not None:
+                run_sync(remote.download_copy(self.replicator, path, copy))
+            else:
+                run_sync(remote.download(self.source, f"{self.url}/{rel}", path, part_size=k.part_size,
+                                         concurrency=k.upload_concurrency, budget=self.budget))
         finally:
             with self.lock:
                 self._downloads.pop(rel, None)
@@ -215,6 +251,8 @@ class WritableVolume:
                 self.queue.move(e, moved(e.key))
                 self.uploader.forget_prepared(old)
                 targets.add(e.key)
+                if e.held_by:
+                    self._background(self.replicator.rekey(e.held_by, e.snap, e.key))
             deleting = {e.key for e in self.queue.pending(lambda e: e.kind == "delete")}
             there = {k: n for k, n in self.origin_keys.items() if under(k, src) and k not in deleting}
             for e in self.queue.pending(lambda e: e.running and e.kind in ("put", "copy") and under(e.key, src)):
@@ -236,6 +274,8 @@ class WritableVolume:
                 self.queue.drop(e)
                 self.uploader.forget_prepared(e.seq)
                 self._forget_snapshot(e)
+                if e.held_by:
+                    self._background(self.replicator.drop(e.held_by, e.snap))
             running = self.queue.pending(lambda e: e.running and e.kind in ("put", "copy") and e.key == rel)
             if rel in self.origin_keys or running:
                 self.queue.add("delete", rel)
@@ -267,6 +307,8 @@ class WritableVolume:
                 if not failed:
                     self._mark_clean(e)
                 self._forget_snapshot(e)
+                if e.held_by and not failed:  # on the origin: the copies have done their work
+                    self._background(self.replicator.drop(e.held_by, e.snap))
             if failed:
                 return
             if e.kind in ("put", "copy"):
@@ -329,9 +371,10 @@ class WritableVolume:
         rate = self.uploader.rate
         return {
             "url": self.url, "dir": self.dir, "pid": os.getpid(), "writer": self.writer, "time": time.time(),
-            "durability": "local: fsynced on this node's disk (no other copy until the upload)",
+            "durability": self._durability(),
             "staged_bytes": queued + dirty, "staged_files": len(puts), "queued_entries": len(entries),
-            "below_promise_bytes": dirty, "staging_limit": self.room.limit, "writers_waiting": self.room.waiting,
+            "below_promise_bytes": dirty + sum(e.size for e in puts if len(e.held_by) < self.replicator.wanted),
+            "staging_limit": self.room.limit, "writers_waiting": self.room.waiting,
             "oldest_staged_age": (time.time() - min(e.added for e in entries)) if entries else 0.0,
             "uploaded_bytes": self.queue.uploaded_bytes, "upload_rate": rate,
             "upload_lag": queued / rate if rate > 0 else (0.0 if not queued else None),
@@ -340,6 +383,13 @@ class WritableVolume:
             "pending": [f"{e.kind} {e.key}" for e in entries[:20]],
             "last_seq": last, "done_through": (min(e.seq for e in entries) - 1) if entries else last,
         }
+
+    def _durability(self) -> str:
+        wanted = self.replicator.wanted
+        if wanted:
+            return (f"replicated: each closed file fsynced here and held by {wanted} other member(s) of the cache "
+                    "group until its upload")
+        return "local: each closed file fsynced on this node's disk (no other copy until its upload)"
 
     def _write_status(self) -> dict[str, Any]:
         st = self.status()
@@ -405,7 +455,8 @@ def lock_volume(vdir: str) -> int | None:
 
 
 def open_volume(config: Config, url: str, *, session: str, storage_options: dict | None = None,
-                budget: MemoryBudget | None = None, make_room=None, **info: Any) -> WritableVolume:
+                budget: MemoryBudget | None = None, make_room=None, group: GroupView | None = None,
+                **info: Any) -> WritableVolume:
     """The volume of ``url`` for ``session`` (a mount point, or a process's own), locked for this process.
     ``info`` is recorded in ``volume.json`` (e.g. the mount point)."""
     url = canonical_url(url).rstrip("/")
@@ -418,6 +469,6 @@ def open_volume(config: Config, url: str, *, session: str, storage_options: dict
     atomic_write(os.path.join(vdir, "volume.json"), json.dumps({"url": url, "session": session, **info}))
     node = os.environ.get("NODE_NAME") or socket.gethostname()
     volume = WritableVolume(config, url, vdir, writer=f"{node}/{key}", storage_options=storage_options,
-                            budget=budget, make_room=make_room)
+                            budget=budget, make_room=make_room, group=group)
     volume.lock_fd = fd
     return volume
