@@ -22,17 +22,35 @@ DB_NAMES = ("meta", "datasets", "ds_stats", "manifest", "objects", "blocks", "pa
             "dir_heat", "guests", "hints", "staged")
 
 # The address space reserved for the map. LMDB files grow only as data is written; the reservation is
-# virtual, and 1 TiB holds index records for billions of blocks and manifest entries.
-_MAP_SIZE = 1 << 40
+# virtual, but it counts against the process's 128 TiB of address space, which a process opening many cache
+# directories (a test run, a daemon serving several) must not exhaust: 256 GiB holds index records for billions
+# of blocks and manifest entries, and about 500 environments fit in one process.
+_MAP_SIZE = 1 << 38
 
 _envs: dict[str, tuple[lmdb.Environment, dict[str, lmdb._Database]]] = {}
+_env_files: dict[str, int] = {}  # real path -> inode of its data.mdb when opened
 _envs_lock = threading.Lock()
+
+
+def _forget_removed() -> None:
+    """Close the environments whose files were removed (a cache directory deleted while this process ran): their
+    address space is given back, and nothing can use them again. Called with the lock held."""
+    for real, inode in list(_env_files.items()):
+        try:
+            alive = os.stat(os.path.join(real, "data.mdb")).st_ino == inode
+        except OSError:
+            alive = False
+        if not alive:
+            env, _ = _envs.pop(real)
+            del _env_files[real]
+            env.close()
 
 
 def open_env(path: str) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
     """The process-wide LMDB environment at ``path`` and its named databases."""
     real = os.path.realpath(path)
     with _envs_lock:
+        _forget_removed()  # (first: a directory removed and made again at the same path gets a new environment)
         if real in _envs:
             return _envs[real]
         try:
@@ -50,4 +68,5 @@ def open_env(path: str) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
             raise ConfigError(f"cache index {real}: permission denied") from None
         dbs = {name: env.open_db(name.encode()) for name in DB_NAMES}
         _envs[real] = (env, dbs)
+        _env_files[real] = os.stat(os.path.join(real, "data.mdb")).st_ino
         return env, dbs
