@@ -44,8 +44,10 @@ class ObjectWrites(abc.ABC):
         """Drop an unfinished multipart upload and its parts (gone already: fine)."""
 
     @abc.abstractmethod
-    async def copy(self, src: str, dst: str, size: int) -> str:
-        """Copy the object at ``src`` (``size`` bytes) to ``dst`` on the origin; the copy's ETag."""
+    async def copy(self, src: str, dst: str, size: int, *, if_match: str = "") -> str:
+        """Copy the object at ``src`` (``size`` bytes) to ``dst`` on the origin; the copy's ETag. ``if_match``:
+        only if ``src`` still has that ETag (:class:`~cachefs.base.errors.StaleObjectError` otherwise, or
+        :class:`~cachefs.base.errors.ObjectNotFoundError` when it is gone)."""
 
     @abc.abstractmethod
     async def delete(self, url: str) -> None:
@@ -119,12 +121,13 @@ class S3ObjectWrites(ObjectWrites):
         except FileNotFoundError:  # NoSuchUpload: completed or aborted before
             pass
 
-    async def copy(self, src: str, dst: str, size: int) -> str:
+    async def copy(self, src: str, dst: str, size: int, *, if_match: str = "") -> str:
         sb, sk = _split(src)
         db, dk = _split(dst)
+        condition: dict[str, Any] = {"CopySourceIfMatch": f'"{if_match}"'} if if_match else {}
         if size <= MAX_COPY:
             resp = await self._call(f"copy {src} to {dst}", "put", "copy_object", Bucket=db, Key=dk,
-                                    CopySource={"Bucket": sb, "Key": sk})
+                                    CopySource={"Bucket": sb, "Key": sk}, **condition)
             return str(resp.get("CopyObjectResult", {}).get("ETag", "")).strip('"')
         upload_id = await self.start_multipart(dst)
         try:
@@ -133,7 +136,7 @@ class S3ObjectWrites(ObjectWrites):
             for number, start in enumerate(range(0, size, part), 1):
                 resp = await self._call(f"copy {src} to {dst}", "put", "upload_part_copy", Bucket=db, Key=dk,
                                         UploadId=upload_id, PartNumber=number, CopySource={"Bucket": sb, "Key": sk},
-                                        CopySourceRange=f"bytes={start}-{min(size, start + part) - 1}")
+                                        CopySourceRange=f"bytes={start}-{min(size, start + part) - 1}", **condition)
                 etags.append(str(resp["CopyPartResult"]["ETag"]))
             return await self.complete_multipart(dst, upload_id, etags)
         except BaseException:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     from moto.server import DomainDispatcherApplication, create_backend_app
     from waitress.server import create_server
 
-    app = _seeding(DomainDispatcherApplication(create_backend_app))
+    app = _atomic_conditional_writes(_seeding(DomainDispatcherApplication(create_backend_app)))
     if args.fast:
         app = _fast_list(_fast_get(app))
     app = _counting(app)
@@ -108,6 +108,48 @@ def _seeding(inner):
             backend.put_object(q["bucket"], f"{prefix}/d{i % dirs}/f{i:07d}".lstrip("/"), b"")
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [f"{count}\n".encode()]
+
+    return app
+
+
+def _atomic_conditional_writes(inner):
+    """WSGI middleware: conditional writes (a PUT or a multipart completion with ``If-None-Match`` or ``If-Match``,
+    a copy with ``x-amz-copy-source-if-match``) run one at a time. S3 decides them atomically; moto checks the
+    condition and then stores, so two request threads could both pass the check, and a test of a commit race
+    would see a server S3 is not. The copy's condition, which moto ignores, is checked here."""
+    import threading
+    from urllib.parse import unquote
+
+    lock = threading.Lock()
+    headers = ("HTTP_IF_NONE_MATCH", "HTTP_IF_MATCH", "HTTP_X_AMZ_COPY_SOURCE_IF_MATCH")
+
+    def error(start_response, status: str, code: str) -> list[bytes]:
+        body = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{code}</Message></Error>"
+        start_response(status, [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+        return [body.encode()]
+
+    def copy_source_fails(environ, start_response) -> list[bytes] | None:
+        # moto ignores x-amz-copy-source-if-match (S3 answers 412 when the source's ETag differs)
+        want = environ.get("HTTP_X_AMZ_COPY_SOURCE_IF_MATCH")
+        source = environ.get("HTTP_X_AMZ_COPY_SOURCE")
+        if not want or not source:
+            return None
+        bucket, _, key = unquote(source.split("?", 1)[0]).lstrip("/").partition("/")
+        b = _find_bucket(bucket)
+        if b is None:
+            return None  # (versioned, or no such bucket: moto answers)
+        found = b.keys.get(key)
+        if found is None:
+            return error(start_response, "404 Not Found", "NoSuchKey")
+        if want.strip('"') != found.etag.strip('"'):
+            return error(start_response, "412 Precondition Failed", "PreconditionFailed")
+        return None
+
+    def app(environ, start_response):
+        if environ["REQUEST_METHOD"] not in ("PUT", "POST") or not any(h in environ for h in headers):
+            return inner(environ, start_response)
+        with lock:
+            return copy_source_fails(environ, start_response) or list(inner(environ, start_response))
 
     return app
 

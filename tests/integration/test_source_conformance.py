@@ -16,7 +16,7 @@ import pytest
 
 from cachefs.base.config import load_config
 from cachefs.sources import open_raw_origin
-from cachefs.testing.conformance import SourceConformance
+from cachefs.testing.conformance import ObjectWritesConformance, SourceConformance
 
 
 class _Origin:
@@ -253,3 +253,28 @@ def test_cachefs_pack_and_its_mirror_through_a_server_without_head_sizes(s3, tmp
         from_mirror = [k for k in gets if f"/{bucket}/ds.cachefs/" in k]
         assert not per_file, per_file[:5]
         assert 0 < len(from_mirror) <= summary["packs"] + 4
+
+
+class _WritesOrigin:
+    def __init__(self, writes, root, get):
+        self.writes, self.root, self.get = writes, root, get
+
+
+def s3_get(client, bucket: str, prefix: str):
+    def get(key: str) -> bytes | None:
+        try:
+            return client.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+
+    return get
+
+
+class TestS3ObjectWrites(ObjectWritesConformance):
+    @pytest.fixture
+    def writes_origin(self, s3):
+        from cachefs.sources import open_object_writes
+
+        _, client, bucket = s3
+        cfg = load_config(env={}, overrides={"cache_dir": "/tmp/unused"})
+        return _WritesOrigin(open_object_writes(f"s3://{bucket}", cfg), f"s3://{bucket}/w", s3_get(client, bucket, "w"))
