@@ -66,7 +66,14 @@ async def _conditional_put(writes: ObjectWrites, source: Source, url: str, body:
 
 async def claim(writes: ObjectWrites, source: Source, dir_url: str, writer: str) -> None:
     """Claim the checkpoint name ``dir_url`` for ``writer`` before any of its objects is written."""
-    await _conditional_put(writes, source, claim_url(dir_url), {"writer": writer, "claimed": time.time()}, writer)
+    url = claim_url(dir_url)
+    await _conditional_put(writes, source, url, {"writer": writer, "claimed": time.time()}, writer)
+    # A server that does not decide conditional writes atomically can let two racing claims both succeed; the
+    # write it keeps is the later one, so the claim is read back and only the writer it names goes on.
+    theirs = await _read_json(source, url)
+    if theirs.get("writer") != writer:
+        raise CommitConflictError(f"{dir_url.rsplit('/', 1)[-1]}: committed by another writer "
+                                  f"({theirs.get('writer', 'unknown')}) first")
 
 
 async def write_record(writes: ObjectWrites, source: Source, dir_url: str, writer: str) -> dict[str, Any]:

@@ -51,16 +51,16 @@ def is_internal(key: str) -> bool:
     return key.startswith(".cachefs/") or "/.cachefs/" in key
 
 
-async def list_into_tree(source: Source, url: str, tree: str, keep: set[str]) -> dict[str, int]:
+async def list_into_tree(source: Source, url: str, tree: str, keep: set[str]) -> dict[str, tuple[int, str]]:
     """Make the tree show the objects under ``url``: placeholders for the new, the changed and the missing, and
     no clean copy of an object that is gone; paths in ``keep`` (written here, not uploaded yet) are left alone.
-    Returns the objects on the origin, key → size."""
-    found: dict[str, int] = {}
+    Returns the objects on the origin, key → (size, ETag)."""
+    found: dict[str, tuple[int, str]] = {}
     async for batch in source.list_tree(url):
         for entry in batch:
             if is_internal(entry.path) or entry.path.endswith("/"):
                 continue
-            found[entry.path] = entry.size
+            found[entry.path] = (entry.size, entry.version)
             if entry.path in keep:
                 continue
             await asyncio.to_thread(_place, tree, entry.path, entry.size, entry.version, entry.mtime)
@@ -88,7 +88,7 @@ def _place(tree: str, key: str, size: int, etag: str, mtime: float) -> None:
         log.warning("%s: not shown in the volume (%s: a file and a directory of one name)", key, exc.strerror)
 
 
-def _forget_gone(tree: str, found: dict[str, int], keep: set[str]) -> None:
+def _forget_gone(tree: str, found: dict[str, tuple[int, str]], keep: set[str]) -> None:
     for dirpath, _dirs, files in os.walk(tree):
         for name in files:
             path = os.path.join(dirpath, name)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cachefs.base.errors import CacheFSError, CommitConflictError
+from cachefs.base.errors import CacheFSError, CommitConflictError, ObjectNotFoundError, StaleObjectError
 from cachefs.base.metrics import CHECKPOINT_FAILURES, CHECKPOINT_UPLOADED_BYTES, result_of, safely
 from cachefs.node.budget import MemoryBudget
 from cachefs.sources import Source
@@ -39,11 +39,18 @@ class Uploader:
 
     def __init__(self, queue: UploadQueue, url: str, snapshot: Callable[[int], str], writes: ObjectWrites,
                  source: Source, *, writer: str, part_size: int, concurrency: int, backoff_max: float,
-                 budget: MemoryBudget | None = None, on_done: Callable[[QueueEntry, str], None] | None = None) -> None:
+                 budget: MemoryBudget | None = None, on_done: Callable[[QueueEntry, str], None] | None = None,
+                 origin_etag: Callable[[str], str] = lambda key: "",
+                 reupload: Callable[[QueueEntry, str], bool] = lambda e, etag: False) -> None:
+        """``origin_etag(key)``: the ETag this volume knows the origin's object ``key`` by ("" if none); a copy is
+        made only while its source still has it. ``reupload(copy, etag)``: when the source was replaced (another
+        writer's object of the same name) or deleted, queue a put of the tree's own bytes in the copy's place
+        (True), or say there are none here (False: the copy fails for good)."""
         self.queue, self.url, self.snapshot = queue, url.rstrip("/"), snapshot
         self.writes, self.source, self.writer = writes, source, writer
         self.part_size, self.backoff_max, self.budget = part_size, backoff_max, budget
         self.on_done = on_done
+        self.origin_etag, self.reupload = origin_etag, reupload
         self._parts = asyncio.Semaphore(concurrency)
         self._prepared: dict[int, asyncio.Task] = {}
         self._wake = asyncio.Event()
@@ -115,6 +122,11 @@ class Uploader:
             except CommitConflictError as exc:
                 self._give_up(first, str(exc))
                 continue
+            except _SourceReplaced as exc:
+                if not self.reupload(first, exc.etag):
+                    self._give_up(first, f"{first.key}: its source {first.src} was replaced or deleted by another "
+                                         f"writer, and this node does not hold its bytes")
+                continue
             except Exception as exc:  # noqa: BLE001 - any failure: retried, never given up (a bug shows in status)
                 first.running = False
                 self._failed(first, exc)
@@ -138,7 +150,8 @@ class Uploader:
         log.warning("upload of %s/%s failed, trying again: %s", self.url, e.key, exc)
 
     def _give_up(self, first: QueueEntry, reason: str) -> None:
-        """A lost commit race: the checkpoint's entries fail for good (their bytes stay in the volume's tree)."""
+        """``first`` cannot succeed (a lost commit race: with the checkpoint's other entries): failed for good, their
+        bytes stay in the volume's tree."""
         log.error("%s/%s: %s; its files stay on this node only", self.url, first.key, reason)
         name = first.key
         for e in [first, *self.queue.pending(lambda e: e is not first and e.kind in ("put", "copy", "commit")
@@ -177,7 +190,13 @@ class Uploader:
             return
         self.queue.started(e)
         if e.kind == "copy":
-            await self.writes.copy(self._url(e.src), self._url(e.key), e.size)
+            etag = self.origin_etag(e.src)
+            try:
+                e.etag = await self.writes.copy(self._url(e.src), self._url(e.key), e.size, if_match=etag)
+            except (StaleObjectError, ObjectNotFoundError):
+                # (a renamed temporary name another writer used too: copy only the object this volume put there)
+                e.running = False
+                raise _SourceReplaced(etag) from None
         elif e.kind == "delete":
             await self.writes.delete(self._url(e.key))
         elif e.kind == "claim":
@@ -243,6 +262,14 @@ class Uploader:
 
 class _Renamed(Exception):
     """The entry's parts went up under a name it no longer has."""
+
+
+class _SourceReplaced(Exception):
+    """A copy's source no longer has the ETag the volume knew it by."""
+
+    def __init__(self, etag: str) -> None:
+        super().__init__(etag)
+        self.etag = etag
 
 
 class _Held:

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 from typing import Any
@@ -58,7 +59,8 @@ class WritableVolume:
         k = config.checkpoint
         self.uploader = Uploader(self.queue, self.url, self.snapshot, open_object_writes(self.url, config, storage_options),
                                  self.source, writer=writer, part_size=k.part_size, concurrency=k.upload_concurrency,
-                                 backoff_max=config.origin.backoff_max, budget=budget, on_done=self._uploaded)
+                                 backoff_max=config.origin.backoff_max, budget=budget, on_done=self._uploaded,
+                                 origin_etag=lambda key: self.origin_keys.get(key, (0, ""))[1], reupload=self._reupload)
         self.budget = budget
         self.replicator = Replicator(group, self.url, config.checkpoint.replicas)
         st = os.statvfs(vdir)
@@ -69,8 +71,9 @@ class WritableVolume:
                                 dirty=lambda: sum(self._dirty.values()),
                                 last_progress=lambda: self.uploader.last_progress,
                                 make_room=[f for f in (make_room, self.drop_clean) if f is not None])
-        #: Objects on the origin now (the listing at start, then every upload, copy and delete that finished).
-        self.origin_keys: dict[str, int] = {}
+        #: Objects on the origin now, key → (size, ETag): the listing at start, then every upload, copy and delete
+        #: that finished.
+        self.origin_keys: dict[str, tuple[int, str]] = {}
         self._dirty: dict[int, int] = {}  # inode → bytes written since its last close
         self._snap_inode: dict[int, int] = {}  # snapshot → its inode (a write to that inode copies it first)
         self._downloads: dict[str, threading.Event] = {}
@@ -254,7 +257,7 @@ class WritableVolume:
                 if e.held_by:
                     self._background(self.replicator.rekey(e.held_by, e.snap, e.key))
             deleting = {e.key for e in self.queue.pending(lambda e: e.kind == "delete")}
-            there = {k: n for k, n in self.origin_keys.items() if under(k, src) and k not in deleting}
+            there = {k: n for k, (n, _) in self.origin_keys.items() if under(k, src) and k not in deleting}
             for e in self.queue.pending(lambda e: e.running and e.kind in ("put", "copy") and under(e.key, src)):
                 there[e.key] = e.size
             for key, size in sorted(there.items()):
@@ -312,9 +315,32 @@ class WritableVolume:
             if failed:
                 return
             if e.kind in ("put", "copy"):
-                self.origin_keys[e.key] = e.size
+                self.origin_keys[e.key] = (e.size, e.etag)
             elif e.kind == "delete":
                 self.origin_keys.pop(e.key, None)
+
+    def _reupload(self, copy: QueueEntry, etag: str) -> bool:
+        """The source of ``copy`` (a rename after the upload) no longer has ``etag``: another writer replaced or
+        deleted the object of that name. Queue a put of the tree's own bytes in the copy's place, if the tree's file
+        is still the one uploaded as ``etag`` (not a placeholder, not written since), and drop the copy."""
+        with self.lock:
+            path = self.path(copy.key)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return False
+            ours = (etag and stat.S_ISREG(st.st_mode) and st.st_size == copy.size and st.st_ino not in self._dirty
+                    and all(remote.xattr(path, x) is None for x in (remote.DIRTY, remote.REMOTE, remote.COPY))
+                    and remote.xattr(path, remote.CLEAN) in (None, etag))
+            if not ours or copy not in self.queue.entries:
+                return False
+            snap = self.queue.reserve_seq()
+            os.link(path, self.snapshot(snap))
+            fsync_dir(self.snapdir)
+            self.queue.add("put", copy.key, size=st.st_size, snap=snap, before=copy)
+            self._snap_inode[snap] = st.st_ino
+            self.queue.drop(copy)
+            return True
 
     def _mark_clean(self, e: QueueEntry) -> None:
         """The tree's file is the object just uploaded (same inode, not written since): a clean copy, which

@@ -4,6 +4,7 @@ across ``kill -9``, ordered uploads, atomic commits, back-pressure, an origin th
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import random
@@ -32,11 +33,18 @@ def cli(cache_dir: str, *args: str, timeout: float = 120) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **ENV})
 
 
+class Body(bytes):
+    """An object's bytes, shown by size and digest (a failed comparison of megabytes stays readable, and fast)."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} bytes {hashlib.sha256(self).hexdigest()[:12]} {bytes(self[:8])!r}…>"
+
+
 def objects(client, bucket: str, prefix: str = "ck/") -> dict[str, bytes]:
     out = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for o in page.get("Contents", []):
-            out[o["Key"][len(prefix):]] = client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+            out[o["Key"][len(prefix):]] = Body(client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read())
     return out
 
 
@@ -275,9 +283,35 @@ def test_two_writers_racing_on_one_checkpoint_one_wins_and_nothing_mixes(s3, cac
         assert "committed by another writer" in loser.stderr
         winner = payloads[[r.returncode for r in results].index(0)]
         got = objects(client, bucket, "ck/step-9/")
-        assert got == winner  # the loser wrote none of its objects
+        assert got == {k: Body(v) for k, v in winner.items()}  # the loser wrote none of its objects
         record = json.loads(objects(client, bucket, "ck/.cachefs/commits/")["step-9.json"])
         assert {f["path"]: f["size"] for f in record["files"]} == {k: len(v) for k, v in winner.items()}
+    finally:
+        for m in mounts:
+            m.close()
+
+
+def test_a_rename_after_the_upload_copies_this_writers_object_not_anothers_of_the_same_name(s3, cache_dir, tmp_path):
+    """Two writers used one temporary name on the origin; the one that renames it after both uploads publishes its
+    own bytes (its copy is pinned to the ETag it uploaded; the other's object is not copied)."""
+    _, client, bucket = s3
+    mounts = []
+    try:
+        for i in range(2):
+            mnt = tmp_path / f"mnt{i}"
+            mnt.mkdir()
+            mounts.append(Mounted(f"{cache_dir}-{i}", f"s3://{bucket}/ck", str(mnt), "--writable", env=ENV))
+        mine, theirs = (Body(bytes([i]) * 100_000) for i in (7, 8))
+        for m, body in zip(mounts, (mine, theirs), strict=True):
+            os.mkdir(m.path("step-3.tmp"))
+            write(m.path("step-3.tmp/model"), body)
+            sync(m)  # on the origin as ck/step-3.tmp/model; the second writer's replaced the first's
+        assert objects(client, bucket, "ck/step-3.tmp/") == {"model": theirs}
+        os.rename(mounts[0].path("step-3.tmp"), mounts[0].path("step-3"))
+        sync(mounts[0])
+        assert objects(client, bucket, "ck/step-3/") == {"model": mine}
+        record = json.loads(objects(client, bucket, "ck/.cachefs/commits/")["step-3.json"])
+        assert [(f["path"], f["size"]) for f in record["files"]] == [("model", len(mine))]
     finally:
         for m in mounts:
             m.close()
