@@ -82,7 +82,7 @@ async def _drain(config: Config, vdir: str, info: dict[str, Any], deadline: floa
         done, pending = await asyncio.to_thread(wait_for_owner, vdir, target, deadline)
         if done or owner_alive(vdir):
             return done, pending
-    from cachefs.write.volume import open_volume
+    from cachefs.write.opening import open_volume
 
     extra = {k: v for k, v in info.items() if k not in ("url", "session")}
     try:

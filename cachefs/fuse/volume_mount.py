@@ -14,7 +14,7 @@ from cachefs.engine import get_engine
 from cachefs.fuse.holder import announce_failure, announce_ready, receive_fd
 from cachefs.fuse.writable import WritableSession
 from cachefs.index.mounts import forget_mount, record_mount
-from cachefs.write.volume import open_volume
+from cachefs.write.opening import open_volume
 
 __all__ = ["serve_writable_mount", "volume_session"]
 

@@ -8,6 +8,7 @@ published with a commit record written last (:mod:`.commits`). It shares with th
 budget, the disk accounting (the read cache makes room for staged bytes) and the sources.
 """
 
-from cachefs.write.volume import WritableVolume, open_volume
+from cachefs.write.opening import open_volume
+from cachefs.write.volume import WritableVolume
 
 __all__ = ["WritableVolume", "open_volume"]

@@ -24,7 +24,8 @@ from cachefs.base.errors import InvalidURLError
 from cachefs.cluster.link import GroupView
 from cachefs.node.budget import MemoryBudget
 from cachefs.write import remote
-from cachefs.write.volume import WritableVolume, open_volume
+from cachefs.write.opening import open_volume
+from cachefs.write.volume import WritableVolume
 
 __all__ = ["ProcessVolumes", "StagedFile", "VolumeFiles"]
 

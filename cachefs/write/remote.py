@@ -14,11 +14,11 @@ import json
 import logging
 import os
 
-from cachefs.base.errors import CacheFSError
+from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.node.budget import MemoryBudget
 from cachefs.sources import Source
 
-__all__ = ["CLEAN", "COPY", "DIRTY", "REMOTE", "download", "download_copy", "is_internal", "list_into_tree",
+__all__ = ["CLEAN", "COPY", "DIRTY", "REMOTE", "check_xattrs", "download", "download_copy", "is_internal", "list_into_tree",
            "place_copy", "to_placeholder", "xattr"]
 
 log = logging.getLogger(__name__)
@@ -169,3 +169,20 @@ async def download(source: Source, url: str, path: str, *, part_size: int, concu
         os.close(fd)
     os.setxattr(path, CLEAN, etag.encode())
     drop_xattr(path, REMOTE)
+
+
+def check_xattrs(path: str) -> None:
+    """Refuse (ConfigError) a file system that does not keep user xattrs: the tree's files carry their state in them."""
+    probe = os.path.join(path, ".cachefs-xattr-probe")
+    try:
+        with open(probe, "wb"):
+            pass
+        os.setxattr(probe, "user.cachefs.probe", b"1")
+    except OSError as exc:
+        raise ConfigError(f"{path}: the cache directory's file system does not keep user xattrs ({exc.strerror}); "
+                          "writable volumes need them") from None
+    finally:
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass

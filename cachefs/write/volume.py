@@ -10,34 +10,27 @@ Thread-safe: every change to the tree and the queue holds the queue's lock.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import threading
-import time
 from typing import Any
 
 from cachefs.base.aio import run_sync
 from cachefs.base.config import Config, resolve_size
-from cachefs.base.errors import ConfigError
 from cachefs.base.files import atomic_write
-from cachefs.base.types import canonical_url
 from cachefs.cluster.link import GroupView
-from cachefs.index.volumes import volumes_root
 from cachefs.node.budget import MemoryBudget
 from cachefs.sources import open_object_writes, open_origin
-from cachefs.write import remote
+from cachefs.write import remote, report
 from cachefs.write.queue import QueueEntry, UploadQueue, fsync_dir, under
 from cachefs.write.replicas import Replicator
 from cachefs.write.staging import StagingRoom
 from cachefs.write.uploader import Uploader
 
-__all__ = ["WritableVolume", "lock_volume", "open_volume"]
+__all__ = ["WritableVolume"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +84,7 @@ class WritableVolume:
     # -- life ---------------------------------------------------------------------------------------------------
     async def start(self, *, list_origin: bool = True) -> None:
         """Show the origin's objects (unless ``list_origin`` is false) and start uploading what is queued."""
-        _check_xattrs(self.tree)
+        remote.check_xattrs(self.tree)
         for e in self.queue.pending(lambda e: e.kind == "put"):
             try:
                 self._snap_inode[e.snap] = os.stat(self.snapshot(e.snap)).st_ino
@@ -386,36 +379,14 @@ class WritableVolume:
         with self.lock:
             return sum(e.size for e in self.queue.entries if e.kind == "put")
 
-    def status(self) -> dict[str, Any]:
+    def dirty_bytes(self) -> int:
+        """Bytes written to open files since their last close (not in the queue yet)."""
         with self.lock:
-            entries = list(self.queue.entries)
-            dirty = sum(self._dirty.values())
-            failed = dict(self.queue.failed)
-            last = self.queue.next_seq - 1
-        puts = [e for e in entries if e.kind == "put"]
-        queued = sum(e.size for e in puts)
-        rate = self.uploader.rate
-        return {
-            "url": self.url, "dir": self.dir, "pid": os.getpid(), "writer": self.writer, "time": time.time(),
-            "durability": self._durability(),
-            "staged_bytes": queued + dirty, "staged_files": len(puts), "queued_entries": len(entries),
-            "below_promise_bytes": dirty + sum(e.size for e in puts if len(e.held_by) < self.replicator.wanted),
-            "staging_limit": self.room.limit, "writers_waiting": self.room.waiting,
-            "oldest_staged_age": (time.time() - min(e.added for e in entries)) if entries else 0.0,
-            "uploaded_bytes": self.queue.uploaded_bytes, "upload_rate": rate,
-            "upload_lag": queued / rate if rate > 0 else (0.0 if not queued else None),
-            "failures": self.uploader.failures, "last_error": self.uploader.last_error,
-            "failed": {str(k): v for k, v in failed.items()},
-            "pending": [f"{e.kind} {e.key}" for e in entries[:20]],
-            "last_seq": last, "done_through": (min(e.seq for e in entries) - 1) if entries else last,
-        }
+            return sum(self._dirty.values())
 
-    def _durability(self) -> str:
-        wanted = self.replicator.wanted
-        if wanted:
-            return (f"replicated: each closed file fsynced here and held by {wanted} other member(s) of the cache "
-                    "group until its upload")
-        return "local: each closed file fsynced on this node's disk (no other copy until its upload)"
+    def status(self) -> dict[str, Any]:
+        """What ``cachefs status`` shows about this volume (:func:`.report.volume_status`)."""
+        return report.volume_status(self)
 
     def _write_status(self) -> dict[str, Any]:
         st = self.status()
@@ -423,7 +394,7 @@ class WritableVolume:
             atomic_write(os.path.join(self.dir, "status.json"), json.dumps(st))
         except OSError as exc:
             log.debug("volume status not written: %s", exc)
-        _export_metrics(st)
+        report.export_metrics(st)
         return st
 
     def _publish_status(self) -> None:
@@ -432,69 +403,3 @@ class WritableVolume:
                 self._write_status()
             except Exception:
                 log.exception("volume status")
-
-
-def _export_metrics(st: dict[str, Any]) -> None:
-    from cachefs.base.metrics import (
-        CHECKPOINT_BELOW_PROMISE,
-        CHECKPOINT_OLDEST_SECONDS,
-        CHECKPOINT_STAGED_BYTES,
-        CHECKPOINT_STAGED_FILES,
-        safely,
-    )
-
-    def update() -> None:
-        CHECKPOINT_STAGED_BYTES.set(st["staged_bytes"])
-        CHECKPOINT_STAGED_FILES.set(st["staged_files"])
-        CHECKPOINT_BELOW_PROMISE.set(st["below_promise_bytes"])
-        CHECKPOINT_OLDEST_SECONDS.set(st["oldest_staged_age"])
-
-    safely(update)
-
-
-def _check_xattrs(path: str) -> None:
-    probe = os.path.join(path, ".cachefs-xattr-probe")
-    try:
-        with open(probe, "wb"):
-            pass
-        os.setxattr(probe, "user.cachefs.probe", b"1")
-    except OSError as exc:
-        raise ConfigError(f"{path}: the cache directory's file system does not keep user xattrs ({exc.strerror}); "
-                          "writable volumes need them") from None
-    finally:
-        try:
-            os.unlink(probe)
-        except FileNotFoundError:
-            pass
-
-
-# -- where volumes live ---------------------------------------------------------------------------------------------
-def lock_volume(vdir: str) -> int | None:
-    """Take the volume's owner lock (held for the process's life); None if another live process holds it."""
-    fd = os.open(os.path.join(vdir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def open_volume(config: Config, url: str, *, session: str, storage_options: dict | None = None,
-                budget: MemoryBudget | None = None, make_room=None, group: GroupView | None = None,
-                **info: Any) -> WritableVolume:
-    """The volume of ``url`` for ``session`` (a mount point, or a process's own), locked for this process.
-    ``info`` is recorded in ``volume.json`` (e.g. the mount point)."""
-    url = canonical_url(url).rstrip("/")
-    key = hashlib.blake2b(f"{url}\0{session}".encode(), digest_size=8).hexdigest()
-    vdir = os.path.join(volumes_root(config.cache.dir), key)
-    os.makedirs(vdir, mode=0o700, exist_ok=True)
-    fd = lock_volume(vdir)
-    if fd is None:
-        raise ConfigError(f"{url} ({session}) is being written by another process on this node")
-    atomic_write(os.path.join(vdir, "volume.json"), json.dumps({"url": url, "session": session, **info}))
-    node = os.environ.get("NODE_NAME") or socket.gethostname()
-    volume = WritableVolume(config, url, vdir, writer=f"{node}/{key}", storage_options=storage_options,
-                            budget=budget, make_room=make_room, group=group)
-    volume.lock_fd = fd
-    return volume

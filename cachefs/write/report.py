@@ -1,0 +1,66 @@
+"""What ``cachefs status`` and the metrics show about a writable volume."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from cachefs.base.metrics import (
+    CHECKPOINT_BELOW_PROMISE,
+    CHECKPOINT_OLDEST_SECONDS,
+    CHECKPOINT_STAGED_BYTES,
+    CHECKPOINT_STAGED_FILES,
+    safely,
+)
+
+if TYPE_CHECKING:
+    from cachefs.write.volume import WritableVolume
+
+__all__ = ["durability", "export_metrics", "volume_status"]
+
+
+def volume_status(v: WritableVolume) -> dict[str, Any]:
+    """Staged bytes and files, the durability reached, the upload's rate, lag and failures, what is pending."""
+    with v.lock:
+        entries = list(v.queue.entries)
+        dirty = v.dirty_bytes()
+        failed = dict(v.queue.failed)
+        last = v.queue.next_seq - 1
+    puts = [e for e in entries if e.kind == "put"]
+    queued = sum(e.size for e in puts)
+    rate = v.uploader.rate
+    wanted = v.replicator.wanted
+    return {
+        "url": v.url, "dir": v.dir, "pid": os.getpid(), "writer": v.writer, "time": time.time(),
+        "durability": durability(wanted),
+        "staged_bytes": queued + dirty, "staged_files": len(puts), "queued_entries": len(entries),
+        "below_promise_bytes": dirty + sum(e.size for e in puts if len(e.held_by) < wanted),
+        "staging_limit": v.room.limit, "writers_waiting": v.room.waiting,
+        "oldest_staged_age": (time.time() - min(e.added for e in entries)) if entries else 0.0,
+        "uploaded_bytes": v.queue.uploaded_bytes, "upload_rate": rate,
+        "upload_lag": queued / rate if rate > 0 else (0.0 if not queued else None),
+        "failures": v.uploader.failures, "last_error": v.uploader.last_error,
+        "failed": {str(k): e for k, e in failed.items()},
+        "pending": [f"{e.kind} {e.key}" for e in entries[:20]],
+        "last_seq": last, "done_through": (min(e.seq for e in entries) - 1) if entries else last,
+    }
+
+
+def durability(wanted: int) -> str:
+    """The promise a ``close`` keeps, with ``wanted`` other members holding copies."""
+    if wanted:
+        return (f"replicated: each closed file fsynced here and held by {wanted} other member(s) of the cache "
+                "group until its upload")
+    return "local: each closed file fsynced on this node's disk (no other copy until its upload)"
+
+
+def export_metrics(st: dict[str, Any]) -> None:
+    """The metrics of a volume's status (:func:`volume_status`)."""
+    def update() -> None:
+        CHECKPOINT_STAGED_BYTES.set(st["staged_bytes"])
+        CHECKPOINT_STAGED_FILES.set(st["staged_files"])
+        CHECKPOINT_BELOW_PROMISE.set(st["below_promise_bytes"])
+        CHECKPOINT_OLDEST_SECONDS.set(st["oldest_staged_age"])
+
+    safely(update)
