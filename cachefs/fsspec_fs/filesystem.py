@@ -1,26 +1,7 @@
-"""The ``cachefs`` fsspec protocol: ``fsspec.open("cachefs::s3://bucket/key", cachefs={...}, s3={...})``.
-
-Registered through the ``fsspec.specs`` entry point, so pandas, pyarrow and anything else that takes fsspec
-URLs can read through the node cache. Listing and ``info`` come from the dataset's frozen manifest (no
-origin request once the manifest exists); reads of cached ranges are served straight from the local cache
-files in the calling thread, and misses go through the engine.
-
-Which dataset a path belongs to: the ``dataset=`` option if given; else the dataset on this node whose URL
-is the longest prefix of the path (e.g. one ``cachefs prefetch`` took); else a new dataset rooted at the
-path (for listings) or at its parent directory (for files).
-
-Options (``cachefs={...}``): ``dataset``, ``manifest_version`` (pin a snapshot), ``cache_dir``, ``config``
-(a YAML file) and any config key as ``section_field`` (e.g. ``engine_memory_budget="1GiB"``).
-
-With ``writable=True`` (S3 only) the filesystem also writes: ``open(..., "wb")``, ``put``, ``pipe``, ``rm``,
-``mv``, ``mkdir``, ``touch`` go to this process's checkpoint volume (:mod:`cachefs.write.files`): durable on the
-node at close, on the origin in the background in close order; ``volume="s3://bucket/prefix"`` confines them to
-that prefix (default: the bucket). Files this process wrote are read back from the node.
-"""
+"""The filesystem class of the ``cachefs`` protocol (see the package's docstring)."""
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 from typing import Any
@@ -31,7 +12,8 @@ from cachefs.base.aio import run_sync
 from cachefs.base.config import load_config
 from cachefs.base.errors import ConfigError, InvalidURLError, ReadOnlyError
 from cachefs.base.types import Entry, canonical_url
-from cachefs.engine import WOULD_WAIT, Dataset, Engine, ReadStream, get_engine
+from cachefs.engine import Dataset, Engine, get_engine
+from cachefs.fsspec_fs.file import CacheFile, norm_range, read_range
 from cachefs.write.files import ProcessVolumes, VolumeFiles
 
 try:  # fsspec >= 2025.10 marks chaining-aware filesystems with this base class
@@ -39,7 +21,7 @@ try:  # fsspec >= 2025.10 marks chaining-aware filesystems with this base class
 except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
-__all__ = ["CacheFile", "CacheFileSystem"]
+__all__ = ["CacheFileSystem"]
 
 
 class CacheFileSystem(_Base):
@@ -230,11 +212,11 @@ class CacheFileSystem(_Base):
         if local is not None:
             with open(local, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                start, end = _norm_range(size, start, end)
+                start, end = norm_range(size, start, end)
                 return os.pread(f.fileno(), end - start, start)
         ds, rel = self._resolve(path, as_dir=False)
         entry = ds.file(rel)
-        start, end = _norm_range(entry.size, start, end)
+        start, end = norm_range(entry.size, start, end)
         return read_range(self.engine, ds, entry, start, end)
 
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
@@ -357,88 +339,3 @@ def _origin_protocols() -> set[str]:
     import fsspec
 
     return set(fsspec.available_protocols()) - {"cachefs"}
-
-
-def _norm_range(size: int, start: int | None, end: int | None) -> tuple[int, int]:
-    start = 0 if start is None else (max(0, size + start) if start < 0 else start)
-    end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
-    return start, max(start, end)
-
-
-def read_range(engine: Engine, ds: Dataset, entry: Entry, start: int, end: int,
-               stream: ReadStream | None = None) -> bytes | bytearray:
-    """Sync read: local blocks from this thread, misses through the engine's loop."""
-    data = engine.read_local(ds, entry, start, end, stream)
-    if data is None or data is WOULD_WAIT:  # (a read that may wait never answers WOULD_WAIT)
-        return run_sync(engine.read(ds, entry, start, end, stream))
-    return data
-
-
-class CacheFile(io.RawIOBase):
-    """A read-only, seekable file of one manifest entry."""
-
-    def __init__(self, fs: CacheFileSystem, ds: Dataset, entry: Entry) -> None:
-        super().__init__()
-        self.fs, self.ds, self.entry = fs, ds, entry
-        self.path = ds.ref.object_url(entry.path)
-        self.size = entry.size
-        self.mode = "rb"
-        self._pos = 0
-        self._file = fs.engine.open(ds, entry)  # eviction skips the object while this file is open
-
-    def close(self) -> None:
-        if not self.closed:
-            self._file.close()
-        super().close()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            pos = offset
-        elif whence == io.SEEK_CUR:
-            pos = self._pos + offset
-        elif whence == io.SEEK_END:
-            pos = self.size + offset
-        else:
-            raise ValueError(f"invalid whence {whence}")
-        if pos < 0:
-            raise ValueError("negative seek position")
-        self._pos = pos
-        return pos
-
-    def read(self, size: int = -1) -> bytes:
-        if self.closed:
-            raise ValueError("I/O operation on closed file")
-        end = self.size if size is None or size < 0 else min(self.size, self._pos + size)
-        if self._pos >= end:
-            return b""
-        got = self._file.read_local(self._pos, end)
-        data = run_sync(self._file.read(self._pos, end)) if got is None or got is WOULD_WAIT else got
-        out = data if isinstance(data, bytes) else bytes(data)  # (file-like readers expect bytes)
-        self._pos += len(out)
-        return out
-
-    read1 = read
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(memoryview(buffer)))
-        n = len(data)
-        memoryview(buffer).cast("B")[:n] = data
-        return n
-
-    def info(self) -> dict[str, Any]:
-        return self.fs._info(self.ds, self.entry)
-
-    def __repr__(self) -> str:
-        return f"<CacheFile {self.path}>"
