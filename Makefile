@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-loaders setup setup-test lint bench clean
+.PHONY: demo test test-loaders test-s3impl setup setup-test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,14 @@ test: setup-test
 test-loaders: setup-test
 	tests/loaders/setup.sh
 	.venv-loaders/bin/python -m pytest -q -p no:cacheprovider tests/loaders tests/integration/test_loaders.py
+
+## The read path and the checkpoint write path against a second real S3 server, SeaweedFS (conditional writes,
+## multipart uploads, copies and listings differ between servers). `weed` is built from Go modules into .cache/
+## (tests/s3impl/seaweedfs/build.sh: about 20 minutes cold on 2 cores, reused after); `make test` runs the same
+## tests when it is there and skips them, saying so, when it is not.
+test-s3impl: setup-test
+	tests/s3impl/seaweedfs/build.sh >/dev/null
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/integration/test_seaweedfs.py
 
 bench: setup-test
 	$(BIN)/python -m bench.run_all
