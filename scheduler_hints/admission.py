@@ -138,11 +138,12 @@ class Admission:
             # at the first moment the freed GPUs added up, across domains).
             self._gang_first_seen.pop(gang.key, None)
             return f"gang {gang.key} ({need} pods × {gpus} GPUs) is waiting until the whole gang fits"
-        reason = self.locality_refusal(gang.key, needs, score, need, gpus, lambda: cluster)
-        if reason:
-            return reason
+        if not gang.topology_assigned:  # (Kueue chose its domains: waiting for others could only stall it)
+            reason = self.locality_refusal(gang.key, needs, score, need, gpus, lambda: cluster)
+            if reason:
+                return reason
         first = self._gang_first_seen.setdefault(gang.key, now)
-        if now - first < self.topology_wait:
+        if now - first < self.topology_wait and not gang.topology_assigned:
             levels = self.weights.topology_levels
             index = self.node_cache.domains(levels)
             cap = domain_free(cluster, levels, gpus, capacity=True, index=index)

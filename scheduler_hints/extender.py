@@ -33,6 +33,7 @@ from aiohttp import web
 
 from scheduler_hints import metrics
 from scheduler_hints.admission import Admission
+from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender_wire import ArgsDecoder, BadJSON, NodeItems, NodeNames, as_sent, encode
 from scheduler_hints.gang import GangManager
 from scheduler_hints.memo import room
@@ -40,7 +41,7 @@ from scheduler_hints.node_cache import NodeCache
 from scheduler_hints.pods import VolumeIndex, pod_datasets, pod_gang, pod_gpus, pod_key
 from scheduler_hints.priorities import Priorities
 from scheduler_hints.request_nodes import RequestNodes
-from scheduler_hints.scoring import PodNeeds, Weights
+from scheduler_hints.scoring import NodeState, PodNeeds, Weights
 
 __all__ = ["MAX_BODY", "Binder", "Extender", "ExtenderHandlers", "NodeCache", "RecordingBinder", "make_app"]
 
@@ -100,6 +101,9 @@ class Extender:
     binder: Binder = field(default_factory=RecordingBinder)
     gangs: GangManager = field(default_factory=GangManager)
     node_cache: NodeCache = field(default_factory=NodeCache)
+    #: GPUs by Dynamic Resource Allocation (ResourceSlice and ResourceClaim watches when wired): the node
+    #: cache's counts, pods' demand through claims, and devices allocated to claims as held GPUs.
+    dra: DraInventory | None = None
     #: PodGroup minMember by ``namespace/name`` (from a PodGroup watch when wired).
     min_members: dict[str, int] = field(default_factory=dict)
     #: Pods this extender bound: pod key -> (node, GPUs). A pod watch calls :meth:`pod_gone` on deletion.
@@ -123,9 +127,12 @@ class Extender:
     _last_priorities: tuple[Any, list[int], list[dict[str, Any]]] | None = None
     _last_passed: tuple[Any, dict[str, Any]] | None = None
     _nodes: RequestNodes = field(init=False)
+    _style_memo: tuple[Any, bool, list[NodeState]] | None = None
 
     def __post_init__(self, topology_wait: float, locality_wait: float, locality_slack: float,
                       clock: Callable[[], float]) -> None:
+        if self.dra is not None:
+            self.node_cache.dra = self.dra
         self._nodes = RequestNodes(self.node_cache)
         self.admission = Admission(self.node_cache, self.gangs, self.weights, topology_wait, locality_wait,
                                    locality_slack, clock)
@@ -151,9 +158,36 @@ class Extender:
         room(self._pods, 100_000)[pod_key(pod)] = pod
         return pod, items, names
 
+    def gpus_of(self, pod: Mapping[str, Any]) -> int:
+        """GPUs the pod asks for: ``nvidia.com/gpu`` in its containers, and devices of GPU classes in its claims
+        that are not allocated yet."""
+        gpus = pod_gpus(pod)
+        if self.dra is not None:
+            gpus += self.dra.pod_gpus(pod, pod_key(pod))
+        return gpus
+
+    def _cluster_for(self, pod: Mapping[str, Any], held: Mapping[str, int]) -> list[NodeState]:
+        """Every node net of ``held``, less the GPU nodes of the other style on a cluster that has both: a pod
+        asking through resource claims only counts nodes a DRA driver publishes, one asking for ``nvidia.com/gpu``
+        only the others (a gang counted on both would be admitted where only part of it can run)."""
+        cluster = self._nodes.cluster(held)
+        if self.dra is None or not self.dra.publishes_nodes():
+            return cluster
+        by_ext, by_dra = pod_gpus(pod), self.dra.pod_gpus(pod, pod_key(pod))
+        if bool(by_ext) == bool(by_dra):
+            return cluster
+        want = bool(by_dra)
+        memo = self._style_memo
+        if memo is not None and memo[0] is cluster and memo[1] == want:
+            return memo[2]
+        mine = [n for n in cluster if n.gpus_by_dra == want or not n.gpu_allocatable]
+        self._style_memo = (cluster, want, mine)
+        return mine
+
     def held(self) -> dict[str, int]:
-        """GPUs held per node: by pods this extender bound, and reserved for admitted gangs."""
-        held: dict[str, int] = {}
+        """GPUs held per node: by bound pods' extended resources, by devices allocated to resource claims, and
+        reserved for admitted gangs."""
+        held: dict[str, int] = dict(self.dra.allocated_by_node()) if self.dra is not None else {}
         for n, g in self.bound_pods.values():
             held[n] = held.get(n, 0) + g
         for n, g in self.gangs.reservations():
@@ -173,7 +207,7 @@ class Extender:
                          for n in states if n.cache.fractions.get(ds) and n.cache.cached_bytes.get(ds)]
                 totals[ds] = int(max(known, default=0))
             room(self._totals_memo, 64)[key] = totals
-        return PodNeeds(totals, pod_gpus(pod))
+        return PodNeeds(totals, self.gpus_of(pod))
 
     # -- verbs ----------------------------------------------------------------------------------------------
     def filter(self, body: Any) -> dict[str, Any]:
@@ -210,13 +244,13 @@ class Extender:
     def _refusal(self, pod: Mapping[str, Any], items: list[Mapping[str, Any]]) -> str | None:
         """Why the pod may not run now (a gang not admitted, a wait for nodes holding its data), or None."""
         gang = pod_gang(pod, self.min_members)
-        gpus = pod_gpus(pod)
+        gpus = self.gpus_of(pod)
         if gang is not None and gang.min_member > 1 and gpus > 0:
             if self.gangs.admitted(gang):
                 return None
             needs = self.needs(pod)
             score = self.priorities.locality(needs, self.node_cache.cluster()[1])
-            return self.admission.gang_refusal(gang, gpus, needs, score, self._nodes.cluster(self.held()))
+            return self.admission.gang_refusal(gang, gpus, needs, score, self._cluster_for(pod, self.held()))
         if not items or self.admission.locality_wait <= 0:
             return None
         needs = self.needs(pod)
@@ -251,7 +285,7 @@ class Extender:
         if gang is None:
             scores = self.priorities.outside_gangs(needs, states, groups, short)
         else:
-            scores = self.priorities.for_gang(needs, states, groups, gang, self._nodes.cluster(held), short)
+            scores = self.priorities.for_gang(needs, states, groups, gang, self._cluster_for(pod, held), short)
         source = self._nodes.resolved(items)  # the same hosts in the same order while it holds
         last = self._last_priorities
         if source is not None and last is not None and last[0] is source:
@@ -282,7 +316,7 @@ class Extender:
         self._check_held(key, namespace, name, node)
         del self._bindable[key]  # one bind per filter: a second (replayed) bind of the pod is refused
         gang = pod_gang(pod, self.min_members)
-        gpus = pod_gpus(pod)
+        gpus = self.gpus_of(pod)
         if gang is not None and gang.min_member > 1:
             complete = await self.gangs.wait_for_gang(gang, key, node, gpus)
             metrics.GANG_WAITS.labels("complete" if complete else "timeout").inc()
@@ -298,7 +332,7 @@ class Extender:
             log.warning("binding %s/%s to %s failed: %s", namespace, name, node, exc)
             return {"Error": f"binding {namespace}/{name} to {node} failed: {exc}"}
         metrics.BINDINGS.labels("bound").inc()
-        self.bound_pods[key] = (node, gpus)
+        self.bound_pods[key] = (node, pod_gpus(pod))  # (its claims' devices count where they are allocated)
         self.pending_pods.pop(key, None)
         if gang is not None:
             self.gangs.bound(gang, key)

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from scheduler_hints.dra import DraInventory
 from scheduler_hints.labels import DATASET_PREFIX, FREE_LABEL, read_node
 from scheduler_hints.scoring import NodeState, domain_index, group_fractions
 from scheduler_hints.topology import DomainIndex
@@ -23,8 +24,12 @@ class NodeCache:
     each node's parsed cache view kept until the node's labels or annotations change (parsing 5,000 nodes'
     annotations on every request would dominate the latency)."""
 
-    def __init__(self, refresh_interval: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, refresh_interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 dra: DraInventory | None = None) -> None:
         self.nodes: dict[str, Mapping[str, Any]] = {}
+        #: GPUs a DRA driver publishes (ResourceSlices): a node it publishes counts those instead of its
+        #: ``nvidia.com/gpu`` allocatable, and its devices' topology attributes join its labels.
+        self.dra = dra
         self._parsed: dict[str, tuple[Any, NodeState]] = {}
         #: How often the cluster-wide view (and every score memoised on it) follows cache-label changes: 5,000
         #: node agents publishing every 30 s change some node's labels every few milliseconds, and rebuilding
@@ -79,6 +84,16 @@ class NodeCache:
             return None
         return [name for at, name in log if at > updates]
 
+    def dra_changed(self) -> None:
+        """Re-read the nodes whose DRA devices changed (the ResourceSlice watch calls this)."""
+        if self.dra is None:
+            return
+        for name in self.dra.changed_nodes:
+            node = self.nodes.get(name)
+            if node is not None:
+                self._parse(node)
+        self.dra.changed_nodes.clear()
+
     def cluster(self) -> tuple[list[NodeState], dict]:
         """Every node's base state and the per-group best holders, as of :attr:`generation`."""
         generation = self.generation
@@ -114,15 +129,23 @@ class NodeCache:
         annotations = meta.get("annotations") or {}
         status = node.get("status") or {}
         alloc_raw = (status.get("allocatable") or {}).get("nvidia.com/gpu", 0) if isinstance(status, Mapping) else 0
-        version = meta.get("resourceVersion") or (labels, annotations, alloc_raw)
+        version = (meta.get("resourceVersion") or (labels, annotations, alloc_raw),
+                   self.dra.node_version(name) if self.dra is not None else 0)
         hit = self._parsed.get(name)
         if hit is not None and hit[0] == version:
             return hit[1]
-        try:
-            alloc = max(0, int(str(alloc_raw)))
-        except ValueError:
-            alloc = 0
-        state = NodeState(name, read_node(name, labels, annotations), labels, alloc, alloc)
+        dra_gpus = self.dra.node_gpus(name) if self.dra is not None else None
+        if dra_gpus is not None:
+            alloc = dra_gpus
+            topology = self.dra.node_topology(name) if self.dra is not None else {}
+            if any(k not in labels for k in topology):
+                labels = {**topology, **labels}  # (a label on the Node wins over its devices' attribute)
+        else:
+            try:
+                alloc = max(0, int(str(alloc_raw)))
+            except ValueError:
+                alloc = 0
+        state = NodeState(name, read_node(name, labels, annotations), labels, alloc, alloc, dra_gpus is not None)
         self._parsed[name] = (version, state)
         self._changes += 1
         if self.nodes.get(name) is node:  # a cached node: did its place in the topology change?

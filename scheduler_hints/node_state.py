@@ -17,3 +17,6 @@ class NodeState:
     labels: Mapping[str, str] = field(default_factory=dict)
     gpu_allocatable: int = 0
     gpu_free: int = 0
+    #: Its GPUs are DRA devices (ResourceSlices), not the ``nvidia.com/gpu`` extended resource: pods that ask
+    #: through resource claims run here, pods that ask for the extended resource do not (and the reverse).
+    gpus_by_dra: bool = False

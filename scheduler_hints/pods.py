@@ -30,6 +30,11 @@ GPU_RESOURCE = "nvidia.com/gpu"
 #: Gang membership, in the order they are consulted.
 COSCHEDULING_LABEL = "scheduling.x-k8s.io/pod-group"  # scheduler-plugins
 VOLCANO_ANNOTATION = "scheduling.k8s.io/group-name"  # Volcano
+KAI_ANNOTATION = "pod-group-name"  # NVIDIA KAI scheduler (its PodGroup: scheduling.run.ai)
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"  # Kueue's plain-pod groups
+KUEUE_GROUP_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+KUEUE_WORKLOAD_ANNOTATION = "kueue.x-k8s.io/workload"  # pods of a workload Kueue admitted (Job, JobSet …)
+KUEUE_TAS_LABEL = "kueue.x-k8s.io/tas"  # … placed by Kueue's topology-aware scheduling
 GANG_ANNOTATION = "cachefs.io/gang"  # ours
 GANG_SIZE_ANNOTATION = "cachefs.io/gang-size"
 #: Volume attribute keys that carry the dataset URL (PV spec.csi.volumeAttributes or inline csi.volumeAttributes).
@@ -139,6 +144,9 @@ class GangRef:
     namespace: str
     name: str
     min_member: int
+    #: Kueue's topology-aware scheduling chose the gang's domains (the pods carry its node selectors): the
+    #: extender admits it all-or-nothing but does not wait for other domains or for its data elsewhere.
+    topology_assigned: bool = False
 
     @property
     def key(self) -> str:
@@ -146,18 +154,19 @@ class GangRef:
 
 
 def pod_gang(pod: Mapping[str, Any], min_members: Mapping[str, int] | None = None) -> GangRef | None:
-    """The pod's gang, if any. ``min_members`` maps ``namespace/name`` of PodGroups to their minMember (from
-    a PodGroup watch); the ``cachefs.io/gang-size`` annotation works without one."""
+    """The pod's gang, if any: a scheduler-plugins, Volcano or KAI pod group, a Kueue pod group or admitted
+    workload, or ours. ``min_members`` maps ``namespace/name`` of PodGroups and Kueue Workloads to their minimum
+    (from watches); the ``cachefs.io/gang-size`` and Kueue's ``pod-group-total-count`` annotations work without."""
     meta = _meta(pod)
-    labels = meta.get("labels") or {}
-    ann = meta.get("annotations") or {}
+    raw_labels, raw_ann = meta.get("labels"), meta.get("annotations")
+    labels: Mapping[str, Any] = raw_labels if isinstance(raw_labels, Mapping) else {}
+    ann: Mapping[str, Any] = raw_ann if isinstance(raw_ann, Mapping) else {}
     namespace = str(meta.get("namespace") or "default")
-    name = (labels.get(COSCHEDULING_LABEL) if isinstance(labels, Mapping) else None) or \
-        (ann.get(VOLCANO_ANNOTATION) if isinstance(ann, Mapping) else None) or \
-        (ann.get(GANG_ANNOTATION) if isinstance(ann, Mapping) else None)
-    if not name:
+    name = (labels.get(COSCHEDULING_LABEL) or ann.get(VOLCANO_ANNOTATION) or ann.get(KAI_ANNOTATION)
+            or labels.get(KUEUE_GROUP_LABEL) or ann.get(KUEUE_WORKLOAD_ANNOTATION) or ann.get(GANG_ANNOTATION))
+    if not name or not isinstance(name, str):
         return None
-    size = _quantity(ann.get(GANG_SIZE_ANNOTATION, 0)) if isinstance(ann, Mapping) else 0
+    size = _quantity(ann.get(GANG_SIZE_ANNOTATION) or ann.get(KUEUE_GROUP_COUNT_ANNOTATION) or 0)
     if not size and min_members:
         size = min_members.get(f"{namespace}/{name}", 0)
-    return GangRef(namespace, str(name), max(1, size))
+    return GangRef(namespace, name, max(1, size), topology_assigned=KUEUE_TAS_LABEL in labels)

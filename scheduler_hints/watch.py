@@ -1,4 +1,5 @@
-"""Watch-fed caches for the extender: nodes, PVs/PVCs, pods and PodGroups, each kept current by list + watch
+"""Watch-fed caches for the extender: nodes, PVs/PVCs, pods, PodGroups and Kueue Workloads, and DRA's
+ResourceSlices, ResourceClaims, their templates and DeviceClasses, each kept current by list + watch
 (never an API call per scheduling request).
 
 :class:`~cachefs.kube.Reflector` is the one list/watch loop (the cache group's membership uses it too);
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cachefs.kube import KubeClient, Reflector
+from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender import Binder, Extender
 from scheduler_hints.pods import CSI_DRIVER, URL_ATTRIBUTES, VolumeIndex, pod_gpus, pod_key
 
@@ -71,20 +73,44 @@ class KubeBinder(Binder):
 class ClusterWatch:
     """Runs the reflectors that keep an :class:`Extender`'s view of the cluster current."""
 
-    PODGROUPS = "/apis/scheduling.x-k8s.io/v1alpha1/podgroups"
+    #: Gang sizes: PodGroups of scheduler-plugins, Volcano and KAI (``spec.minMember``), and Kueue's Workloads
+    #: (the pods of their pod sets). Each is optional: a cluster without that API skips it.
+    PODGROUPS = ("/apis/scheduling.x-k8s.io/v1alpha1/podgroups", "/apis/scheduling.volcano.sh/v1beta1/podgroups",
+                 "/apis/scheduling.run.ai/v2alpha2/podgroups")
+    WORKLOADS = ("/apis/kueue.x-k8s.io/v1beta1/workloads", "/apis/kueue.x-k8s.io/v1beta2/workloads")
+    #: Dynamic Resource Allocation (GA in Kubernetes 1.34): skipped where the API is not served.
+    DRA = "/apis/resource.k8s.io/v1"
 
     def __init__(self, client: KubeClient, ext: Extender) -> None:
         self.client, self.ext = client, ext
         self.volumes = WatchedVolumes()
         ext.volumes = self.volumes
+        if ext.dra is None:
+            ext.dra = DraInventory()
+            ext.node_cache.dra = ext.dra
+        dra = ext.dra
         self.reflectors = [
             Reflector(client, "/api/v1/nodes", self._on_node),
             Reflector(client, "/api/v1/persistentvolumes", self.volumes.on_pv),
             Reflector(client, "/api/v1/persistentvolumeclaims", self.volumes.on_pvc),
             Reflector(client, "/api/v1/pods", self._on_pod),
-            Reflector(client, self.PODGROUPS, self._on_podgroup, optional=True),
+            *(Reflector(client, path, self._on_podgroup, optional=True) for path in self.PODGROUPS),
+            *(Reflector(client, path, self._on_workload, optional=True) for path in self.WORKLOADS),
+            Reflector(client, f"{self.DRA}/deviceclasses", dra.on_class, optional=True),
+            Reflector(client, f"{self.DRA}/resourceclaimtemplates", dra.on_template, optional=True),
+            Reflector(client, f"{self.DRA}/resourceclaims", self._on_claim, optional=True),
+            Reflector(client, f"{self.DRA}/resourceslices", self._on_slice, optional=True),
         ]
         self._tasks: list[asyncio.Task] = []
+
+    def _on_slice(self, kind: str, obj: Mapping[str, Any]) -> None:
+        assert self.ext.dra is not None
+        self.ext.dra.on_slice(kind, obj)
+        self.ext.node_cache.dra_changed()
+
+    def _on_claim(self, kind: str, obj: Mapping[str, Any]) -> None:
+        assert self.ext.dra is not None
+        self.ext.dra.on_claim(kind, obj)
 
     def _on_node(self, kind: str, node: Mapping[str, Any]) -> None:
         if kind == "DELETED":
@@ -96,6 +122,8 @@ class ClusterWatch:
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
             return
         key = pod_key(pod)
+        if self.ext.dra is not None:
+            self.ext.dra.on_pod(kind, pod, key)
         node = (pod.get("spec") or {}).get("nodeName")
         phase = (pod.get("status") or {}).get("phase")
         if kind == "DELETED" or phase in ("Succeeded", "Failed"):
@@ -103,7 +131,7 @@ class ClusterWatch:
         elif node:
             self.ext.bound_pods[key] = (str(node), pod_gpus(pod))
             self.ext.pending_pods.pop(key, None)
-        elif phase in (None, "Pending") and (gpus := pod_gpus(pod)) > 0:
+        elif phase in (None, "Pending") and (gpus := self.ext.gpus_of(pod)) > 0:
             self.ext.pod_pending(key, gpus)
 
     def _on_podgroup(self, kind: str, pg: Mapping[str, Any]) -> None:
@@ -116,6 +144,24 @@ class ClusterWatch:
                 self.ext.min_members[key] = int((pg.get("spec") or {}).get("minMember") or 1)
             except (TypeError, ValueError):
                 pass
+
+    def _on_workload(self, kind: str, wl: Mapping[str, Any]) -> None:
+        """A Kueue Workload: its gang is every pod of its pod sets (``minCount`` where partial admission set it)."""
+        meta = wl.get("metadata") or {}
+        key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        if kind == "DELETED":
+            self.ext.min_members.pop(key, None)
+            return
+        if kind not in ("ADDED", "MODIFIED"):
+            return
+        total = 0
+        for podset in (wl.get("spec") or {}).get("podSets") or ():
+            try:
+                total += int(podset.get("minCount") or podset.get("count") or 0)
+            except (AttributeError, TypeError, ValueError):
+                continue
+        if total > 0:
+            self.ext.min_members[key] = total
 
     async def start(self, timeout: float = 60.0) -> None:
         """Start every reflector and wait until each has listed once."""

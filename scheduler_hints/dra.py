@@ -1,0 +1,331 @@
+"""GPUs handed out by Dynamic Resource Allocation (``resource.k8s.io/v1``), as the extender counts them.
+
+A DRA driver publishes each node's devices in ResourceSlices; pods ask for them through ResourceClaims (named, or
+made per pod from a ResourceClaimTemplate), which kube-scheduler's DynamicResources plugin allocates. The
+:class:`DraInventory` is fed by watches of those four kinds and answers what the extender needs:
+
+- how many GPUs a node has (its GPU devices in the newest generation of each pool) and how many are allocated
+  (devices named in the allocation results of claims), for nodes a driver publishes; the rest keep counting
+  ``nvidia.com/gpu`` from the Node's allocatable, so one cluster may mix both;
+- how many GPUs a pod asks for through its claims: per request of a GPU device class, ``count`` (default 1), or
+  a whole node's GPUs for ``allocationMode: All``; a claim already allocated asks for nothing more (its devices
+  are counted where they are), and a named claim shared by several pods counts once, for the first of them;
+- topology the devices carry (an NVLink clique, a PCIe root …): device attributes mapped onto node-label keys,
+  so the topology levels see them beside labels (a label on the Node wins).
+
+A device is a GPU when its driver is one of ``gpu_drivers`` and it does not say it is something else (NVIDIA's
+driver also publishes MIG slices, ``type: mig``). A device class is a GPU class when its name is a GPU driver's or
+one of ``gpu_classes``, or when its CEL selectors compare ``device.driver`` with a GPU driver.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DraConfig", "DraInventory"]
+
+#: Standard device attribute (Kubernetes) and NVIDIA's DRA driver's clique attribute, mapped to node-label keys.
+DEFAULT_TOPOLOGY_ATTRIBUTES = {
+    "gpu.nvidia.com/cliqueId": "nvidia.com/gpu.clique",
+}
+
+_DRIVER_IN_CEL = re.compile(r"device\.driver\s*==\s*['\"]([^'\"]+)['\"]")
+
+
+@dataclass(frozen=True)
+class DraConfig:
+    #: Drivers whose devices are GPUs (unless a device's ``type`` attribute says otherwise).
+    gpu_drivers: tuple[str, ...] = ("gpu.nvidia.com",)
+    #: Device classes that hand out GPUs beside those recognised from their selectors.
+    gpu_classes: tuple[str, ...] = ()
+    #: Device attribute (qualified name) → the node-label key it stands for in the topology levels.
+    topology_attributes: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_TOPOLOGY_ATTRIBUTES))
+
+
+@dataclass
+class _Device:
+    node: str
+    gpu: bool
+    attributes: dict[str, str]
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _spec(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    spec = obj.get("spec")
+    return spec if isinstance(spec, Mapping) else {}
+
+
+def _key(obj: Mapping[str, Any]) -> str:
+    m = _meta(obj)
+    return f"{m.get('namespace', 'default')}/{m.get('name', '')}"
+
+
+def _attribute_values(driver: str, attributes: Any) -> dict[str, str]:
+    """A device's attributes by qualified name (an unqualified name belongs to the driver's domain), as strings."""
+    out: dict[str, str] = {}
+    if not isinstance(attributes, Mapping):
+        return out
+    for name, value in attributes.items():
+        if not isinstance(value, Mapping):
+            continue
+        for kind in ("string", "int", "bool", "version"):
+            if kind in value:
+                qualified = str(name) if "/" in str(name) else f"{driver}/{name}"
+                out[qualified] = str(value[kind]).lower() if kind == "bool" else str(value[kind])
+                break
+    return out
+
+
+class DraInventory:
+    """ResourceSlices, ResourceClaims, ResourceClaimTemplates and DeviceClasses from watches (``on_*``), and the
+    GPU counts and demands read from them. Not thread-safe: fed and read on the extender's event loop."""
+
+    def __init__(self, config: DraConfig | None = None) -> None:
+        self.config = config or DraConfig()
+        #: (driver, pool) → (generation, {slice name: [(device name, device)]}): only the newest generation counts.
+        self._pools: dict[tuple[str, str], tuple[int, dict[str, list[tuple[str, _Device]]]]] = {}
+        self._devices: dict[tuple[str, str, str], _Device] = {}  # (driver, pool, device) → device
+        self._pool_devices: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+        self._node_devices: dict[str, set[tuple[str, str, str]]] = {}
+        self._node_gpus: dict[str, int] = {}
+        self._allocated_gpus: dict[str, int] = {}  # node → GPUs allocated to claims
+        self._allocated_idents: dict[tuple[str, str, str], int] = {}  # device → how many claims name it
+        self._node_topology: dict[str, dict[str, str]] = {}
+        self._claims: dict[str, Mapping[str, Any]] = {}
+        self._allocated: dict[str, list[tuple[str, str, str]]] = {}  # claim key → its allocated devices
+        self._templates: dict[str, Mapping[str, Any]] = {}
+        self._gpu_classes: set[str] = set(self.config.gpu_classes) | set(self.config.gpu_drivers)
+        self._claim_users: dict[str, set[str]] = {}  # named claim key → keys of pods that reference it
+        self._node_versions: dict[str, int] = {}
+        #: Nodes whose devices changed since the node cache last looked (it re-reads them and clears this).
+        self.changed_nodes: set[str] = set()
+
+    # -- the watches ----------------------------------------------------------------------------------------
+    def on_slice(self, kind: str, obj: Mapping[str, Any]) -> None:
+        spec = _spec(obj)
+        driver, name = str(spec.get("driver", "")), str(_meta(obj).get("name", ""))
+        pool = spec.get("pool") if isinstance(spec.get("pool"), Mapping) else {}
+        assert isinstance(pool, Mapping)
+        pool_key = (driver, str(pool.get("name", "")))
+        try:
+            generation = int(pool.get("generation") or 0)
+        except (TypeError, ValueError):
+            generation = 0
+        node = spec.get("nodeName")
+        known = self._pools.get(pool_key)
+        if kind == "DELETED":
+            if known is not None and name in known[1]:
+                del known[1][name]
+                self._rebuild(pool_key)
+            return
+        if not isinstance(node, str) or not node:
+            return  # devices not local to one node (network-attached): not GPUs of a node
+        if known is None or generation > known[0]:
+            known = (generation, {})
+        elif generation < known[0]:
+            return  # an older generation: ignored until the driver replaces it
+        gpu_driver = driver in self.config.gpu_drivers
+        devices: list[tuple[str, _Device]] = []
+        for d in spec.get("devices") or ():
+            if not isinstance(d, Mapping) or not d.get("name"):
+                continue
+            attributes = _attribute_values(driver, d.get("attributes"))
+            kind_attr = attributes.get(f"{driver}/type", "gpu")
+            devices.append((str(d["name"]), _Device(node, gpu_driver and kind_attr == "gpu", attributes)))
+        known[1][name] = devices
+        self._pools[pool_key] = known
+        self._rebuild(pool_key)
+
+    def on_claim(self, kind: str, obj: Mapping[str, Any]) -> None:
+        key = _key(obj)
+        before = self._allocated.pop(key, [])
+        if kind == "DELETED":
+            self._claims.pop(key, None)
+        else:
+            self._claims[key] = obj
+            status = obj.get("status") if isinstance(obj.get("status"), Mapping) else {}
+            assert isinstance(status, Mapping)
+            allocation = status.get("allocation") if isinstance(status.get("allocation"), Mapping) else {}
+            assert isinstance(allocation, Mapping)
+            results = (allocation.get("devices") or {}).get("results") if isinstance(allocation.get("devices"),
+                                                                                    Mapping) else None
+            now = [(str(r.get("driver", "")), str(r.get("pool", "")), str(r.get("device", "")))
+                   for r in results or () if isinstance(r, Mapping)]
+            if now:
+                self._allocated[key] = now
+        for ident in before:
+            left = self._allocated_idents.get(ident, 0) - 1
+            if left > 0:
+                self._allocated_idents[ident] = left
+            else:
+                self._allocated_idents.pop(ident, None)
+        for ident in self._allocated.get(key, []):
+            self._allocated_idents[ident] = self._allocated_idents.get(ident, 0) + 1
+        for ident in {*before, *self._allocated.get(key, [])}:
+            dev = self._devices.get(ident)
+            if dev is not None:
+                self._recount_allocated(dev.node)
+
+    def on_template(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind == "DELETED":
+            self._templates.pop(_key(obj), None)
+        else:
+            self._templates[_key(obj)] = obj
+
+    def on_class(self, kind: str, obj: Mapping[str, Any]) -> None:
+        name = str(_meta(obj).get("name", ""))
+        if kind == "DELETED":
+            if name not in self.config.gpu_classes and name not in self.config.gpu_drivers:
+                self._gpu_classes.discard(name)
+            return
+        for sel in _spec(obj).get("selectors") or ():
+            cel = sel.get("cel") if isinstance(sel, Mapping) else None
+            expression = cel.get("expression") if isinstance(cel, Mapping) else None
+            if isinstance(expression, str) and any(d in self.config.gpu_drivers
+                                                   for d in _DRIVER_IN_CEL.findall(expression)):
+                self._gpu_classes.add(name)
+
+    def on_pod(self, kind: str, pod: Mapping[str, Any], key: str) -> None:
+        """The pod watch: which pods share a named claim (the first of them counts it)."""
+        namespace = str(_meta(pod).get("namespace") or "default")
+        for users in self._claim_users.values():
+            users.discard(key)
+        if kind == "DELETED":
+            return
+        for ref in _spec(pod).get("resourceClaims") or ():
+            if isinstance(ref, Mapping) and isinstance(ref.get("resourceClaimName"), str):
+                self._claim_users.setdefault(f"{namespace}/{ref['resourceClaimName']}", set()).add(key)
+
+    def _rebuild(self, pool_key: tuple[str, str]) -> None:
+        """Re-index the devices of one pool and recount the nodes it touches."""
+        touched = set()
+        for ident in self._pool_devices.pop(pool_key, set()):
+            dev = self._devices.pop(ident)
+            self._node_devices[dev.node].discard(ident)
+            touched.add(dev.node)
+        idents = self._pool_devices[pool_key] = set()
+        for devices in self._pools.get(pool_key, (0, {}))[1].values():
+            for name, dev in devices:
+                ident = (*pool_key, name)
+                self._devices[ident] = dev
+                idents.add(ident)
+                self._node_devices.setdefault(dev.node, set()).add(ident)
+                touched.add(dev.node)
+        for node in touched:
+            self._recount(node)
+
+    def _recount(self, node: str) -> None:
+        gpus = [d for d in map(self._devices.__getitem__, self._node_devices.get(node, ())) if d.gpu]
+        if gpus:
+            self._node_gpus[node] = len(gpus)
+        else:
+            self._node_gpus.pop(node, None)
+        topology: dict[str, str] = {}
+        for attr, label in self.config.topology_attributes.items():
+            values = {d.attributes[attr] for d in gpus if attr in d.attributes}
+            if len(values) == 1:  # (a node whose GPUs sit in two cliques is in neither as a whole)
+                topology[label] = values.pop()
+        self._node_topology[node] = topology
+        self._node_versions[node] = self._node_versions.get(node, 0) + 1
+        self.changed_nodes.add(node)
+        self._recount_allocated(node)
+
+    def _recount_allocated(self, node: str) -> None:
+        self._allocated_gpus[node] = sum(1 for ident in self._node_devices.get(node, ())
+                                         if ident in self._allocated_idents and self._devices[ident].gpu)
+
+    # -- what the extender reads ----------------------------------------------------------------------------
+    def node_gpus(self, node: str) -> int | None:
+        """GPUs a DRA driver publishes for ``node``, or None when none does (count its extended resource)."""
+        return self._node_gpus.get(node)
+
+    def publishes_nodes(self) -> bool:
+        """Whether any node's GPUs come from a DRA driver."""
+        return bool(self._node_gpus)
+
+    def node_version(self, node: str) -> int:
+        """Changes whenever the node's devices (count, topology) change."""
+        return self._node_versions.get(node, 0)
+
+    def node_topology(self, node: str) -> Mapping[str, str]:
+        """Node-label keys and values the node's GPU devices carry (:attr:`DraConfig.topology_attributes`)."""
+        return self._node_topology.get(node, {})
+
+    def allocated_by_node(self) -> Mapping[str, int]:
+        """GPUs allocated to claims, per node (kept current by the watches; do not change it)."""
+        return self._allocated_gpus
+
+    def largest_node(self) -> int:
+        """The most GPUs any one node has (what ``allocationMode: All`` asks for)."""
+        return max(self._node_gpus.values(), default=0)
+
+    def pod_gpus(self, pod: Mapping[str, Any], key: str) -> int:
+        """GPUs the pod still asks for through its resource claims (see the module's docstring)."""
+        refs = _spec(pod).get("resourceClaims")
+        if not refs:
+            return 0
+        namespace = str(_meta(pod).get("namespace") or "default")
+        status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
+        assert isinstance(status, Mapping)
+        generated = {str(s.get("name")): s.get("resourceClaimName")
+                     for s in status.get("resourceClaimStatuses") or () if isinstance(s, Mapping)}
+        total = 0
+        for ref in refs:
+            if not isinstance(ref, Mapping):
+                continue
+            claim_spec: Any = None
+            if isinstance(ref.get("resourceClaimName"), str):
+                claim_key = f"{namespace}/{ref['resourceClaimName']}"
+                users = sorted(self._claim_users.get(claim_key, ()))
+                if claim_key in self._allocated or (users and users[0] != key):
+                    continue  # held where it is allocated, or counted for the first pod that shares it
+                claim_spec = _spec(self._claims.get(claim_key, {}))
+            elif isinstance(ref.get("resourceClaimTemplateName"), str):
+                made = generated.get(str(ref.get("name")))
+                if isinstance(made, str) and made:
+                    claim_key = f"{namespace}/{made}"
+                    if claim_key in self._allocated:
+                        continue
+                    if claim_key in self._claims:
+                        claim_spec = _spec(self._claims[claim_key])
+                if claim_spec is None:
+                    template = self._templates.get(f"{namespace}/{ref['resourceClaimTemplateName']}", {})
+                    claim_spec = _spec(template).get("spec") if isinstance(_spec(template).get("spec"), Mapping) else {}
+            total += self._claim_gpus(claim_spec)
+        return total
+
+    def _claim_gpus(self, spec: Any) -> int:
+        devices = spec.get("devices") if isinstance(spec, Mapping) else None
+        requests = devices.get("requests") if isinstance(devices, Mapping) else None
+        total = 0
+        for request in requests or ():
+            if not isinstance(request, Mapping):
+                continue
+            exact = request.get("exactly")
+            if isinstance(exact, Mapping):
+                total += self._request_gpus(exact)
+            elif isinstance(request.get("firstAvailable"), list):
+                # the allocator takes the first alternative that fits: count the preferred one
+                first = next((s for s in request["firstAvailable"] if isinstance(s, Mapping)), None)
+                total += self._request_gpus(first) if first is not None else 0
+        return total
+
+    def _request_gpus(self, request: Mapping[str, Any]) -> int:
+        if str(request.get("deviceClassName", "")) not in self._gpu_classes:
+            return 0
+        if request.get("allocationMode") == "All":
+            return self.largest_node()
+        try:
+            return max(0, min(int(request.get("count") or 1), 1 << 20))
+        except (TypeError, ValueError):
+            return 1
+
+    def gpu_classes(self) -> Iterable[str]:
+        return sorted(self._gpu_classes)
