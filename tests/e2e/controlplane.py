@@ -1,4 +1,5 @@
-"""A real Kubernetes control plane for tests: etcd, kube-apiserver and kube-scheduler built from Go modules
+"""A real Kubernetes control plane for tests: etcd, kube-apiserver, kube-scheduler and kube-controller-manager's
+resourceclaim controller, built from Go modules
 (``k8s-bins/build.sh``), started on loopback ports with generated certificates and keys, torn down with
 every child process.
 
@@ -164,6 +165,16 @@ class ControlPlane:
             f"--secure-port={sched_port}", "--v=5"])  # 5: failed prioritize calls are logged
         self._wait("kube-scheduler", lambda: urllib.request.urlopen(
             f"https://127.0.0.1:{sched_port}/readyz", timeout=2, context=_no_verify()).status == 200)
+        # Only the resourceclaim controller (it makes a pod's ResourceClaims from their templates, DRA) and the
+        # garbage collector (it deletes them, owned by the pod, after the pod); every other controller stays off,
+        # as the tests create what they need themselves.
+        kcm_port = free_port()
+        self._spawn("kube-controller-manager", [
+            str(self.bins / "kube-controller-manager"), f"--kubeconfig={self.admin_kubeconfig}",
+            "--controllers=resourceclaim-controller,garbage-collector-controller", "--leader-elect=false", "--bind-address=127.0.0.1",
+            f"--secure-port={kcm_port}", "--use-service-account-credentials=false"])
+        self._wait("kube-controller-manager", lambda: urllib.request.urlopen(
+            f"https://127.0.0.1:{kcm_port}/healthz", timeout=2, context=_no_verify()).status == 200)
         return self
 
     def start_extender(self) -> Proc:
@@ -230,6 +241,10 @@ _PATHS = {
     "CSIDriver": ("/apis/storage.k8s.io/v1", "csidrivers", False),
     "StorageClass": ("/apis/storage.k8s.io/v1", "storageclasses", False),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
+    "ResourceSlice": ("/apis/resource.k8s.io/v1", "resourceslices", False),
+    "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
+    "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),
+    "ResourceClaimTemplate": ("/apis/resource.k8s.io/v1", "resourceclaimtemplates", True),
     "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
     "ValidatingAdmissionPolicyBinding": ("/apis/admissionregistration.k8s.io/v1",
                                          "validatingadmissionpolicybindings", False),

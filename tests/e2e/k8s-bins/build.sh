@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the real Kubernetes components the end-to-end tests run, from Go modules only:
-#   kube-apiserver, kube-scheduler (k8s.io/kubernetes $K8S), etcd (go.etcd.io/etcd/server/v3 $ETCD),
+#   kube-apiserver, kube-scheduler, kube-controller-manager (k8s.io/kubernetes $K8S; the tests run only its
+#   resourceclaim controller), etcd (go.etcd.io/etcd/server/v3 $ETCD),
 #   csi-sanity (github.com/kubernetes-csi/csi-test/v5 $CSI_TEST).
 # Output: $CACHEFS_K8S_BINS (default <repo>/.cache/k8s-bins/<versions>/), reused when every binary is present.
 # Prints that directory on its last line. Only go.mod/go.sum and this script are committed.
@@ -11,7 +12,7 @@ K8S=v1.36.3
 ETCD=v3.6.14
 CSI_TEST=v5.4.0
 out="${CACHEFS_K8S_BINS:-$repo/.cache/k8s-bins/k8s-$K8S-etcd-$ETCD-csitest-$CSI_TEST}"
-bins="kube-apiserver kube-scheduler etcd csi-sanity"
+bins="kube-apiserver kube-scheduler kube-controller-manager etcd csi-sanity"
 have=1
 for b in $bins; do [ -x "$out/$b" ] || have=0; done
 if [ "$have" = 1 ]; then echo "$out"; exit 0; fi
@@ -23,7 +24,8 @@ ldf="-s -w -X k8s.io/component-base/version.gitVersion=$K8S -X k8s.io/component-
  -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 start=$(date +%s)
 ( cd "$here/kube" && go build -trimpath -ldflags "$ldf" -o "$out/" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler ) >&2
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kube-controller-manager ) >&2
 ( cd "$here/etcd" && go build -trimpath -ldflags "-s -w" -o "$out/etcd" go.etcd.io/etcd/server/v3 ) >&2
 ( cd "$here/csi" && go build -trimpath -ldflags "-s -w" -o "$out/csi-sanity" \
     github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity ) >&2
