@@ -11,7 +11,9 @@ made per pod from a ResourceClaimTemplate), which kube-scheduler's DynamicResour
   a whole node's GPUs for ``allocationMode: All``; a claim already allocated asks for nothing more (its devices
   are counted where they are), and a named claim shared by several pods counts once, for the first of them;
 - topology the devices carry (an NVLink clique, a PCIe root …): device attributes mapped onto node-label keys,
-  so the topology levels see them beside labels (a label on the Node wins).
+  so the topology levels see them beside labels (a label on the Node wins);
+- whether a device class maps ``nvidia.com/gpu`` onto DRA devices (``extendedResourceName``): pods asking for the
+  extended resource then run on DRA nodes too, their devices allocated through a claim kube-scheduler makes.
 
 A device is a GPU when its driver is one of ``gpu_drivers`` and it does not say it is something else (NVIDIA's
 driver also publishes MIG slices, ``type: mig``). A device class is a GPU class when its name is a GPU driver's or
@@ -32,6 +34,7 @@ DEFAULT_TOPOLOGY_ATTRIBUTES = {
     "gpu.nvidia.com/cliqueId": "nvidia.com/gpu.clique",
 }
 
+EXTENDED_GPU = "nvidia.com/gpu"
 _DRIVER_IN_CEL = re.compile(r"device\.driver\s*==\s*['\"]([^'\"]+)['\"]")
 
 
@@ -103,6 +106,7 @@ class DraInventory:
         self._templates: dict[str, Mapping[str, Any]] = {}
         self._gpu_classes: set[str] = set(self.config.gpu_classes) | set(self.config.gpu_drivers)
         self._claim_users: dict[str, set[str]] = {}  # named claim key → keys of pods that reference it
+        self._mapping_classes: set[str] = set()  # classes whose extendedResourceName is nvidia.com/gpu
         self._node_versions: dict[str, int] = {}
         #: Nodes whose devices changed since the node cache last looked (it re-reads them and clears this).
         self.changed_nodes: set[str] = set()
@@ -184,7 +188,15 @@ class DraInventory:
         if kind == "DELETED":
             if name not in self.config.gpu_classes and name not in self.config.gpu_drivers:
                 self._gpu_classes.discard(name)
+            self._mapping_classes.discard(name)
             return
+        mapped = _spec(obj).get("extendedResourceName")
+        if mapped == EXTENDED_GPU:
+            # pods asking for nvidia.com/gpu get this class's devices (DRA's extended-resource mapping)
+            self._gpu_classes.add(name)
+            self._mapping_classes.add(name)
+        else:
+            self._mapping_classes.discard(name)
         for sel in _spec(obj).get("selectors") or ():
             cel = sel.get("cel") if isinstance(sel, Mapping) else None
             expression = cel.get("expression") if isinstance(cel, Mapping) else None
@@ -245,6 +257,11 @@ class DraInventory:
     def node_gpus(self, node: str) -> int | None:
         """GPUs a DRA driver publishes for ``node``, or None when none does (count its extended resource)."""
         return self._node_gpus.get(node)
+
+    def maps_extended_resource(self) -> bool:
+        """Whether a device class hands out its devices to pods asking for ``nvidia.com/gpu`` (DRA's
+        extended-resource mapping): such pods may then run on nodes a DRA driver publishes."""
+        return bool(self._mapping_classes)
 
     def publishes_nodes(self) -> bool:
         """Whether any node's GPUs come from a DRA driver."""

@@ -174,7 +174,7 @@ class Extender:
         if self.dra is None or not self.dra.publishes_nodes():
             return cluster
         by_ext, by_dra = pod_gpus(pod), self.dra.pod_gpus(pod, pod_key(pod))
-        if bool(by_ext) == bool(by_dra):
+        if bool(by_ext) == bool(by_dra) or (by_ext and self.dra.maps_extended_resource()):
             return cluster
         want = bool(by_dra)
         memo = self._style_memo
@@ -189,7 +189,8 @@ class Extender:
         reserved for admitted gangs."""
         held: dict[str, int] = dict(self.dra.allocated_by_node()) if self.dra is not None else {}
         for n, g in self.bound_pods.values():
-            held[n] = held.get(n, 0) + g
+            if self.dra is None or self.dra.node_gpus(n) is None:  # (a DRA node's GPUs are held by claims)
+                held[n] = held.get(n, 0) + g
         for n, g in self.gangs.reservations():
             held[n] = held.get(n, 0) + g
         return held

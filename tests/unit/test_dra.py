@@ -197,3 +197,15 @@ def test_on_a_mixed_cluster_a_gang_counts_only_the_nodes_of_its_gpu_style():
         ext = _mixed_cluster()
         assert _refused(ext, _gang_pod("a", "g3", 3, dra=dra))
         assert not _refused(ext, _gang_pod("b", "g2", 2, dra=dra))
+
+
+def test_a_class_mapping_the_extended_resource_lets_its_pods_use_dra_nodes_counted_once():
+    ext = _mixed_cluster()
+    assert ext.dra is not None
+    ext.dra.on_class("ADDED", {"metadata": {"name": "gpu-as-extended"},
+                               "spec": {"extendedResourceName": "nvidia.com/gpu", "selectors": []}})
+    assert not _refused(ext, _gang_pod("a", "g3", 3, dra=False))  # two extended-resource nodes and the DRA ones
+    # such a pod bound on a DRA node holds its GPUs through the claim kube-scheduler made, not twice
+    ext.bound_pods["uid-x"] = ("dra-1", 8)
+    ext.dra.on_claim("ADDED", claim("x-extended", claim_spec(8), allocated=[("dra-1", f"gpu-{i}") for i in range(8)]))
+    assert ext.held()["dra-1"] == 8
