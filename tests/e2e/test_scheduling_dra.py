@@ -50,9 +50,15 @@ def dra(k8s):
     return k8s
 
 
-def dra_gang_pod(name: str, gang: str, size: int) -> dict:
-    pod = make_pod(name, selector={"e2e": "dra"},
-                   annotations={"cachefs.io/gang": gang, "cachefs.io/gang-size": str(size)})
+def dra_gang_pod(name: str, gang: str, size: int, *, kueue: bool = False) -> dict:
+    """A gang member claiming 8 GPUs through the template; ``kueue``: a member of a Kueue pod group as Kueue leaves
+    it once admitted (its group label and total count; the scheduling gate already removed)."""
+    if kueue:
+        pod = make_pod(name, selector={"e2e": "dra"}, annotations={"kueue.x-k8s.io/pod-group-total-count": str(size)})
+        pod["metadata"]["labels"] = {"kueue.x-k8s.io/pod-group-name": gang, "kueue.x-k8s.io/queue-name": "gpus"}
+    else:
+        pod = make_pod(name, selector={"e2e": "dra"},
+                       annotations={"cachefs.io/gang": gang, "cachefs.io/gang-size": str(size)})
     pod["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": "eight-gpus"}]
     pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
     return pod
@@ -101,9 +107,10 @@ def bound(k8s, names: list[str]) -> list[str]:
 
 
 def test_a_dra_gang_lands_whole_in_the_one_clique_its_devices_say_can_hold_it(dra):
+    """A Kueue pod group first, then two gangs of ours."""
     k8s = dra
     first = [f"da-{i}" for i in range(4)]
-    start_pods(k8s, *[dra_gang_pod(p, "da", 4) for p in first])
+    start_pods(k8s, *[dra_gang_pod(p, "da", 4, kueue=True) for p in first])
     placed = [wait_for(lambda p=p: node_of(k8s, p), 90, f"{p} bound") for p in first]
     assert {DRA_NODES[n] for n in placed} == {"c2"} and len(set(placed)) == 4
     assert [allocated_node(k8s, p) for p in first] == placed  # the DRA plugin's devices are on the same nodes
