@@ -226,6 +226,9 @@ def _api_error(status: int, raw: bytes) -> ApiError:
 
 Handler = Callable[[str, Mapping[str, Any]], None]
 
+#: Seconds between looks for an optional API that is not served (a CRD installed after the watcher started).
+OPTIONAL_RECHECK = 15.0
+
 
 class Reflector:
     """Keeps ``handler(event_type, object)`` informed about every object at ``path``; ``handler("SYNC", {})``
@@ -240,6 +243,7 @@ class Reflector:
         self.params = dict(params or {})
         self.synced = asyncio.Event()
         self._known: dict[str, Mapping[str, Any]] = {}
+        self._listed = False
 
     @staticmethod
     def _key(obj: Mapping[str, Any]) -> str:
@@ -248,6 +252,9 @@ class Reflector:
 
     async def _list(self) -> str:
         doc = await self.client.get(self.path, **self.params)
+        if self.optional and not self._listed:
+            log.info("watching %s", self.path)
+        self._listed = True
         seen = {}
         for obj in doc.get("items") or []:
             seen[self._key(obj)] = obj
@@ -281,10 +288,16 @@ class Reflector:
                 if exc.status == 410:
                     rv = ""
                     continue
-                if exc.status == 404 and self.optional:
-                    log.info("%s not served (its CRD is not installed); not watching it", self.path)
+                if exc.status in (403, 404) and self.optional:
+                    # Not served (its CRD or API is not installed) or not allowed: nothing to wait for at start;
+                    # looked for again now and then, so an API installed later is watched from then on.
+                    if not self.synced.is_set():
+                        log.info("%s: %s; not watching it until it is served", self.path,
+                                 "not allowed" if exc.status == 403 else "not served")
                     self.synced.set()
-                    return
+                    rv = ""
+                    await asyncio.sleep(OPTIONAL_RECHECK)
+                    continue
                 log.warning("watching %s: %s; relisting", self.path, exc)
                 rv = ""
             except (TimeoutError, OSError, ValueError) as exc:

@@ -171,8 +171,8 @@ class ControlPlane:
         kcm_port = free_port()
         self._spawn("kube-controller-manager", [
             str(self.bins / "kube-controller-manager"), f"--kubeconfig={self.admin_kubeconfig}",
-            "--controllers=resourceclaim-controller,garbage-collector-controller", "--leader-elect=false", "--bind-address=127.0.0.1",
-            f"--secure-port={kcm_port}", "--use-service-account-credentials=false"])
+            "--controllers=resourceclaim-controller,garbage-collector-controller", "--leader-elect=false",
+            "--bind-address=127.0.0.1", f"--secure-port={kcm_port}", "--use-service-account-credentials=false"])
         self._wait("kube-controller-manager", lambda: urllib.request.urlopen(
             f"https://127.0.0.1:{kcm_port}/healthz", timeout=2, context=_no_verify()).status == 200)
         return self
@@ -241,6 +241,11 @@ _PATHS = {
     "CSIDriver": ("/apis/storage.k8s.io/v1", "csidrivers", False),
     "StorageClass": ("/apis/storage.k8s.io/v1", "storageclasses", False),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
+    "CustomResourceDefinition": ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
+    "Topology": ("/apis/kueue.x-k8s.io/v1beta2", "topologies", False),
+    "ResourceFlavor": ("/apis/kueue.x-k8s.io/v1beta2", "resourceflavors", False),
+    "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads", True),
+    "PodGroup": ("/apis/scheduling.run.ai/v2alpha2", "podgroups", True),
     "ResourceSlice": ("/apis/resource.k8s.io/v1", "resourceslices", False),
     "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
     "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),
