@@ -26,6 +26,7 @@ from functools import partial
 from aiohttp import web
 
 from cachefs.base.types import dataset_id
+from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender import Extender, make_app, tune_gc
 from scheduler_hints.labels import dataset_key
 
@@ -60,15 +61,52 @@ GANG_POD = {"metadata": {"name": "gang-member", "namespace": "ml", "uid": "u2",
             "spec": {"containers": [{"name": "t", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}
 
 
-def _serve(nodes: list[dict], churn: str, port_out) -> None:
+def dra_world(nodes: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The same cluster with its GPUs published by a DRA driver: the nodes without ``nvidia.com/gpu`` and without
+    the clique label, and a ResourceSlice per node whose 8 devices carry the clique."""
+    bare, slices = [], []
+    for n in nodes:
+        labels = dict(n["metadata"]["labels"])
+        clique = labels.pop("nvidia.com/gpu.clique")
+        alloc = {k: v for k, v in n["status"]["allocatable"].items() if k != "nvidia.com/gpu"}
+        bare.append({"metadata": {**n["metadata"], "labels": labels}, "status": {"allocatable": alloc}})
+        name = n["metadata"]["name"]
+        slices.append({"metadata": {"name": f"{name}-gpus"}, "spec": {
+            "driver": "gpu.nvidia.com", "nodeName": name, "pool": {"name": name, "generation": 1},
+            "devices": [{"name": f"gpu-{i}", "attributes": {"type": {"string": "gpu"}, "cliqueId": {"string": clique}}}
+                        for i in range(8)]}})
+    return bare, slices
+
+
+TEMPLATE = {"metadata": {"name": "eight-gpus", "namespace": "ml"}, "spec": {"spec": {"devices": {"requests": [
+    {"name": "gpus", "exactly": {"deviceClassName": "gpu.nvidia.com", "count": 8}}]}}}}
+
+
+def dra_pod(pod: dict) -> dict:
+    """``pod`` asking for its GPUs through a claim made from :data:`TEMPLATE`."""
+    return {**pod, "spec": {"containers": [{"name": "t", "resources": {"claims": [{"name": "gpus"}]}}],
+                            "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "eight-gpus"}]}}
+
+
+def _serve(nodes: list[dict], churn: str, dra: bool, port_out) -> None:
     """The extender in its own process, as deployed (the client must not share its event loop and GIL).
     ``churn``: what changes before every request — "" nothing, "label" one node's labels, "bind" one more pod
-    bound by the extender (and, past 500, the oldest one gone)."""
+    bound by the extender (and, past 500, the oldest one gone), "claim" one more claim's devices allocated (past
+    500, the oldest claim deleted). ``dra``: the GPUs come from ResourceSlices (:func:`dra_world`)."""
 
     async def main() -> None:
-        ext = Extender()
-        for n in nodes:
+        ext = Extender(dra=DraInventory()) if dra else Extender()
+        cluster = nodes
+        if dra:
+            assert ext.dra is not None
+            cluster, slices = dra_world(nodes)
+            for sl in slices:
+                ext.dra.on_slice("ADDED", sl)
+            ext.dra.on_template("ADDED", TEMPLATE)
+        for n in cluster:
             ext.node_cache.update(n)
+        ext.node_cache.dra_changed()
+        claims: list[dict] = []
         if churn:
             filter_, count = ext.filter, iter(range(10**9))
 
@@ -79,6 +117,16 @@ def _serve(nodes: list[dict], churn: str, port_out) -> None:
                     meta = dict(n["metadata"], resourceVersion=f"churn-{i}",
                                 labels={**n["metadata"]["labels"], "cachefs.io/free-gib": str(i)})
                     ext.node_cache.update({**n, "metadata": meta})
+                elif churn == "claim":  # kube-scheduler's DRA plugin allocated one more pod's devices
+                    assert ext.dra is not None
+                    name = n["metadata"]["name"]
+                    claim = {"metadata": {"name": f"c-{i}", "namespace": "ml"}, "status": {"allocation": {
+                        "devices": {"results": [{"request": "gpus", "driver": "gpu.nvidia.com", "pool": name,
+                                                 "device": f"gpu-{i % 8}"}]}}}}
+                    ext.dra.on_claim("ADDED", claim)
+                    claims.append(claim)
+                    if len(claims) > 500:
+                        ext.dra.on_claim("DELETED", claims.pop(0))
                 else:  # the extender bound the previous pod: its GPUs are held on that node
                     ext.bound_pods[f"ml/bound-{i}"] = (n["metadata"]["name"], 1)
                     if len(ext.bound_pods) > 500:
@@ -197,14 +245,20 @@ def run(nodes: list[dict], rounds: int) -> None:
     full = pod_bodies(POD, {"Nodes": {"items": nodes}})
     by_name = pod_bodies(POD, {"NodeNames": names})
     gang = pod_bodies(GANG_POD, {"NodeNames": names})
-    for label, body, churn in (("nodeCacheCapable=false (full Node objects)", full, ""),
-                               ("the same with one more pod bound by the extender before every request", full, "bind"),
-                               ("nodeCacheCapable=true (names)", by_name, ""),
-                               ("nodeCacheCapable=true, first member of a 16-pod gang (nothing changes between "
-                                "requests: the kept answer)", gang, ""),
-                               ("the same with one node re-labelled before every request (the gang's topology "
-                                "scored afresh)", gang, "label")):
-        times, replies, handler = _in_process(_serve, (nodes, churn), partial(_measure_extender, body, rounds))
+    dra_single = pod_bodies(dra_pod(POD), {"NodeNames": names})
+    dra_gang = pod_bodies(dra_pod(GANG_POD), {"NodeNames": names})
+    for label, body, churn, dra in (
+            ("nodeCacheCapable=false (full Node objects)", full, "", False),
+            ("the same with one more pod bound by the extender before every request", full, "bind", False),
+            ("nodeCacheCapable=true (names)", by_name, "", False),
+            ("nodeCacheCapable=true, first member of a 16-pod gang (nothing changes between "
+             "requests: the kept answer)", gang, "", False),
+            ("the same with one node re-labelled before every request (the gang's topology "
+             "scored afresh)", gang, "label", False),
+            ("DRA: a ResourceSlice for every node (cliques only in device attributes), names, a pod claiming 8 "
+             "GPUs, one more claim allocated before every request", dra_single, "claim", True),
+            ("DRA: the same for the first member of a 16-pod gang claiming its GPUs", dra_gang, "claim", True)):
+        times, replies, handler = _in_process(_serve, (nodes, churn, dra), partial(_measure_extender, body, rounds))
         wire_only, _ = _in_process(_serve_fixed, (replies,), lambda port, _pipe, b=body: measure(port, b, rounds))
         size = len(body(0))
         first = times[0]  # pays for scoring every node; later calls reuse it

@@ -250,8 +250,12 @@ class DraInventory:
         self._recount_allocated(node)
 
     def _recount_allocated(self, node: str) -> None:
-        self._allocated_gpus[node] = sum(1 for ident in self._node_devices.get(node, ())
-                                         if ident in self._allocated_idents and self._devices[ident].gpu)
+        count = sum(1 for ident in self._node_devices.get(node, ())
+                    if ident in self._allocated_idents and self._devices[ident].gpu)
+        if count:
+            self._allocated_gpus[node] = count
+        else:  # (only nodes with GPUs in use: the extender nets every listed node per request)
+            self._allocated_gpus.pop(node, None)
 
     # -- what the extender reads ----------------------------------------------------------------------------
     def node_gpus(self, node: str) -> int | None:

@@ -78,7 +78,7 @@ def test_devices_allocated_to_claims_are_held_on_their_node():
     inv.on_claim("ADDED", claim("b", claim_spec(1)))  # not allocated yet
     assert inv.allocated_by_node() == {"n1": 2}
     inv.on_claim("DELETED", claim("a", claim_spec(2)))
-    assert inv.allocated_by_node() == {"n1": 0}
+    assert inv.allocated_by_node() == {}
 
 
 def test_a_pods_demand_from_templates_named_claims_shared_claims_and_all_mode():
