@@ -39,3 +39,16 @@ def test_sharded_groups_read_most_bytes_from_the_group_and_ours_keeps_jobs_in_th
     ours, default = results["cachefs"], results["default"]
     assert ours.peer_bytes > ours.local_bytes > 0  # most of what the group holds is on the other members
     assert ours.group_fraction > default.group_fraction
+
+
+def test_ours_over_dra_places_exactly_as_over_extended_resources():
+    """The same world through DraInventory and NodeCache (GPUs and cliques from ResourceSlices, demand from
+    templates, allocated claims): every node state checked against the simulator's books, the same figures."""
+    from bench.placement_dra import DraSimulation
+
+    ext = Simulation("cachefs", *make_world(64, 160, seed=3), seed=3).run()
+    sim = DraSimulation(*make_world(64, 160, seed=3), seed=3)
+    dra = sim.run()
+    assert sim.checked_states > 1000
+    assert (dra.local_bytes, dra.peer_bytes, dra.origin_bytes, dra.waits, dra.multi_leaf) == (
+        ext.local_bytes, ext.peer_bytes, ext.origin_bytes, ext.waits, ext.multi_leaf)
