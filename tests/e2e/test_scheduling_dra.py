@@ -166,3 +166,24 @@ def test_on_a_mixed_cluster_a_gang_is_admitted_only_where_its_gpu_style_can_hold
     assert bound(k8s, ext_gang) == []
     stop_pods(k8s, [*dra_gang, *ext_gang])
     wait_for(lambda: claims_gone(k8s), 60, "the claims deleted after their pods")
+
+
+def test_a_pod_claiming_gpus_through_dra_lands_where_its_dataset_is_cached(dra):
+    """Locality in the DRA form: two DRA nodes, one holding 90 % of the pod's dataset, the other 10 %."""
+    from .test_scheduling import URL, label_node
+
+    k8s = dra
+    for name in ("dloc-a", "dloc-b"):
+        make_node(k8s, name, labels={"e2e": "dra-locality"})
+        k8s.apply(gpu_slice(name, "c9"))
+    label_node(k8s, "dloc-a", 900 * 2**30, 1000 * 2**30)
+    label_node(k8s, "dloc-b", 100 * 2**30, 1000 * 2**30)
+    time.sleep(1)  # let the extender's watches see the labels and slices
+    pod = make_pod("dloc-0", selector={"e2e": "dra-locality"}, annotations={"cachefs.io/datasets": URL})
+    pod["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": "eight-gpus"}]
+    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
+    start_pods(k8s, pod)
+    assert wait_for(lambda: node_of(k8s, "dloc-0"), 60, "dloc-0 bound") == "dloc-a"
+    assert allocated_node(k8s, "dloc-0") == "dloc-a"
+    stop_pods(k8s, ["dloc-0"])
+    wait_for(lambda: claims_gone(k8s), 60, "the claim deleted after its pod")
