@@ -27,7 +27,8 @@ from aiohttp import web
 
 from cachefs.base.types import dataset_id
 from scheduler_hints.dra import DraInventory
-from scheduler_hints.extender import Extender, make_app, tune_gc
+from scheduler_hints.extender import Extender
+from scheduler_hints.extender_http import make_app, tune_gc
 from scheduler_hints.labels import dataset_key
 
 

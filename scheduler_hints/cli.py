@@ -70,7 +70,8 @@ async def labels(args: argparse.Namespace, config: Config) -> int:
 
 async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
     from scheduler_hints.config import load_extender_config
-    from scheduler_hints.extender import Extender, serve
+    from scheduler_hints.extender import Extender
+    from scheduler_hints.extender_http import serve
     from scheduler_hints.gang import GangManager
 
     host, _, port = args.listen.rpartition(":")

@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 
 from cachefs.base.types import dataset_id
-from scheduler_hints.extender import MAX_BODY, Extender, make_app
+from scheduler_hints.extender import Extender
+from scheduler_hints.extender_http import MAX_BODY, make_app
 from scheduler_hints.extender_wire import encode
 from scheduler_hints.gang import GangManager
 from scheduler_hints.labels import dataset_key

@@ -84,7 +84,8 @@ def test_extender_requests_are_answered_or_refused_with_a_4xx(verb, raw):
 def test_a_50_mb_body_is_refused_before_it_is_read():
     from aiohttp.test_utils import TestClient, TestServer
 
-    from scheduler_hints.extender import Extender, make_app
+    from scheduler_hints.extender import Extender
+    from scheduler_hints.extender_http import make_app
 
     async def go():
         async with TestClient(TestServer(make_app(Extender()))) as client:
