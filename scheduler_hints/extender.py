@@ -120,7 +120,7 @@ class Extender:
     _last_priorities: tuple[Any, list[int], list[dict[str, Any]]] | None = None
     _last_passed: tuple[Any, dict[str, Any]] | None = None
     _nodes: RequestNodes = field(init=False)
-    _style_memo: tuple[Any, bool, list[NodeState]] | None = None
+    _style_memo: tuple[Any, tuple[bool | None, tuple], list[NodeState]] | None = None
 
     def __post_init__(self, topology_wait: float, locality_wait: float, locality_slack: float,
                       clock: Callable[[], float]) -> None:
@@ -160,21 +160,28 @@ class Extender:
         return gpus
 
     def _cluster_for(self, pod: Mapping[str, Any], held: Mapping[str, int]) -> list[NodeState]:
-        """Every node net of ``held``, less the GPU nodes of the other style on a cluster that has both: a pod
-        asking through resource claims only counts nodes a DRA driver publishes, one asking for ``nvidia.com/gpu``
-        only the others (a gang counted on both would be admitted where only part of it can run)."""
+        """Every node net of ``held`` that the pod could run on as far as a gang's count goes: those its
+        ``nodeSelector`` matches (Kueue writes the flavor's and the topology assignment's labels there), less the
+        GPU nodes of the other style on a cluster that has both (a pod asking through resource claims only runs
+        on nodes a DRA driver publishes, one asking for ``nvidia.com/gpu`` only on the others). A gang counted on
+        nodes it cannot use would be admitted where only part of it can run."""
         cluster = self._nodes.cluster(held)
-        if self.dra is None or not self.dra.publishes_nodes():
+        raw = (pod.get("spec") or {}).get("nodeSelector")
+        selector = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, Mapping) else ()
+        style: bool | None = None
+        if self.dra is not None and self.dra.publishes_nodes():
+            by_ext, by_dra = pod_gpus(pod), self.dra.pod_gpus(pod, pod_key(pod))
+            if bool(by_ext) != bool(by_dra) and not (by_ext and self.dra.maps_extended_resource()):
+                style = bool(by_dra)
+        if not selector and style is None:
             return cluster
-        by_ext, by_dra = pod_gpus(pod), self.dra.pod_gpus(pod, pod_key(pod))
-        if bool(by_ext) == bool(by_dra) or (by_ext and self.dra.maps_extended_resource()):
-            return cluster
-        want = bool(by_dra)
         memo = self._style_memo
-        if memo is not None and memo[0] is cluster and memo[1] == want:
+        if memo is not None and memo[0] is cluster and memo[1] == (style, selector):
             return memo[2]
-        mine = [n for n in cluster if n.gpus_by_dra == want or not n.gpu_allocatable]
-        self._style_memo = (cluster, want, mine)
+        mine = [n for n in cluster
+                if (style is None or n.gpus_by_dra == style or not n.gpu_allocatable)
+                and all(n.labels.get(k) == v for k, v in selector)]
+        self._style_memo = (cluster, (style, selector), mine)
         return mine
 
     def held(self) -> dict[str, int]:

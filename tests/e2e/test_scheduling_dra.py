@@ -77,8 +77,10 @@ def stop_pods(k8s, names: list[str], pause: float = 0.0) -> None:
         delete_pod(k8s, name)
 
 
-def claims_gone(k8s) -> bool:
-    return not k8s.request("GET", "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims")["items"]
+def claims_gone(k8s, pods: list[str]) -> bool:
+    """Whether the claims made for ``pods`` (named ``<pod>-<claim>-<suffix>``) are gone."""
+    items = k8s.request("GET", "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims")["items"]
+    return not any(c["metadata"]["name"].startswith(f"{p}-") for c in items for p in pods)
 
 
 def allocated_node(k8s, pod: str) -> str | None:
@@ -115,7 +117,7 @@ def test_a_dra_gang_lands_whole_in_the_one_clique_its_devices_say_can_hold_it(dr
     assert {DRA_NODES[n] for n in placed} == {"c2"} and len(set(placed)) == 4
     assert [allocated_node(k8s, p) for p in first] == placed  # the DRA plugin's devices are on the same nodes
     stop_pods(k8s, first)
-    wait_for(lambda: claims_gone(k8s), 60, "the gang's claims deleted after its pods")
+    wait_for(lambda: claims_gone(k8s, first), 60, "the gang's claims deleted after its pods")
 
     # Two 32-GPU gangs arrive together on 56 GPUs: exactly one runs whole, the other waits holding nothing; it
     # runs whole in one clique once the first is gone.
@@ -133,7 +135,7 @@ def test_a_dra_gang_lands_whole_in_the_one_clique_its_devices_say_can_hold_it(dr
     wait_for(lambda: len(bound(k8s, loser)) == 4, 120, "the waiting gang bound after its GPUs freed")
     assert len({DRA_NODES[node_of(k8s, n)] for n in loser}) == 1
     stop_pods(k8s, loser)
-    wait_for(lambda: claims_gone(k8s), 60, "the claims deleted after their pods")
+    wait_for(lambda: claims_gone(k8s, b + c), 60, "the claims deleted after their pods")
 
 
 def test_on_a_mixed_cluster_a_gang_is_admitted_only_where_its_gpu_style_can_hold_it(dra):
@@ -165,7 +167,7 @@ def test_on_a_mixed_cluster_a_gang_is_admitted_only_where_its_gpu_style_can_hold
         wait_for(lambda n=name: "waiting until the whole gang fits" in refusal(n), 60, f"{name} refused whole")
     assert bound(k8s, ext_gang) == []
     stop_pods(k8s, [*dra_gang, *ext_gang])
-    wait_for(lambda: claims_gone(k8s), 60, "the claims deleted after their pods")
+    wait_for(lambda: claims_gone(k8s, dra_gang), 60, "the claims deleted after their pods")
 
 
 def test_a_pod_claiming_gpus_through_dra_lands_where_its_dataset_is_cached(dra):
@@ -186,4 +188,4 @@ def test_a_pod_claiming_gpus_through_dra_lands_where_its_dataset_is_cached(dra):
     assert wait_for(lambda: node_of(k8s, "dloc-0"), 60, "dloc-0 bound") == "dloc-a"
     assert allocated_node(k8s, "dloc-0") == "dloc-a"
     stop_pods(k8s, ["dloc-0"])
-    wait_for(lambda: claims_gone(k8s), 60, "the claim deleted after its pod")
+    wait_for(lambda: claims_gone(k8s, ["dloc-0"]), 60, "the claim deleted after its pod")

@@ -209,3 +209,21 @@ def test_a_class_mapping_the_extended_resource_lets_its_pods_use_dra_nodes_count
     ext.bound_pods["uid-x"] = ("dra-1", 8)
     ext.dra.on_claim("ADDED", claim("x-extended", claim_spec(8), allocated=[("dra-1", f"gpu-{i}") for i in range(8)]))
     assert ext.held()["dra-1"] == 8
+
+
+def test_a_gang_counts_only_the_nodes_its_node_selector_matches():
+    """Kueue writes the flavor's and the topology assignment's labels into the pods' node selectors: a gang whose
+    selector leaves two 8-GPU nodes does not fit three 8-GPU pods, however many GPUs the rest of the cluster has."""
+    ext = Extender()
+    for i in range(4):
+        ext.node_cache.update(node(f"n{i}", labels={"nvidia.com/gpu.clique": "a" if i < 2 else "b"}, gpus=8))
+    names = [f"n{i}" for i in range(4)]
+
+    def gang(name: str, gang: str, selector: dict | None) -> dict:
+        p = _gang_pod(name, gang, 3, dra=False)
+        if selector:
+            p["spec"]["nodeSelector"] = selector
+        return p
+
+    assert ext.filter({"Pod": gang("s", "in-a", {"nvidia.com/gpu.clique": "a"}), "NodeNames": names})["FailedNodes"]
+    assert not ext.filter({"Pod": gang("u", "anywhere", None), "NodeNames": names})["FailedNodes"]
