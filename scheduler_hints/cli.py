@@ -70,6 +70,7 @@ async def labels(args: argparse.Namespace, config: Config) -> int:
 
 async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
     from scheduler_hints.config import load_extender_config
+    from scheduler_hints.dra import DraInventory
     from scheduler_hints.extender import Extender
     from scheduler_hints.extender_http import serve
     from scheduler_hints.gang import GangManager
@@ -87,7 +88,7 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
         metrics_host, metrics_port = parse_listen(args.metrics_listen, "--metrics-listen")
         start_http_server(metrics_port, addr=metrics_host)
     ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout),
-                   topology_wait=cfg.topology_wait, locality_wait=cfg.locality_wait,
+                   dra=DraInventory(cfg.dra), topology_wait=cfg.topology_wait, locality_wait=cfg.locality_wait,
                    locality_slack=cfg.locality_slack)
     if args.standalone:
         await serve(ext, host.strip("[]"), int(port), ssl_context, int(cfg.max_request_bytes))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from cachefs.base.errors import ConfigError
+from scheduler_hints.dra import DraConfig
 from scheduler_hints.scoring import Weights
 
 __all__ = ["ExtenderConfig", "load_extender_config"]
@@ -14,6 +15,8 @@ __all__ = ["ExtenderConfig", "load_extender_config"]
 @dataclass(frozen=True)
 class ExtenderConfig:
     weights: Weights = field(default_factory=Weights)
+    #: Which DRA devices are GPUs and which of their attributes stand for topology labels (docs/SCHEDULING.md).
+    dra: DraConfig = field(default_factory=DraConfig)
     #: Seconds a gang member's bind waits for the rest of its gang (keep below the extender httpTimeout).
     bind_timeout: float = 30.0
     #: Seconds an admitted gang may make no progress before its admission lapses.
@@ -44,19 +47,20 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
         raise ConfigError(f"{path}: not valid YAML") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping")
+    dra = _dra_config(path, data.pop("dra", {}) or {})
     w = data.pop("weights", {}) or {}
     known_w = {f.name for f in fields(Weights)}
     if not isinstance(w, dict) or set(w) - known_w:
         raise ConfigError(f"{path}: weights may set {', '.join(sorted(known_w))}")
     if "topology_levels" in w:
         w["topology_levels"] = tuple(str(x) for x in w["topology_levels"])
-    known = {f.name for f in fields(ExtenderConfig)} - {"weights"}
+    known = {f.name for f in fields(ExtenderConfig)} - {"weights", "dra"}
     if set(data) - known:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(set(data) - known))}")
     try:
         given: dict[str, Any] = {k: (float(v) if k != "topology_levels" else v) for k, v in w.items()}
         weights = Weights(**given)
-        cfg = ExtenderConfig(weights=weights, **{k: float(v) for k, v in data.items()})
+        cfg = ExtenderConfig(weights=weights, dra=dra, **{k: float(v) for k, v in data.items()})
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
     if min(cfg.weights.local, cfg.weights.domain, cfg.weights.packing, cfg.weights.packing_when_short,
@@ -74,3 +78,26 @@ def load_extender_config(path: str | None) -> ExtenderConfig:
     if not 0 <= cfg.locality_slack <= 1:
         raise ConfigError(f"{path}: locality_slack is a fraction of the pod's bytes, 0 to 1")
     return cfg
+
+
+def _dra_config(path: str, raw: Any) -> DraConfig:
+    """The ``dra`` section: ``gpu_drivers`` and ``gpu_classes`` (lists of names), ``topology_attributes`` (device
+    attribute → node-label key)."""
+    known = {f.name for f in fields(DraConfig)}
+    if not isinstance(raw, dict) or set(raw) - known:
+        raise ConfigError(f"{path}: dra may set {', '.join(sorted(known))}")
+    out: dict[str, Any] = {}
+    for key in ("gpu_drivers", "gpu_classes"):
+        if key in raw:
+            value = raw[key]
+            if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+                raise ConfigError(f"{path}: dra.{key} is a list of names")
+            out[key] = tuple(value)
+    if "topology_attributes" in raw:
+        value = raw["topology_attributes"]
+        if not isinstance(value, dict) or not all(isinstance(k, str) and "/" in k and isinstance(v, str) and v
+                                                  for k, v in value.items()):
+            raise ConfigError(f"{path}: dra.topology_attributes maps qualified device attributes "
+                              "(driver/name) to node-label keys")
+        out["topology_attributes"] = dict(value)
+    return DraConfig(**out)

@@ -21,7 +21,19 @@ def test_fields_load(tmp_path):
     assert (cfg.locality_wait, cfg.locality_slack, cfg.bind_timeout) == (60.0, 0.1, 10.0)
 
 
+def test_the_dra_section_loads(tmp_path):
+    f = tmp_path / "ext.yaml"
+    f.write_text("dra:\n  gpu_drivers: [gpu.nvidia.com, gpu.amd.com]\n  gpu_classes: [h200]\n"
+                 "  topology_attributes: {gpu.amd.com/xgmiHive: amd.com/xgmi-hive}\n")
+    cfg = load_extender_config(str(f))
+    assert cfg.dra.gpu_drivers == ("gpu.nvidia.com", "gpu.amd.com") and cfg.dra.gpu_classes == ("h200",)
+    assert cfg.dra.topology_attributes == {"gpu.amd.com/xgmiHive": "amd.com/xgmi-hive"}
+
+
 @pytest.mark.parametrize(("text", "words"), [
+    ("dra:\n  gpu_drivers: gpu.nvidia.com\n", "list of names"),
+    ("dra:\n  topology_attributes: {cliqueId: clique}\n", "qualified"),
+    ("dra:\n  devices: 8\n", "dra may set"),
     ("weights:\n  packing_when_short: -1\n", "must not be negative"),
     ("weights:\n  gravity: 1\n", "weights may set"),
     ("speed: 1\n", "unknown key"),
