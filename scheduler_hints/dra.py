@@ -35,6 +35,8 @@ DEFAULT_TOPOLOGY_ATTRIBUTES = {
 }
 
 EXTENDED_GPU = "nvidia.com/gpu"
+#: Watch events that carry an object (the reflector also says "SYNC" after each list).
+_EVENTS = ("ADDED", "MODIFIED", "DELETED")
 _DRIVER_IN_CEL = re.compile(r"device\.driver\s*==\s*['\"]([^'\"]+)['\"]")
 
 
@@ -113,6 +115,8 @@ class DraInventory:
 
     # -- the watches ----------------------------------------------------------------------------------------
     def on_slice(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind not in _EVENTS:
+            return
         spec = _spec(obj)
         driver, name = str(spec.get("driver", "")), str(_meta(obj).get("name", ""))
         pool = spec.get("pool") if isinstance(spec.get("pool"), Mapping) else {}
@@ -148,6 +152,8 @@ class DraInventory:
         self._rebuild(pool_key)
 
     def on_claim(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind not in _EVENTS:
+            return
         key = _key(obj)
         before = self._allocated.pop(key, [])
         if kind == "DELETED":
@@ -178,12 +184,16 @@ class DraInventory:
                 self._recount_allocated(dev.node)
 
     def on_template(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind not in _EVENTS:
+            return
         if kind == "DELETED":
             self._templates.pop(_key(obj), None)
         else:
             self._templates[_key(obj)] = obj
 
     def on_class(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind not in _EVENTS:
+            return
         name = str(_meta(obj).get("name", ""))
         if kind == "DELETED":
             if name not in self.config.gpu_classes and name not in self.config.gpu_drivers:

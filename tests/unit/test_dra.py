@@ -227,3 +227,10 @@ def test_a_gang_counts_only_the_nodes_its_node_selector_matches():
 
     assert ext.filter({"Pod": gang("s", "in-a", {"nvidia.com/gpu.clique": "a"}), "NodeNames": names})["FailedNodes"]
     assert not ext.filter({"Pod": gang("u", "anywhere", None), "NodeNames": names})["FailedNodes"]
+
+
+def test_the_reflectors_sync_marker_is_not_an_object():
+    inv = DraInventory()
+    for on in (inv.on_slice, inv.on_claim, inv.on_template, inv.on_class):
+        on("SYNC", {})
+    assert not inv._claims and not inv._templates and inv.node_gpus("") is None
