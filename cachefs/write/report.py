@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cachefs.base.metrics import (
     CHECKPOINT_BELOW_PROMISE,
@@ -13,34 +13,34 @@ from cachefs.base.metrics import (
     CHECKPOINT_STAGED_FILES,
     safely,
 )
-
-if TYPE_CHECKING:
-    from cachefs.write.volume import WritableVolume
+from cachefs.write.queue import UploadQueue
+from cachefs.write.uploader import Uploader
 
 __all__ = ["durability", "export_metrics", "volume_status"]
 
 
-def volume_status(v: WritableVolume) -> dict[str, Any]:
-    """Staged bytes and files, the durability reached, the upload's rate, lag and failures, what is pending."""
-    with v.lock:
-        entries = list(v.queue.entries)
-        dirty = v.dirty_bytes()
-        failed = dict(v.queue.failed)
-        last = v.queue.next_seq - 1
+def volume_status(queue: UploadQueue, uploader: Uploader, *, dirty: int, wanted: int, staging_limit: int,
+                  writers_waiting: int, **ident: Any) -> dict[str, Any]:
+    """Staged bytes and files (``dirty``: written to open files, not queued yet), the durability reached
+    (``wanted``: copies other members must hold), the upload's rate, lag and failures, what is pending; ``ident``
+    (url, dir, writer) goes in as given."""
+    with queue.lock:
+        entries = list(queue.entries)
+        failed = dict(queue.failed)
+        last = queue.next_seq - 1
     puts = [e for e in entries if e.kind == "put"]
     queued = sum(e.size for e in puts)
-    rate = v.uploader.rate
-    wanted = v.replicator.wanted
+    rate = uploader.rate
     return {
-        "url": v.url, "dir": v.dir, "pid": os.getpid(), "writer": v.writer, "time": time.time(),
+        **ident, "pid": os.getpid(), "time": time.time(),
         "durability": durability(wanted),
         "staged_bytes": queued + dirty, "staged_files": len(puts), "queued_entries": len(entries),
         "below_promise_bytes": dirty + sum(e.size for e in puts if len(e.held_by) < wanted),
-        "staging_limit": v.room.limit, "writers_waiting": v.room.waiting,
+        "staging_limit": staging_limit, "writers_waiting": writers_waiting,
         "oldest_staged_age": (time.time() - min(e.added for e in entries)) if entries else 0.0,
-        "uploaded_bytes": v.queue.uploaded_bytes, "upload_rate": rate,
+        "uploaded_bytes": queue.uploaded_bytes, "upload_rate": rate,
         "upload_lag": queued / rate if rate > 0 else (0.0 if not queued else None),
-        "failures": v.uploader.failures, "last_error": v.uploader.last_error,
+        "failures": uploader.failures, "last_error": uploader.last_error,
         "failed": {str(k): e for k, e in failed.items()},
         "pending": [f"{e.kind} {e.key}" for e in entries[:20]],
         "last_seq": last, "done_through": (min(e.seq for e in entries) - 1) if entries else last,

@@ -154,15 +154,21 @@ class WritableVolume:
                 self._dirty.pop(st.st_ino, None)
                 return None  # nothing written, or unlinked meanwhile: nothing to upload
             os.fsync(fd)
-            snap = self.queue.reserve_seq()
-            os.link(path, self.snapshot(snap))
-            fsync_dir(self.snapdir)
-            e = self.queue.add("put", rel, size=st.st_size, snap=snap)
-            self._snap_inode[snap] = st.st_ino
+            e = self._queue_put(rel, st)
             self._dirty.pop(st.st_ino, None)
             remote.drop_xattr(path, remote.DIRTY)
         if self.replicator.wanted:  # (outside the lock: the network)
             self._replicate(e)
+        return e
+
+    def _queue_put(self, rel: str, st: os.stat_result, *, before: QueueEntry | None = None) -> QueueEntry:
+        """Link a snapshot of the tree's ``rel`` (``st``: its stat) into the queue and journal its upload, durably.
+        Called with the lock held."""
+        snap = self.queue.reserve_seq()
+        os.link(self.path(rel), self.snapshot(snap))
+        fsync_dir(self.snapdir)
+        e = self.queue.add("put", rel, size=st.st_size, snap=snap, before=before)
+        self._snap_inode[snap] = st.st_ino
         return e
 
     def _replicate(self, e: QueueEntry) -> None:
@@ -327,11 +333,7 @@ class WritableVolume:
                     and remote.xattr(path, remote.CLEAN) in (None, etag))
             if not ours or copy not in self.queue.entries:
                 return False
-            snap = self.queue.reserve_seq()
-            os.link(path, self.snapshot(snap))
-            fsync_dir(self.snapdir)
-            self.queue.add("put", copy.key, size=st.st_size, snap=snap, before=copy)
-            self._snap_inode[snap] = st.st_ino
+            self._queue_put(copy.key, st, before=copy)
             self.queue.drop(copy)
             return True
 
@@ -386,7 +388,9 @@ class WritableVolume:
 
     def status(self) -> dict[str, Any]:
         """What ``cachefs status`` shows about this volume (:func:`.report.volume_status`)."""
-        return report.volume_status(self)
+        return report.volume_status(self.queue, self.uploader, dirty=self.dirty_bytes(),
+                                    wanted=self.replicator.wanted, staging_limit=self.room.limit,
+                                    writers_waiting=self.room.waiting, url=self.url, dir=self.dir, writer=self.writer)
 
     def _write_status(self) -> dict[str, Any]:
         st = self.status()
