@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cachefs.base.aio import run_sync
 from cachefs.base.types import Entry
 from cachefs.engine import WOULD_WAIT, Dataset, Engine, ReadStream
 
-if TYPE_CHECKING:
-    from cachefs.fsspec_fs.filesystem import CacheFileSystem
-
 __all__ = ["CacheFile", "norm_range", "read_range"]
+
+
+class FileOwner(Protocol):
+    """What a :class:`CacheFile` needs of its filesystem (the ``CacheFileSystem``)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    def _info(self, ds: Dataset, e: Entry) -> dict[str, Any]: ...
 
 
 def norm_range(size: int, start: int | None, end: int | None) -> tuple[int, int]:
@@ -34,7 +40,7 @@ def read_range(engine: Engine, ds: Dataset, entry: Entry, start: int, end: int,
 class CacheFile(io.RawIOBase):
     """A read-only, seekable file of one manifest entry."""
 
-    def __init__(self, fs: CacheFileSystem, ds: Dataset, entry: Entry) -> None:
+    def __init__(self, fs: FileOwner, ds: Dataset, entry: Entry) -> None:
         super().__init__()
         self.fs, self.ds, self.entry = fs, ds, entry
         self.path = ds.ref.object_url(entry.path)
