@@ -25,6 +25,7 @@ from functools import partial
 
 from aiohttp import web
 
+from bench.placement_dra import gpu_slice
 from cachefs.base.types import dataset_id
 from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender import Extender
@@ -71,11 +72,7 @@ def dra_world(nodes: list[dict]) -> tuple[list[dict], list[dict]]:
         clique = labels.pop("nvidia.com/gpu.clique")
         alloc = {k: v for k, v in n["status"]["allocatable"].items() if k != "nvidia.com/gpu"}
         bare.append({"metadata": {**n["metadata"], "labels": labels}, "status": {"allocatable": alloc}})
-        name = n["metadata"]["name"]
-        slices.append({"metadata": {"name": f"{name}-gpus"}, "spec": {
-            "driver": "gpu.nvidia.com", "nodeName": name, "pool": {"name": name, "generation": 1},
-            "devices": [{"name": f"gpu-{i}", "attributes": {"type": {"string": "gpu"}, "cliqueId": {"string": clique}}}
-                        for i in range(8)]}})
+        slices.append(gpu_slice(n["metadata"]["name"], clique))
     return bare, slices
 
 

@@ -1,6 +1,6 @@
 """Placement simulator: one seeded GPU cluster and job stream, placed by three policies.
 
-    python -m bench.placement_sim [--nodes 1024] [--jobs 1500] [--seeds 7,3,5,11] [--locality-wait HOURS] [--dra]
+    python -m bench.placement_sim [--nodes 1024] [--jobs 1500] [--seeds 7,3,5,11] [--locality-wait HOURS]
 
 Cluster: ``nodes`` × 8 GPUs; NVLink cliques of 8 nodes, leaves (network blocks, also the cache groups) of 32.
 Each node has ``cache_tib`` of NVMe. Datasets (10 GB–10 TB, log-uniform, Zipf popularity) start cached on a
@@ -425,19 +425,6 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def compare_dra(ext: Result, dra: Result) -> None:
-    """The DRA run's figures against the extended-resource run's: the target is within 2 % on each."""
-    figures = [("local fraction", ext.local_fraction, dra.local_fraction),
-               ("node-or-group fraction", ext.group_fraction, dra.group_fraction),
-               ("origin bytes", ext.origin_bytes, dra.origin_bytes),
-               ("mean wait", statistics.fmean(ext.waits or [0]), statistics.fmean(dra.waits or [0])),
-               ("stranded GPU-hours", ext.stranded_area, dra.stranded_area),
-               ("multi-leaf gangs", ext.multi_leaf, dra.multi_leaf)]
-    worst = max(abs(b / a - 1) if a else abs(b) for _, a, b in figures)
-    print("DRA vs extended resources: " + ", ".join(f"{name} {b / a if a else 1.0:.3f}×" for name, a, b in figures)
-          + f"; largest difference {worst:.1%} ({'within' if worst <= 0.02 else 'outside'} the 2 % target)")
-
-
 def report(results: list[Result]) -> tuple[float, float, float, int]:
     """Print the target lines; returns (local vs default, local vs fluid, stranded ours − default, deadlocks)."""
     by = {r.policy: r for r in results}
@@ -461,23 +448,14 @@ def main() -> None:
     ap.add_argument("--seeds", default="7", help="comma-separated seeds; one table each, then a summary")
     ap.add_argument("--locality-wait", type=float, default=LOCALITY_WAIT, help="hours (0: no delay scheduling)")
     ap.add_argument("--sharded", action="store_true", help="leaves are cache groups sharding each dataset")
-    ap.add_argument("--dra", action="store_true",
-                    help="also run ours with the GPUs handed out by DRA (bench/placement_dra.py): within 2 %%?")
     args = ap.parse_args()
     rows = []
     for seed in (int(x) for x in args.seeds.split(",")):
         results = [Simulation(p, *make_world(args.nodes, args.jobs, seed), seed=seed,
                               locality_wait=args.locality_wait, sharded=args.sharded).run() for p in POLICIES]
-        if args.dra:
-            from bench.placement_dra import DraSimulation
-
-            results.append(DraSimulation(*make_world(args.nodes, args.jobs, seed), seed=seed,
-                                         locality_wait=args.locality_wait, sharded=args.sharded).run())
         caches = "leaves are sharded cache groups" if args.sharded else "each node caches alone"
         print(f"placement simulation: {args.nodes} nodes × {GPUS} GPUs, {args.jobs} jobs, seed {seed}; {caches}")
         print(table(results))
-        if args.dra:
-            compare_dra(results[-2], results[-1])
         rows.append((seed, *report(results)))
         print(flush=True)
     if len(rows) > 1:
