@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import pytest
 
@@ -35,6 +37,36 @@ async def _list(source, url):
     async for batch in source.list_tree(url):
         out.extend(batch)
     return {e.path: e for e in out}
+
+
+@dataclass
+class SourceOrigin:
+    """What a ``origin`` fixture of :class:`SourceConformance` returns."""
+
+    source: Any
+    root: str
+    put: Callable[[str, bytes], Any]
+    missing_root: str
+
+
+@dataclass
+class WritesOrigin:
+    """What a ``writes_origin`` fixture of :class:`ObjectWritesConformance` returns."""
+
+    writes: Any
+    root: str
+    get: Callable[[str], bytes | None]
+
+
+def s3_object_getter(client, bucket: str, prefix: str) -> Callable[[str], bytes | None]:
+    """``get(key)``: the bytes of ``bucket/prefix/key`` through a boto3 client, or None when there is none."""
+    def get(key: str) -> bytes | None:
+        try:
+            return client.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+
+    return get
 
 
 class SourceConformance:

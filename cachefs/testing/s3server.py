@@ -32,7 +32,7 @@ import sys
 import time
 import urllib.request
 
-__all__ = ["CREDENTIALS", "S3Server", "main"]
+__all__ = ["CREDENTIALS", "LoopbackS3", "S3Server", "main"]
 
 #: What moto accepts (any key works); clients of the test server use these.
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
@@ -331,7 +331,30 @@ def _fast_list(inner):
     return app
 
 
-class S3Server:
+class LoopbackS3:
+    """What clients of a test S3 server on loopback need: its ``endpoint`` (set by the server) and
+    :data:`CREDENTIALS`."""
+
+    @property
+    def endpoint(self) -> str:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        """The environment that points the AWS chain (boto3, s3fs, the cachefs CLI) at this server."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, **CREDENTIALS}
+
+    def client(self):
+        """A boto3 S3 client of this server (path-style addressing)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name=CREDENTIALS["AWS_REGION"],
+                            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                            config=Config(max_pool_connections=64, s3={"addressing_style": "path"}))
+
+
+class S3Server(LoopbackS3):
     """Start moto's S3 server in a child process; ``endpoint`` is its URL. Use as a context manager."""
 
     def __init__(self, host: str = "127.0.0.1", delay_ms: float = 0.0, netns: str | None = None,
@@ -387,19 +410,6 @@ class S3Server:
         req = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")
         with urllib.request.urlopen(req, timeout=30):
             pass
-
-    def env(self) -> dict[str, str]:
-        """The environment that points the AWS chain (boto3, s3fs, the cachefs CLI) at this server."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, **CREDENTIALS}
-
-    def client(self):
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name=CREDENTIALS["AWS_REGION"],
-                            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-                            config=Config(max_pool_connections=64))
 
     def make_user(self, name: str) -> dict[str, str]:
         """An IAM user allowed everything on S3 (three requests); returns the environment of its credentials."""

@@ -17,8 +17,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from typing import Any
 
-from cachefs.testing.s3server import CREDENTIALS
+from cachefs.testing.s3server import CREDENTIALS, LoopbackS3
 
 __all__ = ["SeaweedServer", "find_weed"]
 
@@ -53,7 +54,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-class SeaweedServer:
+class SeaweedServer(LoopbackS3):
     """``weed server`` with its S3 gateway; ``endpoint`` is the S3 URL. Use as a context manager."""
 
     def __init__(self, weed: str, *, start_timeout: float = 120.0) -> None:
@@ -61,6 +62,7 @@ class SeaweedServer:
         self.dir = ""
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self._log: Any = None
 
     @property
     def endpoint(self) -> str:
@@ -118,19 +120,6 @@ class SeaweedServer:
         except OSError:
             return ""
 
-    def env(self) -> dict[str, str]:
-        """The environment that points the AWS chain (boto3, s3fs, the cachefs CLI) at this server."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, **CREDENTIALS}
-
-    def client(self):
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name=CREDENTIALS["AWS_REGION"],
-                            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-                            config=Config(max_pool_connections=64, s3={"addressing_style": "path"}))
-
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -140,8 +129,9 @@ class SeaweedServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-        if getattr(self, "_log", None) is not None:
+        if self._log is not None:
             self._log.close()
+            self._log = None
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = ""

@@ -20,7 +20,13 @@ import pytest
 
 from cachefs.base.config import load_config
 from cachefs.sources import open_object_writes, open_raw_origin
-from cachefs.testing.conformance import ObjectWritesConformance, SourceConformance
+from cachefs.testing.conformance import (
+    ObjectWritesConformance,
+    SourceConformance,
+    SourceOrigin,
+    WritesOrigin,
+    s3_object_getter,
+)
 from cachefs.testing.seaweed import SeaweedServer, find_weed
 from tests.conftest import make_files, put_tree
 
@@ -57,23 +63,15 @@ def objects(client, bucket: str, prefix: str) -> dict[str, bytes]:
     return out
 
 
-class _Origin:
-    def __init__(self, source, root, put, missing_root):
-        self.source, self.root, self.put, self.missing_root = source, root, put, missing_root
-
 
 class TestSeaweedSource(SourceConformance):
     @pytest.fixture
     def origin(self, seaweed):
         _, client, bucket = seaweed
         src = open_raw_origin("s3://x", load_config(env={}, overrides={"cache_dir": "/tmp/unused"}))
-        return _Origin(src, f"s3://{bucket}/ds", lambda p, d: client.put_object(Bucket=bucket, Key=f"ds/{p}", Body=d),
+        return SourceOrigin(src, f"s3://{bucket}/ds", lambda p, d: client.put_object(Bucket=bucket, Key=f"ds/{p}", Body=d),
                        "s3://no-such-bucket-cachefs/x")
 
-
-class _WritesOrigin:
-    def __init__(self, writes, root, get):
-        self.writes, self.root, self.get = writes, root, get
 
 
 class TestSeaweedObjectWrites(ObjectWritesConformance):
@@ -81,14 +79,9 @@ class TestSeaweedObjectWrites(ObjectWritesConformance):
     def writes_origin(self, seaweed):
         _, client, bucket = seaweed
 
-        def get(key: str) -> bytes | None:
-            try:
-                return client.get_object(Bucket=bucket, Key=f"w/{key}")["Body"].read()
-            except client.exceptions.NoSuchKey:
-                return None
-
         cfg = load_config(env={}, overrides={"cache_dir": "/tmp/unused"})
-        return _WritesOrigin(open_object_writes(f"s3://{bucket}", cfg), f"s3://{bucket}/w", get)
+        return WritesOrigin(open_object_writes(f"s3://{bucket}", cfg), f"s3://{bucket}/w",
+                            s3_object_getter(client, bucket, "w"))
 
 
 def cli(cache_dir: str, *args: str) -> subprocess.CompletedProcess:

@@ -16,12 +16,13 @@ import pytest
 
 from cachefs.base.config import load_config
 from cachefs.sources import open_raw_origin
-from cachefs.testing.conformance import ObjectWritesConformance, SourceConformance
-
-
-class _Origin:
-    def __init__(self, source, root, put, missing_root):
-        self.source, self.root, self.put, self.missing_root = source, root, put, missing_root
+from cachefs.testing.conformance import (
+    ObjectWritesConformance,
+    SourceConformance,
+    SourceOrigin,
+    WritesOrigin,
+    s3_object_getter,
+)
 
 
 class TestS3Source(SourceConformance):
@@ -29,7 +30,7 @@ class TestS3Source(SourceConformance):
     def origin(self, s3):
         _, client, bucket = s3
         src = open_raw_origin("s3://x", load_config(env={}, overrides={"cache_dir": "/tmp/unused"}))
-        return _Origin(src, f"s3://{bucket}/ds",
+        return SourceOrigin(src, f"s3://{bucket}/ds",
                        lambda p, d: client.put_object(Bucket=bucket, Key=f"ds/{p}", Body=d),
                        "s3://no-such-bucket-cachefs/x")
 
@@ -41,7 +42,7 @@ class TestS3SourceThroughBotocore(SourceConformance):
     def origin(self, s3):
         _, client, bucket = s3
         cfg = load_config(env={}, overrides={"cache_dir": "/tmp/unused", "origin_direct_get": False})
-        return _Origin(open_raw_origin("s3://x", cfg), f"s3://{bucket}/ds",
+        return SourceOrigin(open_raw_origin("s3://x", cfg), f"s3://{bucket}/ds",
                        lambda p, d: client.put_object(Bucket=bucket, Key=f"ds/{p}", Body=d),
                        "s3://no-such-bucket-cachefs/x")
 
@@ -125,7 +126,7 @@ class TestLocalSource(SourceConformance):
             os.replace(tmp, path)
 
         src = open_raw_origin("file:///", load_config(env={}, overrides={"cache_dir": "/tmp/unused"}))
-        return _Origin(src, f"file://{root}", put, f"file://{tmp_path}/nothing-here")
+        return SourceOrigin(src, f"file://{root}", put, f"file://{tmp_path}/nothing-here")
 
 
 class TestMemorySource(SourceConformance):
@@ -142,7 +143,7 @@ class TestMemorySource(SourceConformance):
             fs.pipe_file(f"{root}/{p}", d)
 
         src = open_raw_origin("memory://", load_config(env={}, overrides={"cache_dir": "/tmp/unused"}))
-        return _Origin(src, f"memory://{root}", put, f"memory://{root}-missing")
+        return SourceOrigin(src, f"memory://{root}", put, f"memory://{root}-missing")
 
 
 class _NoHeadLength(http.server.BaseHTTPRequestHandler):
@@ -255,20 +256,6 @@ def test_cachefs_pack_and_its_mirror_through_a_server_without_head_sizes(s3, tmp
         assert 0 < len(from_mirror) <= summary["packs"] + 4
 
 
-class _WritesOrigin:
-    def __init__(self, writes, root, get):
-        self.writes, self.root, self.get = writes, root, get
-
-
-def s3_get(client, bucket: str, prefix: str):
-    def get(key: str) -> bytes | None:
-        try:
-            return client.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()
-        except client.exceptions.NoSuchKey:
-            return None
-
-    return get
-
 
 class TestS3ObjectWrites(ObjectWritesConformance):
     @pytest.fixture
@@ -277,4 +264,4 @@ class TestS3ObjectWrites(ObjectWritesConformance):
 
         _, client, bucket = s3
         cfg = load_config(env={}, overrides={"cache_dir": "/tmp/unused"})
-        return _WritesOrigin(open_object_writes(f"s3://{bucket}", cfg), f"s3://{bucket}/w", s3_get(client, bucket, "w"))
+        return WritesOrigin(open_object_writes(f"s3://{bucket}", cfg), f"s3://{bucket}/w", s3_object_getter(client, bucket, "w"))
