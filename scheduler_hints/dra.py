@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_hints.pods import field_of
+
 __all__ = ["DraConfig", "DraInventory"]
 
 #: Standard device attribute (Kubernetes) and NVIDIA's DRA driver's clique attribute, mapped to node-label keys.
@@ -57,18 +59,8 @@ class _Device:
     attributes: dict[str, str]
 
 
-def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    meta = obj.get("metadata")
-    return meta if isinstance(meta, Mapping) else {}
-
-
-def _spec(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    spec = obj.get("spec")
-    return spec if isinstance(spec, Mapping) else {}
-
-
 def _key(obj: Mapping[str, Any]) -> str:
-    m = _meta(obj)
+    m = field_of(obj, "metadata")
     return f"{m.get('namespace', 'default')}/{m.get('name', '')}"
 
 
@@ -117,10 +109,9 @@ class DraInventory:
     def on_slice(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind not in _EVENTS:
             return
-        spec = _spec(obj)
-        driver, name = str(spec.get("driver", "")), str(_meta(obj).get("name", ""))
-        pool = spec.get("pool") if isinstance(spec.get("pool"), Mapping) else {}
-        assert isinstance(pool, Mapping)
+        spec = field_of(obj, "spec")
+        driver, name = str(spec.get("driver", "")), str(field_of(obj, "metadata").get("name", ""))
+        pool = field_of(spec, "pool")
         pool_key = (driver, str(pool.get("name", "")))
         try:
             generation = int(pool.get("generation") or 0)
@@ -160,12 +151,8 @@ class DraInventory:
             self._claims.pop(key, None)
         else:
             self._claims[key] = obj
-            status = obj.get("status") if isinstance(obj.get("status"), Mapping) else {}
-            assert isinstance(status, Mapping)
-            allocation = status.get("allocation") if isinstance(status.get("allocation"), Mapping) else {}
-            assert isinstance(allocation, Mapping)
-            results = (allocation.get("devices") or {}).get("results") if isinstance(allocation.get("devices"),
-                                                                                    Mapping) else None
+            devices = field_of(field_of(field_of(obj, "status"), "allocation"), "devices")
+            results = devices.get("results")
             now = [(str(r.get("driver", "")), str(r.get("pool", "")), str(r.get("device", "")))
                    for r in results or () if isinstance(r, Mapping)]
             if now:
@@ -194,20 +181,20 @@ class DraInventory:
     def on_class(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind not in _EVENTS:
             return
-        name = str(_meta(obj).get("name", ""))
+        name = str(field_of(obj, "metadata").get("name", ""))
         if kind == "DELETED":
             if name not in self.config.gpu_classes and name not in self.config.gpu_drivers:
                 self._gpu_classes.discard(name)
             self._mapping_classes.discard(name)
             return
-        mapped = _spec(obj).get("extendedResourceName")
+        mapped = field_of(obj, "spec").get("extendedResourceName")
         if mapped == EXTENDED_GPU:
             # pods asking for nvidia.com/gpu get this class's devices (DRA's extended-resource mapping)
             self._gpu_classes.add(name)
             self._mapping_classes.add(name)
         else:
             self._mapping_classes.discard(name)
-        for sel in _spec(obj).get("selectors") or ():
+        for sel in field_of(obj, "spec").get("selectors") or ():
             cel = sel.get("cel") if isinstance(sel, Mapping) else None
             expression = cel.get("expression") if isinstance(cel, Mapping) else None
             if isinstance(expression, str) and any(d in self.config.gpu_drivers
@@ -216,12 +203,12 @@ class DraInventory:
 
     def on_pod(self, kind: str, pod: Mapping[str, Any], key: str) -> None:
         """The pod watch: which pods share a named claim (the first of them counts it)."""
-        namespace = str(_meta(pod).get("namespace") or "default")
+        namespace = str(field_of(pod, "metadata").get("namespace") or "default")
         for users in self._claim_users.values():
             users.discard(key)
         if kind == "DELETED":
             return
-        for ref in _spec(pod).get("resourceClaims") or ():
+        for ref in field_of(pod, "spec").get("resourceClaims") or ():
             if isinstance(ref, Mapping) and isinstance(ref.get("resourceClaimName"), str):
                 self._claim_users.setdefault(f"{namespace}/{ref['resourceClaimName']}", set()).add(key)
 
@@ -299,12 +286,11 @@ class DraInventory:
 
     def pod_gpus(self, pod: Mapping[str, Any], key: str) -> int:
         """GPUs the pod still asks for through its resource claims (see the module's docstring)."""
-        refs = _spec(pod).get("resourceClaims")
+        refs = field_of(pod, "spec").get("resourceClaims")
         if not refs:
             return 0
-        namespace = str(_meta(pod).get("namespace") or "default")
-        status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
-        assert isinstance(status, Mapping)
+        namespace = str(field_of(pod, "metadata").get("namespace") or "default")
+        status = field_of(pod, "status")
         generated = {str(s.get("name")): s.get("resourceClaimName")
                      for s in status.get("resourceClaimStatuses") or () if isinstance(s, Mapping)}
         total = 0
@@ -317,7 +303,7 @@ class DraInventory:
                 users = sorted(self._claim_users.get(claim_key, ()))
                 if claim_key in self._allocated or (users and users[0] != key):
                     continue  # held where it is allocated, or counted for the first pod that shares it
-                claim_spec = _spec(self._claims.get(claim_key, {}))
+                claim_spec = field_of(self._claims.get(claim_key, {}), "spec")
             elif isinstance(ref.get("resourceClaimTemplateName"), str):
                 made = generated.get(str(ref.get("name")))
                 if isinstance(made, str) and made:
@@ -325,10 +311,10 @@ class DraInventory:
                     if claim_key in self._allocated:
                         continue
                     if claim_key in self._claims:
-                        claim_spec = _spec(self._claims[claim_key])
+                        claim_spec = field_of(self._claims[claim_key], "spec")
                 if claim_spec is None:
                     template = self._templates.get(f"{namespace}/{ref['resourceClaimTemplateName']}", {})
-                    claim_spec = _spec(template).get("spec") if isinstance(_spec(template).get("spec"), Mapping) else {}
+                    claim_spec = field_of(field_of(template, "spec"), "spec")
             total += self._claim_gpus(claim_spec)
         return total
 

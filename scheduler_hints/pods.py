@@ -18,6 +18,7 @@ __all__ = [
     "GangRef",
     "StaticVolumes",
     "VolumeIndex",
+    "field_of",
     "pod_datasets",
     "pod_gang",
     "pod_gpus",
@@ -57,9 +58,14 @@ class StaticVolumes(VolumeIndex):
         return self.claims.get((namespace, claim))
 
 
+def field_of(obj: Any, key: str) -> Mapping[str, Any]:
+    """``obj[key]`` when both are mappings, else an empty one (objects from the API server are read defensively)."""
+    value = obj.get(key) if isinstance(obj, Mapping) else None
+    return value if isinstance(value, Mapping) else {}
+
+
 def _meta(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    meta = pod.get("metadata")
-    return meta if isinstance(meta, Mapping) else {}
+    return field_of(pod, "metadata")
 
 
 def pod_key(pod: Mapping[str, Any]) -> str:

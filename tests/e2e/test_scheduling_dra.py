@@ -39,10 +39,11 @@ def gpu_slice(node: str, clique: str, gpus: int = 8) -> dict:
 def dra(k8s):
     k8s.apply({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": DRIVER},
                "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}]}},
-              {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-               "metadata": {"name": "eight-gpus", "namespace": "default"},
-               "spec": {"spec": {"devices": {"requests": [
-                   {"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": 8}}]}}}})
+              *({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                 "metadata": {"name": name, "namespace": "default"},
+                 "spec": {"spec": {"devices": {"requests": [
+                     {"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]}}}}
+                for name, count in (("eight-gpus", 8), ("one-gpu", 1))))
     for name, clique in DRA_NODES.items():
         make_node(k8s, name, labels={"e2e": "dra"})  # no clique label: the devices carry it
         k8s.apply(gpu_slice(name, clique))
@@ -62,11 +63,6 @@ def dra_gang_pod(name: str, gang: str, size: int, *, kueue: bool = False) -> dic
     pod["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": "eight-gpus"}]
     pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
     return pod
-
-
-def start_pods(k8s, *pods: dict) -> None:
-    for pod in pods:
-        k8s.apply(pod)
 
 
 def stop_pods(k8s, names: list[str], pause: float = 0.0) -> None:
@@ -112,7 +108,7 @@ def test_a_dra_gang_lands_whole_in_the_one_clique_its_devices_say_can_hold_it(dr
     """A Kueue pod group first, then two gangs of ours."""
     k8s = dra
     first = [f"da-{i}" for i in range(4)]
-    start_pods(k8s, *[dra_gang_pod(p, "da", 4, kueue=True) for p in first])
+    k8s.apply(*[dra_gang_pod(p, "da", 4, kueue=True) for p in first])
     placed = [wait_for(lambda p=p: node_of(k8s, p), 90, f"{p} bound") for p in first]
     assert {DRA_NODES[n] for n in placed} == {"c2"} and len(set(placed)) == 4
     assert [allocated_node(k8s, p) for p in first] == placed  # the DRA plugin's devices are on the same nodes
@@ -125,7 +121,7 @@ def test_a_dra_gang_lands_whole_in_the_one_clique_its_devices_say_can_hold_it(dr
     c = [f"dc-{i}" for i in range(4)]
     wait_for(lambda: not bound(k8s, first), 30, "gang da gone")
     for i in range(4):
-        start_pods(k8s, dra_gang_pod(b[i], "db", 4), dra_gang_pod(c[i], "dc", 4))
+        k8s.apply(dra_gang_pod(b[i], "db", 4), dra_gang_pod(c[i], "dc", 4))
     wait_for(lambda: len(bound(k8s, b)) == 4 or len(bound(k8s, c)) == 4, 120, "one gang bound whole")
     time.sleep(5)  # give a would-be partial second gang time to show up
     winner, loser = (b, c) if len(bound(k8s, b)) == 4 else (c, b)
@@ -153,7 +149,7 @@ def test_on_a_mixed_cluster_a_gang_is_admitted_only_where_its_gpu_style_can_hold
         ext_gang.append(pod["metadata"]["name"])
         k8s.apply(pod)
     dra_gang = [f"md-{i}" for i in range(3)]
-    start_pods(k8s, *[dra_gang_pod(p, "md", 3) for p in dra_gang])
+    k8s.apply(*[dra_gang_pod(p, "md", 3) for p in dra_gang])
     placed = [wait_for(lambda p=p: node_of(k8s, p), 90, f"{p} bound") for p in dra_gang]
     assert all(n in DRA_NODES for n in placed) and len(set(placed)) == 3
     # None of it binds, and not by running out the gang's bind wait with two members holding nodes: the filter
@@ -170,8 +166,9 @@ def test_on_a_mixed_cluster_a_gang_is_admitted_only_where_its_gpu_style_can_hold
     wait_for(lambda: claims_gone(k8s, dra_gang), 60, "the claims deleted after their pods")
 
 
-def test_a_pod_claiming_gpus_through_dra_lands_where_its_dataset_is_cached(dra):
-    """Locality in the DRA form: two DRA nodes, one holding 90 % of the pod's dataset, the other 10 %."""
+def test_pods_claiming_gpus_through_dra_land_where_their_dataset_is_cached(dra):
+    """Locality in the DRA form: two DRA nodes, one holding 90 % of the pods' dataset, the other 10 %. Three pods of
+    one GPU each all go to the first (kube-scheduler's own spreading alone would put them on both)."""
     from .test_scheduling import URL, label_node
 
     k8s = dra
@@ -181,11 +178,12 @@ def test_a_pod_claiming_gpus_through_dra_lands_where_its_dataset_is_cached(dra):
     label_node(k8s, "dloc-a", 900 * 2**30, 1000 * 2**30)
     label_node(k8s, "dloc-b", 100 * 2**30, 1000 * 2**30)
     time.sleep(1)  # let the extender's watches see the labels and slices
-    pod = make_pod("dloc-0", selector={"e2e": "dra-locality"}, annotations={"cachefs.io/datasets": URL})
-    pod["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": "eight-gpus"}]
-    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
-    start_pods(k8s, pod)
-    assert wait_for(lambda: node_of(k8s, "dloc-0"), 60, "dloc-0 bound") == "dloc-a"
-    assert allocated_node(k8s, "dloc-0") == "dloc-a"
-    stop_pods(k8s, ["dloc-0"])
-    wait_for(lambda: claims_gone(k8s, ["dloc-0"]), 60, "the claim deleted after its pod")
+    names = [f"dloc-{i}" for i in range(3)]
+    for name in names:
+        pod = make_pod(name, selector={"e2e": "dra-locality"}, annotations={"cachefs.io/datasets": URL})
+        pod["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": "one-gpu"}]
+        pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
+        k8s.apply(pod)
+        assert wait_for(lambda n=name: node_of(k8s, n), 60, f"{name} bound") == "dloc-a"
+    stop_pods(k8s, names)
+    wait_for(lambda: claims_gone(k8s, names), 60, "the claims deleted after their pods")
