@@ -9,6 +9,7 @@ from cachefs.base.config import Config
 from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.base.types import DatasetRef
 from cachefs.base.values import ReadAccess, parse_group, parse_read_mode
+from cachefs.cli.mount_setup import check_mountpoint, mount_log_path, mount_options
 from cachefs.cli.output import print_json
 from cachefs.cli.progress import ProgressPrinter, human_bytes
 from cachefs.engine import Engine
@@ -254,7 +255,7 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
                                 passthrough=not args.no_passthrough, prefill=not args.no_prefill,
                                 skip_opens=not args.keep_opens, access=access, sampler=sampler)
         return 0
-    await asyncio.to_thread(_check_mountpoint, config, mnt, args.nonempty)
+    await asyncio.to_thread(check_mountpoint, config, mnt, args.nonempty)
     # The dataset opens (credentials, bucket, a manifest on this node) before anything is mounted, so a typo
     # is one line and an exit code, never a mount that hangs.
     engine = Engine(config)
@@ -267,7 +268,7 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     finally:
         await engine.aclose()
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
-            *_mount_options(args, config)]
+            *mount_options(args, config)]
     if args.foreground:  # this process holds the mount; the daemon serving it is its child
         return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
                           nonempty=args.nonempty)
@@ -285,72 +286,6 @@ def _read_access(args: argparse.Namespace) -> ReadAccess:
     gid = parse_group(args.group) if args.group else os.getegid()
     mode = parse_read_mode(args.mode) if args.mode else (0o440 if args.group else 0o444)
     return ReadAccess(os.geteuid(), gid, mode)
-
-
-def mount_log_path(config: Config, mountpoint: str) -> str:
-    """Where a background mount logs: in the log directory, off the cache disk (a full cache disk would
-    silence it)."""
-    import os
-
-    from cachefs.index.mounts import mount_file
-
-    return os.path.join(config.cache.log_dir, os.path.basename(mount_file("", mountpoint, ".log")))
-
-
-def _check_mountpoint(config: Config, mnt: str, nonempty: bool = False) -> None:
-    """An existing directory that no live cachefs mount occupies; never waits on a hung mount."""
-    import os
-
-    from cachefs.fuse.mount import is_fuse_mount, probe_mount
-    from cachefs.index.mounts import holder_state
-
-    if is_fuse_mount(mnt):
-        held = holder_state(config.cache.dir, mnt)
-        if held is not None:
-            raise ConfigError(f"{mnt} is already a cachefs mount ({held['state']}, holder pid {held['holder_pid']}); "
-                              "cachefs umount it first")
-        state = probe_mount(mnt)
-        if state == "serving":
-            raise ConfigError(f"{mnt} is already a cachefs mount (cachefs umount it first)")
-        if state == "hung":
-            raise ConfigError(f"{mnt} is a cachefs mount that does not answer; cachefs umount it first")
-        return  # stale: the holder cleans it up
-    if not os.path.lexists(mnt):
-        raise ConfigError(f"mount point {mnt} does not exist")
-    if not os.path.isdir(mnt):
-        raise ConfigError(f"mount point {mnt} is not a directory")
-    if not nonempty:
-        from cachefs.fuse.holder import check_empty
-
-        check_empty(mnt)
-
-
-def _mount_options(args: argparse.Namespace, config: Config) -> list[str]:
-    """The options of this ``cachefs mount`` for the processes it starts (same cache, config and origin)."""
-    out = ["--workers", str(args.workers), "--cache-dir", config.cache.dir, "--answer-after", str(args.answer_after)]
-    for flag, value in (("--config", args.config), ("--capacity", args.capacity),
-                        ("--memory-budget", args.memory_budget), ("--endpoint-url", args.endpoint_url),
-                        ("--region", args.region), ("--profile", args.profile)):
-        if value:
-            out += [flag, value]
-    if args.no_passthrough:
-        out.append("--no-passthrough")
-    if args.no_prefill:
-        out.append("--no-prefill")
-    if args.keep_opens:
-        out.append("--keep-opens")
-    if args.allow_other:
-        out.append("--allow-other")
-    if args.nonempty:
-        out.append("--nonempty")
-    if args.writable:
-        out.append("--writable")
-    for flag, value in (("--group", args.group), ("--mode", args.mode), ("--sampler", args.sampler)):
-        if value:
-            out += [flag, value]
-    if args.verbose:
-        out.append("-" + "v" * args.verbose)
-    return out
 
 
 async def umount(args: argparse.Namespace, config: Config) -> int:

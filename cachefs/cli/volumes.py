@@ -20,7 +20,7 @@ __all__ = ["checkpoints", "drain_mount", "mount_writable", "sync"]
 
 
 async def mount_writable(args: argparse.Namespace, config: Config, mnt: str) -> int:
-    from cachefs.cli.commands import _check_mountpoint, _mount_options, mount_log_path
+    from cachefs.cli.mount_setup import check_mountpoint, mount_log_path, mount_options
     from cachefs.fuse import hold_mount, serve_writable_mount
     from cachefs.fuse.holder import start_holder
 
@@ -32,10 +32,10 @@ async def mount_writable(args: argparse.Namespace, config: Config, mnt: str) -> 
         await asyncio.to_thread(serve_writable_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 group=parse_group(args.group) if args.group else None, shared=args.allow_other)
         return 0
-    await asyncio.to_thread(_check_mountpoint, config, mnt, args.nonempty)
+    await asyncio.to_thread(check_mountpoint, config, mnt, args.nonempty)
     await _check_volume_url(config, args.url)  # (one line now, rather than a daemon that cannot start)
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
-            *_mount_options(args, config)]
+            *mount_options(args, config)]
     if args.foreground:
         return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
                           nonempty=args.nonempty, writable=True)

@@ -1,0 +1,77 @@
+"""What starting a mount needs, whichever kind: the mount point checked, the options handed to the processes it
+starts, and where it logs."""
+
+from __future__ import annotations
+
+import argparse
+
+from cachefs.base.config import Config
+from cachefs.base.errors import ConfigError
+
+__all__ = ["check_mountpoint", "mount_log_path", "mount_options"]
+
+
+def mount_log_path(config: Config, mountpoint: str) -> str:
+    """Where a background mount logs: in the log directory, off the cache disk (a full cache disk would
+    silence it)."""
+    import os
+
+    from cachefs.index.mounts import mount_file
+
+    return os.path.join(config.cache.log_dir, os.path.basename(mount_file("", mountpoint, ".log")))
+
+
+def check_mountpoint(config: Config, mnt: str, nonempty: bool = False) -> None:
+    """An existing directory that no live cachefs mount occupies; never waits on a hung mount."""
+    import os
+
+    from cachefs.fuse.mount import is_fuse_mount, probe_mount
+    from cachefs.index.mounts import holder_state
+
+    if is_fuse_mount(mnt):
+        held = holder_state(config.cache.dir, mnt)
+        if held is not None:
+            raise ConfigError(f"{mnt} is already a cachefs mount ({held['state']}, holder pid {held['holder_pid']}); "
+                              "cachefs umount it first")
+        state = probe_mount(mnt)
+        if state == "serving":
+            raise ConfigError(f"{mnt} is already a cachefs mount (cachefs umount it first)")
+        if state == "hung":
+            raise ConfigError(f"{mnt} is a cachefs mount that does not answer; cachefs umount it first")
+        return  # stale: the holder cleans it up
+    if not os.path.lexists(mnt):
+        raise ConfigError(f"mount point {mnt} does not exist")
+    if not os.path.isdir(mnt):
+        raise ConfigError(f"mount point {mnt} is not a directory")
+    if not nonempty:
+        from cachefs.fuse.holder import check_empty
+
+        check_empty(mnt)
+
+
+def mount_options(args: argparse.Namespace, config: Config) -> list[str]:
+    """The options of this ``cachefs mount`` for the processes it starts (same cache, config and origin)."""
+    out = ["--workers", str(args.workers), "--cache-dir", config.cache.dir, "--answer-after", str(args.answer_after)]
+    for flag, value in (("--config", args.config), ("--capacity", args.capacity),
+                        ("--memory-budget", args.memory_budget), ("--endpoint-url", args.endpoint_url),
+                        ("--region", args.region), ("--profile", args.profile)):
+        if value:
+            out += [flag, value]
+    if args.no_passthrough:
+        out.append("--no-passthrough")
+    if args.no_prefill:
+        out.append("--no-prefill")
+    if args.keep_opens:
+        out.append("--keep-opens")
+    if args.allow_other:
+        out.append("--allow-other")
+    if args.nonempty:
+        out.append("--nonempty")
+    if args.writable:
+        out.append("--writable")
+    for flag, value in (("--group", args.group), ("--mode", args.mode), ("--sampler", args.sampler)):
+        if value:
+            out += [flag, value]
+    if args.verbose:
+        out.append("-" + "v" * args.verbose)
+    return out
