@@ -23,7 +23,7 @@ one of ``gpu_classes``, or when its CEL selectors compare ``device.driver`` with
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -343,6 +343,3 @@ class DraInventory:
             return max(0, min(int(request.get("count") or 1), 1 << 20))
         except (TypeError, ValueError):
             return 1
-
-    def gpu_classes(self) -> Iterable[str]:
-        return sorted(self._gpu_classes)

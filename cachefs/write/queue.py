@@ -12,10 +12,10 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["QueueEntry", "UploadQueue", "fsync_dir", "keys_under", "under"]
+__all__ = ["QueueEntry", "UploadQueue", "fsync_dir", "under"]
 
 #: Kinds of entries: upload a closed file's snapshot, copy or delete an object, claim a checkpoint's name, write
 #: its commit record.
@@ -245,7 +245,3 @@ def fsync_dir(path: str) -> None:
 def under(key: str, prefix: str) -> bool:
     """Whether ``key`` is ``prefix`` or inside it (``/``-separated)."""
     return key == prefix or key.startswith(prefix + "/") or prefix == ""
-
-
-def keys_under(keys: Iterable[str], prefix: str) -> list[str]:
-    return [k for k in keys if under(k, prefix)]
