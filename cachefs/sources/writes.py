@@ -44,6 +44,10 @@ class ObjectWrites(abc.ABC):
         """Drop an unfinished multipart upload and its parts (gone already: fine)."""
 
     @abc.abstractmethod
+    async def unfinished_multipart(self, url: str) -> list[str]:
+        """The ids of the multipart uploads begun for exactly this object and not completed or aborted."""
+
+    @abc.abstractmethod
     async def copy(self, src: str, dst: str, size: int, *, if_match: str = "") -> str:
         """Copy the object at ``src`` (``size`` bytes) to ``dst`` on the origin; the copy's ETag. ``if_match``:
         only if ``src`` still has that ETag (:class:`~cachefs.base.errors.StaleObjectError` otherwise, or
@@ -120,6 +124,19 @@ class S3ObjectWrites(ObjectWrites):
             await self._call(url, "put", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         except FileNotFoundError:  # NoSuchUpload: completed or aborted before
             pass
+
+    async def unfinished_multipart(self, url: str) -> list[str]:
+        bucket, key = _split(url)
+        found: list[str] = []
+        page: dict[str, Any] = {}
+        while True:
+            resp = await self._call(url, "list", "list_multipart_uploads", Bucket=bucket, Prefix=key, **page)
+            for u in resp.get("Uploads", []):
+                if u.get("Key") == key:
+                    found.append(str(u["UploadId"]))
+            if not resp.get("IsTruncated"):
+                return found
+            page = {"KeyMarker": resp.get("NextKeyMarker", ""), "UploadIdMarker": resp.get("NextUploadIdMarker", "")}
 
     async def copy(self, src: str, dst: str, size: int, *, if_match: str = "") -> str:
         sb, sk = _split(src)

@@ -437,6 +437,25 @@ class ObjectWritesConformance:
         self._run(writes_origin, scenario)
         assert writes_origin.get("big") == data and writes_origin.get("gone") is None
 
+    def test_unfinished_uploads_of_one_object_are_listed_until_aborted(self, writes_origin):
+        """What a restart relies on to find the uploads a killed process began: those of exactly that key."""
+        root = writes_origin.root
+
+        async def scenario(w):
+            mine = {await w.start_multipart(f"{root}/ck.pt") for _ in range(2)}
+            other = await w.start_multipart(f"{root}/ck.pt.other")  # (same prefix, another object)
+            done = await w.start_multipart(f"{root}/ck.pt")
+            await w.complete_multipart(f"{root}/ck.pt", done, [await w.put_part(f"{root}/ck.pt", done, 1, b"x")])
+            assert set(await w.unfinished_multipart(f"{root}/ck.pt")) == mine
+            for upload in mine:
+                await w.abort_multipart(f"{root}/ck.pt", upload)
+            assert await w.unfinished_multipart(f"{root}/ck.pt") == []
+            assert await w.unfinished_multipart(f"{root}/ck.pt.other") == [other]
+            await w.abort_multipart(f"{root}/ck.pt.other", other)
+
+        self._run(writes_origin, scenario)
+        assert writes_origin.get("ck.pt") == b"x"
+
     def test_a_conditional_copy_copies_only_the_object_it_names(self, writes_origin):
         """What a rename after the upload relies on: a copy pinned to the ETag this writer uploaded fails once
         another writer replaced the source, and when the source is gone."""

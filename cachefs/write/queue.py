@@ -33,6 +33,9 @@ class QueueEntry:
     added: float = field(default_factory=time.time)
     running: bool = False
     upload_id: str = ""  # a multipart upload begun for it (aborted and begun again after a restart)
+    #: Keys a multipart upload was asked to begin under: a process killed before the upload id came back leaves
+    #: an upload only a listing finds.
+    begun: list[str] = field(default_factory=list)
     error: str = ""  # the last failure, while it is retried
     etag: str = ""  # put: the object's ETag once it is on the origin
     held_by: list[str] = field(default_factory=list)  # put: members holding a copy until the upload
@@ -99,6 +102,8 @@ class UploadQueue:
                 by_seq[seq].held_by = [str(m) for m in r.get("by", [])]
             elif t == "mpu" and seq in by_seq:
                 by_seq[seq].upload_id = r["id"]
+            elif t == "mpu-begin" and seq in by_seq and r["key"] not in by_seq[seq].begun:
+                by_seq[seq].begun.append(str(r["key"]))
             elif t in ("done", "drop", "failed"):
                 gone = by_seq.pop(seq, None)
                 if gone is not None:
@@ -113,6 +118,8 @@ class UploadQueue:
         with open(tmp, "w") as f:
             for e in self.entries:
                 f.write(json.dumps(e.record()) + "\n")
+                for key in e.begun:
+                    f.write(json.dumps({"t": "mpu-begin", "seq": e.seq, "key": key}) + "\n")
                 if e.upload_id:
                     f.write(json.dumps({"t": "mpu", "seq": e.seq, "id": e.upload_id}) + "\n")
                 if e.held_by:
@@ -194,6 +201,13 @@ class UploadQueue:
         with self.lock:
             e.held_by = list(members)
             self._append({"t": "held", "seq": e.seq, "by": e.held_by})
+
+    def multipart_begins(self, e: QueueEntry, key: str) -> None:
+        """A multipart upload of ``e`` under ``key`` is about to be asked for (a restart looks for it)."""
+        with self.lock:
+            if key not in e.begun:
+                e.begun.append(key)
+                self._append({"t": "mpu-begin", "seq": e.seq, "key": key}, sync=False)
 
     def multipart(self, e: QueueEntry, upload_id: str) -> None:
         """A multipart upload was begun for ``e`` (a restart aborts it)."""

@@ -165,10 +165,22 @@ class Uploader:
         self.last_error = reason
 
     async def _abort_leftovers(self) -> None:
-        """Multipart uploads a previous process began are dropped: their entries upload again from the start."""
-        for e in self.queue.pending(lambda e: bool(e.upload_id)):
-            await self._abort_quietly(self._url(e.key), e.upload_id)
-            e.upload_id = ""
+        """Multipart uploads a previous process began are dropped: their entries upload again from the start.
+        Those whose id it never learned (killed while the origin answered) are found by listing their keys: every
+        unfinished upload of such a key goes (another writer's of the same name, if any, fails to complete and is
+        begun again by that writer)."""
+        for e in self.queue.pending(lambda e: bool(e.upload_id or e.begun)):
+            if e.upload_id:
+                await self._abort_quietly(self._url(e.key), e.upload_id)
+                e.upload_id = ""
+            for key in e.begun:
+                url = self._url(key)
+                try:
+                    for upload_id in await self.writes.unfinished_multipart(url):
+                        await self._abort_quietly(url, upload_id)
+                except (CacheFSError, OSError) as exc:
+                    log.info("could not list the unfinished uploads of %s: %s", url, exc)
+            e.begun.clear()
 
     def _url(self, key: str) -> str:
         return f"{self.url}/{key}" if key else self.url
@@ -230,6 +242,7 @@ class Uploader:
         """Upload every part of ``e``'s snapshot under ``key``; (key, upload id, part ETags). Nothing is visible
         until the upload is completed."""
         url = self._url(key)
+        self.queue.multipart_begins(e, key)
         upload_id = await self.writes.start_multipart(url)
         self.queue.multipart(e, upload_id)
         try:

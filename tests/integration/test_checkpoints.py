@@ -136,3 +136,50 @@ def test_a_checkpoint_arriving_on_a_disk_full_of_read_data_makes_the_read_cache_
         assert objects(client, bucket, "ck/") == {"model.pt": ckpt}
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_restart_aborts_the_upload_a_killed_process_began_before_it_heard_the_upload_id(s3, config, tmp_path):
+    """The daemon asked for a multipart upload and was killed before the answer: the origin holds an upload whose
+    id no journal has. The next process finds it by listing and aborts it; another object's upload stays."""
+    import asyncio
+
+    from cachefs.sources import open_object_writes, open_origin
+    from cachefs.write.queue import UploadQueue
+    from cachefs.write.uploader import Uploader
+
+    _, client, bucket = s3
+    url, part = f"s3://{bucket}/ck", 5 * MiB
+    data = random.Random(3).randbytes(2 * part + 77)
+    journal, snapdir = str(tmp_path / "journal"), tmp_path / "queue"
+    snapdir.mkdir()
+    dead = UploadQueue(journal)
+    e = dead.add("put", "big.pt", size=len(data), snap=dead.reserve_seq())
+    (snapdir / str(e.snap)).write_bytes(data)
+    dead.multipart_begins(e, "big.pt")
+    lost = client.create_multipart_upload(Bucket=bucket, Key="ck/big.pt")["UploadId"]  # the answer never came back
+    client.upload_part(Bucket=bucket, Key="ck/big.pt", UploadId=lost, PartNumber=1, Body=data[:part])
+    other = client.create_multipart_upload(Bucket=bucket, Key="ck/big.pt.other")["UploadId"]
+    # (the process died here: no close)
+
+    async def restart() -> None:
+        queue = UploadQueue(journal)
+        done = asyncio.Event()
+        uploader = Uploader(queue, url, lambda snap: str(snapdir / str(snap)), open_object_writes(url, config),
+                            open_origin(url, config), writer="test", part_size=part, concurrency=4, backoff_max=0.2,
+                            on_done=lambda entry, error: done.set())
+        uploader.start()
+        try:
+            await done.wait()
+        finally:
+            await uploader.stop()
+            await uploader.writes.close()
+            await uploader.source.close()
+            queue.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(restart(), 60))
+    finally:
+        dead.close()
+    assert objects(client, bucket, "ck/big.pt") == {"": data}
+    left = {(u["Key"], u["UploadId"]) for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+    assert left == {("ck/big.pt.other", other)}

@@ -187,27 +187,23 @@ def test_kill_9_of_the_daemon_after_close_loses_nothing(volume, stopped_origin):
 
 def test_kill_9_during_a_multipart_upload_resumes_it_whole(volume, stopped_origin):  # noqa: F811
     m, client, bucket = volume
-    rng = random.Random(11)
-    for attempt in range(4):
-        first = m.wait_for_daemon()
-        data = rng.randbytes(60 * MiB)
-        name = f"big-{attempt}.pt"
-        write(m.path(name), data)
-        deadline = time.monotonic() + 30
-        while not client.list_multipart_uploads(Bucket=bucket).get("Uploads") and time.monotonic() < deadline:
-            time.sleep(0.005)
-        stopped_origin.stop()  # parts are going up: freeze the origin, then kill the daemon mid-upload
-        try:
-            os.kill(first["pid"], signal.SIGKILL)
-        finally:
-            stopped_origin.resume()
-        m.wait_for_daemon(other_than=first["pid"])
-        sync(m)
-        assert objects(client, bucket, f"ck/{name}")[""] == data
-        if not client.list_multipart_uploads(Bucket=bucket).get("Uploads"):
-            break  # (the restarted daemon aborted the dead one's upload: nothing left behind)
-    else:
-        pytest.fail("an unfinished multipart upload was left behind")
+    first = m.wait_for_daemon()
+    data = random.Random(11).randbytes(60 * MiB)
+    write(m.path("big.pt"), data)
+    deadline = time.monotonic() + 30
+    while not client.list_multipart_uploads(Bucket=bucket).get("Uploads"):
+        assert time.monotonic() < deadline, "no multipart upload began"
+        time.sleep(0.005)
+    stopped_origin.stop()  # parts are going up: freeze the origin, then kill the daemon mid-upload
+    try:
+        os.kill(first["pid"], signal.SIGKILL)
+    finally:
+        stopped_origin.resume()
+    m.wait_for_daemon(other_than=first["pid"])
+    sync(m)
+    assert objects(client, bucket, "ck/big.pt")[""] == data
+    # The restarted daemon aborted the dead one's upload, even when it died before it heard the upload's id.
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
 def test_writers_wait_past_the_staging_limit_while_the_origin_stalls_and_finish_when_it_returns(

@@ -40,11 +40,17 @@ def test_entries_come_back_in_order_after_a_crash_with_moves_drops_and_insertion
 def test_a_multipart_upload_begun_is_remembered_and_a_finished_queue_leaves_an_empty_journal(tmp_path):
     path = str(tmp_path / "journal")
     q = UploadQueue(path)
-    e = q.add("put", "big", size=1 << 30, snap=q.reserve_seq())
+    e = q.add("put", "big.tmp", size=1 << 30, snap=q.reserve_seq())
+    q.multipart_begins(e, "big.tmp")
+    q.move(e, "big")  # (renamed while its parts went up: begun again under the new name)
+    q.multipart_begins(e, "big")
     q.multipart(e, "upload-1")
-    reread = UploadQueue(path)
-    assert reread.entries[0].upload_id == "upload-1"
+    reread = UploadQueue(path)  # (replayed, then compacted: read twice)
+    assert (reread.entries[0].upload_id, reread.entries[0].begun) == ("upload-1", ["big.tmp", "big"])
     reread.close()
+    again = UploadQueue(path)
+    assert again.entries[0].begun == ["big.tmp", "big"]
+    again.close()
     q.started(e)
     q.finished(e)
     assert q.done_through(e.seq)
