@@ -26,6 +26,11 @@ __all__ = ["CHECKSUM_HEADER", "MEMBER_HEADER", "PeerClient", "PeerError"]
 
 CHECKSUM_HEADER = "X-Cachefs-Xxh3"
 MEMBER_HEADER = "X-Cachefs-Member"
+#: Seconds a manifest request may wait for its answer. The member that lists a dataset for the group answers once
+#: its listing finished, which for millions of objects takes minutes; a reader that gave up sooner would list the
+#: bucket itself, and so would every other. A member that is down is still skipped at once (refused, or the
+#: connect timeout).
+MANIFEST_WAIT = 900.0
 
 
 class PeerError(CacheFSError):
@@ -81,10 +86,13 @@ class PeerClient:
                 timeout=aiohttp.ClientTimeout(total=self.timeout))
         return self._session
 
-    async def _get(self, address: str, path: str, params: dict[str, str], limit: int) -> tuple[int, bytes, dict]:
+    async def _get(self, address: str, path: str, params: dict[str, str], limit: int, *,
+                   wait: float | None = None) -> tuple[int, bytes, dict]:
         url = f"{self._scheme}://{address}{path}"
+        # (no timeout argument at all for the session's: aiohttp reads timeout=None as none)
+        timeout = {"timeout": aiohttp.ClientTimeout(total=wait, sock_connect=self.timeout)} if wait else {}
         try:
-            async with self._client().get(url, params=params, headers=self._headers()) as resp:
+            async with self._client().get(url, params=params, headers=self._headers(), **timeout) as resp:
                 if resp.content_length is not None and resp.content_length > limit:
                     raise _failed("bad_answer", f"{address}: an answer of {resp.content_length} bytes, at most {limit} asked")
                 # read(n) returns what has arrived so far, not n bytes: gather the body up to the limit + 1
@@ -101,10 +109,11 @@ class PeerClient:
             raise _failed("unreachable", f"peer {address}: {type(exc).__name__}: {exc}") from None
 
     async def _verified(self, address: str, path: str, params: dict[str, str], limit: int, *,
-                        length: int | None = None) -> tuple[bytes | None, dict]:
+                        length: int | None = None, wait: float | None = None) -> tuple[bytes | None, dict]:
         """The body of a GET, checked against the xxh3 the peer sends with it (and ``length``, when known), and the
-        answer's headers; None for a 404 (the peer does not hold it and does not fetch it)."""
-        status, body, headers = await self._get(address, path, params, limit)
+        answer's headers; None for a 404 (the peer does not hold it and does not fetch it). ``wait``: seconds
+        the answer may take (the client's timeout otherwise)."""
+        status, body, headers = await self._get(address, path, params, limit, wait=wait)
         if status == 404:
             return None, headers
         if status != 200:
@@ -149,8 +158,9 @@ class PeerClient:
 
     async def manifest(self, address: str, ds_id: str, *, url: str = "", limit: int = 1 << 30) -> bytes | None:
         """The current manifest of dataset ``ds_id`` (at ``url``) as the peer holds it, or takes it if it serves
-        that dataset to the group (see peer_server), verified."""
-        return (await self._verified(address, f"/v1/manifest/{ds_id}", {"url": url} if url else {}, limit))[0]
+        that dataset to the group (see peer_server), verified. Waits for the peer's listing (:data:`MANIFEST_WAIT`)."""
+        return (await self._verified(address, f"/v1/manifest/{ds_id}", {"url": url} if url else {}, limit,
+                                     wait=MANIFEST_WAIT))[0]
 
     async def push_manifest(self, address: str, ds_id: str, url: str, raw: bytes) -> bool:
         """Hand a member the manifest this node just took of dataset ``ds_id`` (``cachefs refresh``); whether it

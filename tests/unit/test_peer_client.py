@@ -56,3 +56,34 @@ def test_a_block_that_arrives_in_pieces_is_read_whole_and_checked(body, checksum
     else:
         with pytest.raises(PeerError):
             asyncio.run(go())
+
+
+def test_a_manifest_is_waited_for_while_the_peer_lists_but_a_slow_block_is_given_up():
+    """The member that lists a dataset for the group answers when its listing is done (minutes, for millions of
+    objects): asking for the manifest waits past the client's timeout, or every member would list for itself."""
+    manifest = b"a packed manifest"
+
+    async def slow(request):
+        await asyncio.sleep(1.0)  # the listing, or a hung owner of a block
+        return web.Response(body=manifest, headers={CHECKSUM_HEADER: f"{block_checksum(manifest):016x}"})
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/v1/manifest/{ds}", slow)
+        app.router.add_get("/v1/block/{ds}", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        client = PeerClient("n1", None, timeout=0.2)
+        try:
+            got = await client.manifest(address, "d" * 16, url="s3://b/p")
+            with pytest.raises(PeerError, match="Timeout"):
+                await client.block(address, "d" * 16, "s3://b/p", "x.bin", "etag", 0, len(manifest))
+            return got
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == manifest
