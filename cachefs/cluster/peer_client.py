@@ -89,10 +89,10 @@ class PeerClient:
     async def _get(self, address: str, path: str, params: dict[str, str], limit: int, *,
                    wait: float | None = None) -> tuple[int, bytes, dict]:
         url = f"{self._scheme}://{address}{path}"
-        # (no timeout argument at all for the session's: aiohttp reads timeout=None as none)
-        timeout = {"timeout": aiohttp.ClientTimeout(total=wait, sock_connect=self.timeout)} if wait else {}
+        timeout = aiohttp.ClientTimeout(total=wait, sock_connect=self.timeout) if wait else \
+            aiohttp.ClientTimeout(total=self.timeout)
         try:
-            async with self._client().get(url, params=params, headers=self._headers(), **timeout) as resp:
+            async with self._client().get(url, params=params, headers=self._headers(), timeout=timeout) as resp:
                 if resp.content_length is not None and resp.content_length > limit:
                     raise _failed("bad_answer", f"{address}: an answer of {resp.content_length} bytes, at most {limit} asked")
                 # read(n) returns what has arrived so far, not n bytes: gather the body up to the limit + 1
