@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 
-from bench.read_bench import drop_caches
+from bench.read_bench import drop_caches, server_ceiling
 
 CHUNK = 1 << 20
 
@@ -76,8 +76,6 @@ def bare_caching_client(endpoint: str, ranges: list[tuple[str, int, int]], origi
     ``originals`` holding the rest, while another thread reads that rest from disk (page cache dropped first).
     No checksums, no index, no FUSE, and every missing range asked for at once: the yardstick for the
     half-cached pass on this machine."""
-    from .small_files_bench import server_ceiling
-
     os.makedirs(work, exist_ok=True)
     fds, cached = {}, []
     for src in originals:
@@ -321,8 +319,6 @@ def run(args, server, work: str) -> None:
               f"vs the engine alone (no FUSE) {eo:.2f} GB/s = {m / eo:.2f}×")
         # What the server allows: the uncached halves as bare ranged GETs of one block each, as many in flight as
         # the engine keeps, nothing stored. Even with the cached halves free, a read cannot beat this.
-        from .small_files_bench import server_ceiling
-
         bs, ranges = config.cache.block_size, []
         for n in names:
             size = ds.stat(n).size

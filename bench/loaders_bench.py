@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from bench.fuse_bench import cachefs_mount
-from bench.small_files_bench import server_ceiling
+from bench.read_bench import server_ceiling
 from cachefs.testing.s3server import S3Server
 
 

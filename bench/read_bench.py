@@ -292,5 +292,34 @@ def run(args, server, work: str, capped: bool) -> None:
         print(f"| {name} | {ratio:.2f}× | {'report' if target is None else f'≥ {target}×'}{verdict} |")
 
 
+
+def server_ceiling(endpoint: str, keys: list[str] | list[tuple[str, int, int]], in_flight: int = 128,
+                   store=None) -> float:
+    """Seconds for a bare aiohttp client (no signing, nothing kept) to GET every key (or ``(key, start, end)``
+    byte range) once: the most this server gives any client on this machine, the yardstick beside the link.
+    ``store(item, body)``, if given, is run on a worker thread for every body (a bare caching client)."""
+    import asyncio
+
+    import aiohttp
+
+    async def go() -> float:
+        todo = iter(keys)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=in_flight)) as session:
+            async def worker() -> None:
+                for item in todo:
+                    key, headers = (item, {}) if isinstance(item, str) else (
+                        item[0], {"Range": f"bytes={item[1]}-{item[2] - 1}"})
+                    async with session.get(f"{endpoint}/bench/{key}", headers=headers) as resp:
+                        assert resp.status in (200, 206), resp.status
+                        body = await resp.read()
+                    if store is not None:
+                        await asyncio.to_thread(store, item, body)
+
+            t = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(in_flight)))
+            return time.perf_counter() - t
+
+    return asyncio.run(go())
+
 if __name__ == "__main__":
     main()
