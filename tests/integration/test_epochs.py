@@ -165,7 +165,10 @@ def test_with_an_order_blocks_are_not_fetched_again_in_the_same_epoch(s3, tmp_pa
                 assert f.read() == files[p]
         gets = server.requests()["gets"]
         repeats.append(sum(n - 1 for key, n in gets.items() if key.split(" ", 1)[0] in sizes and n > 1))
-        assert _origin_bytes(server, sizes) <= total + (128 << 10)  # (at most the one block below, again)
-    # (the block whose refusal starts a back-off may still be fetched again; without the back-off: 9-23 repeats)
-    assert sum(repeats) <= 2, repeats
+        # (at most the blocks below, again: one file's worth)
+        assert _origin_bytes(server, sizes) <= total + (512 << 10), repeats
+    # The blocks already on their way when the disk first refuses read-ahead (which starts the back-off) may still
+    # be fetched again: one block, or under CPU load up to a file's four (seen: 2-4 in one epoch, about one run in
+    # ten with three runs side by side). Without the back-off: 10-23 repeats (checked again: 10, 10, 19, 19).
+    assert sum(repeats) <= 5, repeats
     assert fs.engine.evictor.scanning(DatasetRef.from_url(url).id)
