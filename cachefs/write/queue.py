@@ -32,9 +32,8 @@ class QueueEntry:
     snap: int = 0  # put: the snapshot of the closed file (``queue/<snap>`` in the volume)
     added: float = field(default_factory=time.time)
     running: bool = False
-    upload_id: str = ""  # a multipart upload begun for it (aborted and begun again after a restart)
-    #: Keys a multipart upload was asked to begin under: a process killed before the upload id came back leaves
-    #: an upload only a listing finds.
+    #: Keys a multipart upload of it was asked to begin under: after a restart, every unfinished upload of those
+    #: keys is aborted (found by listing: a process killed before the upload id came back never knew it).
     begun: list[str] = field(default_factory=list)
     error: str = ""  # the last failure, while it is retried
     etag: str = ""  # put: the object's ETag once it is on the origin
@@ -94,14 +93,12 @@ class UploadQueue:
             elif t == "move" and seq in by_seq:
                 e = by_seq.pop(seq)
                 self.entries.remove(e)
-                e.seq, e.key, e.upload_id = int(r["to"]), r["key"], ""
+                e.seq, e.key = int(r["to"]), r["key"]
                 by_seq[e.seq] = e
                 self.entries.append(e)
                 self.next_seq = max(self.next_seq, e.seq + 1)
             elif t == "held" and seq in by_seq:
                 by_seq[seq].held_by = [str(m) for m in r.get("by", [])]
-            elif t == "mpu" and seq in by_seq:
-                by_seq[seq].upload_id = r["id"]
             elif t == "mpu-begin" and seq in by_seq and r["key"] not in by_seq[seq].begun:
                 by_seq[seq].begun.append(str(r["key"]))
             elif t in ("done", "drop", "failed"):
@@ -120,8 +117,6 @@ class UploadQueue:
                 f.write(json.dumps(e.record()) + "\n")
                 for key in e.begun:
                     f.write(json.dumps({"t": "mpu-begin", "seq": e.seq, "key": key}) + "\n")
-                if e.upload_id:
-                    f.write(json.dumps({"t": "mpu", "seq": e.seq, "id": e.upload_id}) + "\n")
                 if e.held_by:
                     f.write(json.dumps({"t": "held", "seq": e.seq, "by": e.held_by}) + "\n")
             for seq, err in self.failed.items():
@@ -171,7 +166,7 @@ class UploadQueue:
             self.next_seq += 1
             self._append({"t": "move", "seq": e.seq, "to": new, "key": key})
             self.entries.remove(e)
-            e.seq, e.key, e.upload_id = new, key, ""
+            e.seq, e.key = new, key
             self.entries.append(e)
             self.changed.notify_all()
         self._wake()
@@ -208,12 +203,6 @@ class UploadQueue:
             if key not in e.begun:
                 e.begun.append(key)
                 self._append({"t": "mpu-begin", "seq": e.seq, "key": key}, sync=False)
-
-    def multipart(self, e: QueueEntry, upload_id: str) -> None:
-        """A multipart upload was begun for ``e`` (a restart aborts it)."""
-        with self.lock:
-            e.upload_id = upload_id
-            self._append({"t": "mpu", "seq": e.seq, "id": upload_id}, sync=False)
 
     def finished(self, e: QueueEntry, *, failed: str = "") -> None:
         """``e`` is on the origin (or given up for good, with the reason): off the queue, durably."""

@@ -166,13 +166,10 @@ class Uploader:
 
     async def _abort_leftovers(self) -> None:
         """Multipart uploads a previous process began are dropped: their entries upload again from the start.
-        Those whose id it never learned (killed while the origin answered) are found by listing their keys: every
-        unfinished upload of such a key goes (another writer's of the same name, if any, fails to complete and is
-        begun again by that writer)."""
-        for e in self.queue.pending(lambda e: bool(e.upload_id or e.begun)):
-            if e.upload_id:
-                await self._abort_quietly(self._url(e.key), e.upload_id)
-                e.upload_id = ""
+        They are found by listing the keys the journal says uploads were asked for (the process may have died
+        before it heard an upload's id): every unfinished upload of such a key goes (another writer's of the same
+        name, if any, fails to complete and is begun again by that writer)."""
+        for e in self.queue.pending(lambda e: bool(e.begun)):
             for key in e.begun:
                 url = self._url(key)
                 try:
@@ -244,7 +241,6 @@ class Uploader:
         url = self._url(key)
         self.queue.multipart_begins(e, key)
         upload_id = await self.writes.start_multipart(url)
-        self.queue.multipart(e, upload_id)
         try:
             starts = range(0, e.size, self.part_size)
             etags = await asyncio.gather(*(self._part(e.snap, e.size, url, upload_id, n, s) for n, s in enumerate(starts, 1)))
