@@ -57,18 +57,8 @@ def mount_options(args: argparse.Namespace, config: Config) -> list[str]:
                         ("--region", args.region), ("--profile", args.profile)):
         if value:
             out += [flag, value]
-    if args.no_passthrough:
-        out.append("--no-passthrough")
-    if args.no_prefill:
-        out.append("--no-prefill")
-    if args.keep_opens:
-        out.append("--keep-opens")
-    if args.allow_other:
-        out.append("--allow-other")
-    if args.nonempty:
-        out.append("--nonempty")
-    if args.writable:
-        out.append("--writable")
+    out += [f"--{name.replace('_', '-')}" for name in ("no_passthrough", "no_prefill", "keep_opens", "allow_other",
+                                                       "nonempty", "writable") if getattr(args, name)]
     for flag, value in (("--group", args.group), ("--mode", args.mode), ("--sampler", args.sampler)):
         if value:
             out += [flag, value]
