@@ -26,12 +26,18 @@ def s3_server():
 def s3(s3_server, monkeypatch):
     """A clean S3 origin: ``(server, boto3 client, bucket name)``; env points the AWS chain at it."""
     s3_server.reset()
-    for k, v in s3_server.env().items():
+    return with_new_bucket(s3_server, monkeypatch)
+
+
+def with_new_bucket(server, monkeypatch):
+    """``(server, boto3 client, a new bucket)`` of a test S3 server; env points the AWS chain (and the cachefs CLI)
+    at it."""
+    for k, v in server.env().items():
         monkeypatch.setenv(k, v)
-    client = s3_server.client()
+    client = server.client()
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
-    return s3_server, client, bucket
+    return server, client, bucket
 
 
 @pytest.fixture

@@ -335,6 +335,8 @@ class LoopbackS3:
     """What clients of a test S3 server on loopback need: its ``endpoint`` (set by the server) and
     :data:`CREDENTIALS`."""
 
+    proc: subprocess.Popen | None = None
+
     @property
     def endpoint(self) -> str:
         raise NotImplementedError
@@ -342,6 +344,16 @@ class LoopbackS3:
     def env(self) -> dict[str, str]:
         """The environment that points the AWS chain (boto3, s3fs, the cachefs CLI) at this server."""
         return {"AWS_ENDPOINT_URL": self.endpoint, **CREDENTIALS}
+
+    def _end_process(self, timeout: float) -> None:
+        """Terminate the server's process ``self.proc`` (killed if it is still there after ``timeout`` s)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     def client(self):
         """A boto3 S3 client of this server (path-style addressing)."""
@@ -429,12 +441,7 @@ class S3Server(LoopbackS3):
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self._end_process(10)
             if self.proc.stdout:
                 self.proc.stdout.close()
             self.proc = None

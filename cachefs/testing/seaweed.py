@@ -121,13 +121,7 @@ class SeaweedServer(LoopbackS3):
             return ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self._end_process(30)
         self.proc = None
         if self._log is not None:
             self._log.close()

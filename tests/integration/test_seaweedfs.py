@@ -13,7 +13,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import uuid
 
 import fsspec
 import pytest
@@ -28,7 +27,7 @@ from cachefs.testing.conformance import (
     s3_object_getter,
 )
 from cachefs.testing.seaweed import SeaweedServer, find_weed
-from tests.conftest import make_files, put_tree
+from tests.conftest import make_files, put_tree, with_new_bucket
 
 pytestmark = pytest.mark.xdist_group("seaweedfs")  # one server per session, on one worker
 
@@ -47,12 +46,7 @@ def seaweed_server():
 @pytest.fixture
 def seaweed(seaweed_server, monkeypatch):
     """``(server, boto3 client, a new bucket)``; env points the AWS chain (and the cachefs CLI) at SeaweedFS."""
-    for k, v in seaweed_server.env().items():
-        monkeypatch.setenv(k, v)
-    client = seaweed_server.client()
-    bucket = f"b-{uuid.uuid4().hex[:12]}"
-    client.create_bucket(Bucket=bucket)
-    return seaweed_server, client, bucket
+    return with_new_bucket(seaweed_server, monkeypatch)
 
 
 def objects(client, bucket: str, prefix: str) -> dict[str, bytes]:
