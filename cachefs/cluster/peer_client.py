@@ -51,6 +51,8 @@ class PeerClient:
                  connections_per_peer: int = 8, tls: GroupTLS | None = None) -> None:
         self.self_name, self.token_file, self.timeout = self_name, token_file, timeout
         self.tls = tls
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._manifest_timeout = aiohttp.ClientTimeout(total=MANIFEST_WAIT, sock_connect=timeout)
         self._per_peer = connections_per_peer
         self._session: aiohttp.ClientSession | None = None
         self._retired: list[aiohttp.ClientSession] = []
@@ -87,12 +89,11 @@ class PeerClient:
         return self._session
 
     async def _get(self, address: str, path: str, params: dict[str, str], limit: int, *,
-                   wait: float | None = None) -> tuple[int, bytes, dict]:
+                   timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, bytes, dict]:
         url = f"{self._scheme}://{address}{path}"
-        timeout = aiohttp.ClientTimeout(total=wait, sock_connect=self.timeout) if wait else \
-            aiohttp.ClientTimeout(total=self.timeout)
         try:
-            async with self._client().get(url, params=params, headers=self._headers(), timeout=timeout) as resp:
+            async with self._client().get(url, params=params, headers=self._headers(),
+                                          timeout=timeout or self._timeout) as resp:
                 if resp.content_length is not None and resp.content_length > limit:
                     raise _failed("bad_answer", f"{address}: an answer of {resp.content_length} bytes, at most {limit} asked")
                 # read(n) returns what has arrived so far, not n bytes: gather the body up to the limit + 1
@@ -109,11 +110,12 @@ class PeerClient:
             raise _failed("unreachable", f"peer {address}: {type(exc).__name__}: {exc}") from None
 
     async def _verified(self, address: str, path: str, params: dict[str, str], limit: int, *,
-                        length: int | None = None, wait: float | None = None) -> tuple[bytes | None, dict]:
+                        length: int | None = None,
+                        timeout: aiohttp.ClientTimeout | None = None) -> tuple[bytes | None, dict]:
         """The body of a GET, checked against the xxh3 the peer sends with it (and ``length``, when known), and the
-        answer's headers; None for a 404 (the peer does not hold it and does not fetch it). ``wait``: seconds
-        the answer may take (the client's timeout otherwise)."""
-        status, body, headers = await self._get(address, path, params, limit, wait=wait)
+        answer's headers; None for a 404 (the peer does not hold it and does not fetch it). ``timeout``: the
+        client's otherwise."""
+        status, body, headers = await self._get(address, path, params, limit, timeout=timeout)
         if status == 404:
             return None, headers
         if status != 200:
@@ -160,7 +162,7 @@ class PeerClient:
         """The current manifest of dataset ``ds_id`` (at ``url``) as the peer holds it, or takes it if it serves
         that dataset to the group (see peer_server), verified. Waits for the peer's listing (:data:`MANIFEST_WAIT`)."""
         return (await self._verified(address, f"/v1/manifest/{ds_id}", {"url": url} if url else {}, limit,
-                                     wait=MANIFEST_WAIT))[0]
+                                     timeout=self._manifest_timeout))[0]
 
     async def push_manifest(self, address: str, ds_id: str, url: str, raw: bytes) -> bool:
         """Hand a member the manifest this node just took of dataset ``ds_id`` (``cachefs refresh``); whether it
