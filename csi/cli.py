@@ -28,6 +28,12 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
                     help="seconds a dataset's FUSE session runs with no pod using it (default 600; the cache stays)")
     cs.add_argument("--metrics-listen", metavar="HOST:PORT",
                     help="serve Prometheus metrics here (the node pod's metrics are served by csi-mounter)")
+    cs.add_argument("--registration-dir", default="",
+                    help="kubelet's plugin registration directory as this process sees it (/var/lib/kubelet/"
+                         "plugins_registry mounted in): register the node plugin with kubelet (no registrar sidecar)")
+    cs.add_argument("--kubelet-registration-path", default="",
+                    help="the CSI socket's path on the node, as kubelet sees it "
+                         "(/var/lib/kubelet/plugins/csi.cachefs.io/csi.sock)")
     cs.set_defaults(run="csi.cli:csi", node_process=True)
 
     cm = sub.add_parser("csi-mounter", parents=[base, cache],
@@ -53,8 +59,8 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
     # In this (the main) thread, so that SIGTERM stops the server gracefully.
     serve(args.endpoint, node_id=args.node_id, cache_dir=config.cache.dir, state_dir=state_dir,
           cache_group=args.cache_group, mounter=args.mounter, session_idle_timeout=args.session_idle_timeout,
-          node=args.mode != "controller",
-          controller=args.mode != "node")
+          node=args.mode != "controller", controller=args.mode != "node",
+          registration_dir=args.registration_dir, kubelet_registration_path=args.kubelet_registration_path)
     return 0
 
 

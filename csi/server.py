@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from cachefs.base.errors import ConfigError
-from csi.driver import ControllerService, IdentityService, NodeService
+from csi.driver import DRIVER_NAME, ControllerService, IdentityService, NodeService
 from csi.gen import csi_pb2_grpc as rpc
 from csi.mounter import RemoteMounter
+from csi.registration import Registration
 from csi.sessions import SessionManager
 
 __all__ = ["serve"]
@@ -49,10 +50,16 @@ def socket_path(endpoint: str) -> str:
 
 def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_group: str = "",
           mounter: str = "", session_idle_timeout: float = SESSION_IDLE_TIMEOUT, node: bool = True,
-          controller: bool = True, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT (or ``stop`` is set)."""
+          controller: bool = True, registration_dir: str = "", kubelet_registration_path: str = "",
+          ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or ``stop`` is set). With ``registration_dir`` (kubelet's ``plugins_registry``,
+    as this process sees it) the node plugin registers itself with kubelet, naming its socket by
+    ``kubelet_registration_path`` (where kubelet finds it on the node)."""
     if node and not node_id:
         raise ConfigError("--node-id is required for the node plugin (set it from the NODE_NAME env var)")
+    if registration_dir and not (node and kubelet_registration_path.startswith("/")):
+        raise ConfigError("--registration-dir needs the node plugin and --kubelet-registration-path (the absolute "
+                          "path of the CSI socket on the node, e.g. /var/lib/kubelet/plugins/csi.cachefs.io/csi.sock)")
     path = socket_path(endpoint)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.exists(path):
@@ -89,6 +96,10 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
         os.umask(old_umask)
     server.start()
     log.info("CSI plugin listening on %s (node %s, controller %s)", path, node, controller)
+    # Only once the CSI socket answers: kubelet calls NodeGetInfo on it as soon as it sees the registration.
+    registration = Registration(registration_dir, DRIVER_NAME, kubelet_registration_path) if registration_dir else None
+    if registration is not None:
+        registration.start()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -98,6 +109,8 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
     # main thread wakes, and an untimed wait may never wake.
     while not stop.wait(1.0):
         pass
+    if registration is not None:
+        registration.stop()
     server.stop(grace=5).wait(10)
 
 
