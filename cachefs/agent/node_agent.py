@@ -119,15 +119,11 @@ async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metri
     if not group:
         if k.peers:
             raise ConfigError("cachefs agent: no cache group (cluster.group, --group, CACHEFS_CLUSTER_GROUP)")
-        log.info("node %s carries no %s label: it reads through no group and serves none", node, GROUP_LABEL)
-        publisher = _start_tasks(AgentContext(config, node, "", None, None, kube))  # (the label publisher)
-        try:
-            await _until_signalled()
-        finally:
-            await _cancel(publisher)
+        group = await _outside_groups(config, node, kube)
+        if not group:  # (signalled)
             if kube is not None:
                 await kube.aclose()
-        return 0
+            return 0
     config = dataclasses.replace(config, cluster=dataclasses.replace(k, group=group))
     k = config.cluster
     check_credentials(k.secret_file, k.token_file, token_named=token_named)  # (in a group, the default token too)
@@ -227,8 +223,53 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def _until_signalled() -> None:
-    await _stop_on_signals().wait()
+#: How often an agent outside every cache group looks for its Node's group label (README labels nodes after
+#: deploying; the agent then joins without a restart).
+GROUP_LABEL_POLL = 10.0
+
+
+async def _outside_groups(config: Config, node: str, kube) -> str:
+    """A node outside every cache group: it reads through no group and serves none, but still publishes its labels
+    and answers ``/healthz`` and ``/readyz`` on the peer port (the node pod's readiness probe). Returns the group once
+    the Node is labelled with one, or "" when signalled."""
+    log.info("node %s carries no %s label: it reads through no group and serves none", node, GROUP_LABEL)
+    from aiohttp import web
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok (in no cache group)")
+
+    app = web.Application()
+    app.router.add_get("/healthz", ok)
+    app.router.add_get("/readyz", ok)
+    k = config.cluster
+    listener = PeerListener(app, *parse_listen(k.listen, "cluster.listen"), max_per_client=k.max_client_connections,
+                            idle_timeout=k.idle_timeout)
+    try:
+        await listener.start()
+    except OSError as exc:
+        raise ConfigError(f"cluster.listen {k.listen}: {exc.strerror}") from None
+    publisher = _start_tasks(AgentContext(config, node, "", None, None, kube))  # (the label publisher)
+    stop = _stop_on_signals()
+    group = ""
+    try:
+        while kube is not None and not group:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), GROUP_LABEL_POLL)
+            if stop.is_set():
+                break
+            with contextlib.suppress(ConfigError):  # (the API unreachable for a while: ask again later)
+                group = await _group_of_node(kube, node)
+        if kube is None:
+            await stop.wait()
+    finally:
+        await _cancel(publisher)
+        await listener.close()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    if group:
+        log.info("node %s is now labelled %s=%s: joining the group", node, GROUP_LABEL, group)
+    return group
 
 
 async def _group_of_node(kube, node: str) -> str:
