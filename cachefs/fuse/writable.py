@@ -141,9 +141,12 @@ class WritableSession(RequestLoop):
         return fh
 
     def _own(self, path: str) -> None:
-        """New files and directories belong to the caller (the daemon runs as root)."""
+        """New files and directories belong to the caller (the daemon runs as root); in a setgid directory (a
+        volume published for a pod's fsGroup) to the directory's group, which the kernel gave them already."""
         uid, gid, _pid = CALLER.get()
         if os.geteuid() == 0 and uid is not None:
+            if os.stat(os.path.dirname(path)).st_mode & stat.S_ISGID:
+                gid = -1
             os.lchown(path, uid, gid)
 
     # -- handlers ---------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -321,3 +322,26 @@ def test_only_the_mounting_user_reaches_a_writable_mount(volume):
              "    try:\n        op(); print('allowed')\n    except PermissionError:\n        print('refused')\n")
     r = subprocess.run([sys.executable, "-c", probe, m.mountpoint], capture_output=True, text=True, timeout=30)
     assert r.stdout.split() == ["refused", "refused"], r.stderr
+
+
+def test_files_made_in_a_group_volume_belong_to_the_group_whoever_makes_them(s3, cache_dir, tmp_path):
+    """A volume published for a pod's fsGroup (``--group``; the top is setgid 2775): what any member makes in it
+    belongs to the group, as in any setgid directory, not to the maker's primary group (found on a real node: a pod
+    running as user 1000 with fsGroup 1000 made a checkpoint directory of group root)."""
+    _, _client, bucket = s3
+    mnt = tempfile.mkdtemp(prefix="cachefs-group-")  # (pytest's tmp_path is root's alone: 1234 could not reach it)
+    os.chmod(mnt, 0o755)
+    m = Mounted(cache_dir, f"s3://{bucket}/ck", mnt, "--writable", "--group", "4242", "--allow-other", env=ENV)
+    try:
+        writer = ("import os, sys\nos.setgroups([4242]); os.setgid(777); os.setuid(1234)\n"
+                  "os.mkdir(sys.argv[1] + '/step.tmp')\nopen(sys.argv[1] + '/step.tmp/shard', 'wb').write(b'x')\n"
+                  "os.mkdir(sys.argv[1] + '/step.tmp/sub')\n")
+        r = subprocess.run([sys.executable, "-c", writer, m.mountpoint], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        for rel in ("step.tmp", "step.tmp/shard", "step.tmp/sub"):
+            st = os.stat(m.path(rel))
+            assert (st.st_uid, st.st_gid) == (1234, 4242), rel
+        assert os.stat(m.path("step.tmp")).st_mode & 0o2000 and os.stat(m.path("step.tmp/sub")).st_mode & 0o2000
+    finally:
+        m.close()
+        os.rmdir(mnt)
