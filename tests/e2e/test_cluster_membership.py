@@ -120,3 +120,46 @@ def test_members_are_ready_endpoints_on_nodes_of_the_group_and_tokens_are_review
         for name in ("grp-a", "grp-b", "grp-c"):
             k8s.request("DELETE", f"/api/v1/nodes/{name}")
         k8s.request("DELETE", "/api/v1/namespaces/default/serviceaccounts/tenant")
+
+
+def test_an_agent_outside_every_group_is_ready_and_joins_when_its_node_is_labelled(k8s, tmp_path):
+    """README labels nodes after deploying: the node pod's agent starts outside every group, must still pass its
+    readiness probe (/readyz on the peer port; before, nothing listened there and the DaemonSet was never Ready),
+    and joins the group once the label comes, without a restart."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from .controlplane import free_port
+
+    make_node(k8s, "lone-a")
+    port = free_port()
+    token = tmp_path / "token"
+    token.write_text("unused-here")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "cachefs.cli.main", "agent", "-v", "--cache-dir", str(tmp_path / "cache"),
+         "--node", "lone-a", "--listen", f"127.0.0.1:{port}", "--service", f"{NS}/cachefs-peers",
+         "--kubeconfig", str(k8s.admin_kubeconfig), "--token-file", str(token)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 30
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            try:
+                answer = urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).read()
+            except OSError:
+                time.sleep(0.2)
+        assert answer is not None and b"no cache group" in answer
+        k8s.request("PATCH", "/api/v1/nodes/lone-a", {"metadata": {"labels": {"cachefs.io/cache-group": "rack-5"}}},
+                    content_type="application/merge-patch+json")
+        joined = ""
+        assert agent.stdout is not None
+        while "joining the group" not in joined and time.monotonic() < deadline + 30:
+            joined += agent.stdout.readline()
+        assert "lone-a is now labelled cachefs.io/cache-group=rack-5: joining the group" in joined, joined
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=30)
+        k8s.request("DELETE", "/api/v1/nodes/lone-a")
