@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-loaders test-s3impl setup setup-test lint bench clean
+.PHONY: demo test test-loaders test-s3impl test-node setup setup-test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,7 @@ test: setup-test
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 	tests/prepare.sh
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=10
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=10 --ignore=tests/node
 
 ## The loader recipes of docs/LOADERS.md against torch, torchvision and MosaicML streaming (CUDA wheels, gigabytes),
 ## in their own venv resolved beside every loader (tests/loaders/setup.sh), with the light loader tests again there.
@@ -42,6 +42,14 @@ test-loaders: setup-test
 test-s3impl: setup-test
 	tests/s3impl/seaweedfs/build.sh >/dev/null
 	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/integration/test_seaweedfs.py
+
+## A real Kubernetes node (tests/node/): kubelet, kube-proxy and kubectl built from the control plane's module, containerd,
+## runc and CNI from Debian's packages, the cachefs image and deploy/'s other images built here without a registry
+## (tests/node/build.sh, into .cache/node/), deploy/ applied as README says, pods reading and writing through cachefs
+## volumes, faults on the node. Needs root and /dev/fuse (skips, saying why, without them).
+test-node: setup-test
+	tests/node/build.sh >/dev/null
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs --durations=5 tests/node
 
 bench: setup-test
 	$(BIN)/python -m bench.run_all

@@ -122,9 +122,10 @@ class ControlPlane:
             time.sleep(0.3)
         raise ControlPlaneError(f"{name} not ready after {timeout:g}s: {self.procs[name].log.read_text()[-3000:]}")
 
-    def start(self) -> ControlPlane:
+    def _start_etcd(self) -> int:
+        """Start etcd on loopback; returns its client port."""
         w = self.workdir
-        etcd_port, peer_port, self.api_port, sched_port = free_port(), free_port(), free_port(), free_port()
+        etcd_port, peer_port = free_port(), free_port()
         self._spawn("etcd", [
             str(self.bins / "etcd"), "--name=e2e", f"--data-dir={w / 'etcd'}",
             f"--listen-client-urls=http://127.0.0.1:{etcd_port}", f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
@@ -132,7 +133,12 @@ class ControlPlane:
             f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
             f"--initial-cluster=e2e=http://127.0.0.1:{peer_port}", "--unsafe-no-fsync=true", "--log-level=warn"])
         self._wait("etcd", lambda: urllib.request.urlopen(f"http://127.0.0.1:{etcd_port}/health", timeout=2).status == 200)
+        return etcd_port
 
+    def start(self) -> ControlPlane:
+        w = self.workdir
+        self.api_port, sched_port = free_port(), free_port()
+        etcd_port = self._start_etcd()
         subprocess.run(["openssl", "genrsa", "-out", str(w / "sa.key"), "2048"], check=True, capture_output=True)
         (w / "tokens.csv").write_text(
             f'{ADMIN_TOKEN},e2e-admin,e2e-admin,"system:masters"\n'

@@ -1,0 +1,3 @@
+module cachefs.invalid/node/pause
+
+go 1.26.0

@@ -1,0 +1,45 @@
+"""deploy/ on a real node, applied with kubectl as README's "On Kubernetes" says (through the tier's overlays, which
+change image names only): every cachefs pod Running and Ready, the CSI driver registered with kubelet."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from tests.e2e.controlplane import REPO
+
+from .cluster import NODE_NAME
+from .harness import HERE
+
+
+def _images_replaced(text: str, overlay: dict) -> str:
+    for image in overlay["images"]:
+        text = text.replace(f"image: {image['name']}:", f"image: {image['newName']}:")
+    return text
+
+
+def test_overlays_change_image_names_only(cluster):
+    for part in ("base", "scheduler"):
+        overlay = yaml.safe_load((HERE / "overlay" / part / "kustomization.yaml").read_text())
+        assert set(overlay) == {"apiVersion", "kind", "resources", "images"}
+        assert all(set(i) == {"name", "newName"} for i in overlay["images"])
+        ours = cluster.kubectl("kustomize", str(HERE / "overlay" / part))
+        theirs = cluster.kubectl("kustomize", str(REPO / "deploy" / part))
+        assert ours == _images_replaced(theirs, overlay)
+
+
+def test_cachefs_pods_run_and_the_driver_is_registered(cluster):
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", "cachefs-system", "-o", "json"))["items"]
+    components = {}
+    for pod in pods:
+        name = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+        ready = all(s["ready"] for s in pod["status"]["containerStatuses"])
+        components.setdefault(name, []).append((pod["status"]["phase"], ready, pod["spec"]["nodeName"]))
+    assert components["node"] == [("Running", True, NODE_NAME)]
+    assert components["csi-controller"] == [("Running", True, NODE_NAME)] * 2
+    assert components["scheduler"] == [("Running", True, NODE_NAME)]
+    # registered by the node plugin itself: kubelet lists the driver on the node's CSINode
+    csinode = cluster.get("csinode", NODE_NAME)
+    assert [(d["name"], d["nodeID"]) for d in csinode["spec"]["drivers"]] == [("csi.cachefs.io", NODE_NAME)]
+    assert "csi.cachefs.io" in cluster.node.log("kubelet")
