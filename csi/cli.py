@@ -28,6 +28,10 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
                     help="seconds a dataset's FUSE session runs with no pod using it (default 600; the cache stays)")
     cs.add_argument("--metrics-listen", metavar="HOST:PORT",
                     help="serve Prometheus metrics here (the node pod's metrics are served by csi-mounter)")
+    cs.add_argument("--session-keeper", default="",
+                    help="socket where the node plugin keeps a copy of every FUSE session's descriptor "
+                         "(unix:///run/cachefs/keeper.sock, shared with csi-mounter), so sessions outlive a restart "
+                         "of the mounter's container")
     cs.add_argument("--registration-dir", default="",
                     help="kubelet's plugin registration directory as this process sees it (/var/lib/kubelet/"
                          "plugins_registry mounted in): register the node plugin with kubelet (no registrar sidecar)")
@@ -43,6 +47,9 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
                     help="where to listen (default unix:///run/cachefs/mounter.sock)")
     cm.add_argument("--state-dir", help="the plugin's state directory; sessions are mounted only under it "
                                         "(default: <cache dir>/csi)")
+    cm.add_argument("--session-keeper", default="",
+                    help="the node plugin's session keeper (cachefs csi --session-keeper): holders keep a copy of "
+                         "their descriptor there, and sessions left by a previous run of this container are adopted")
     cm.add_argument("--metrics-listen", metavar="HOST:PORT",
                     help="serve the node's Prometheus metrics here: every cachefs process of the node pod, and what "
                          "the cache holds (docs/METRICS.md)")
@@ -50,7 +57,7 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
 
 
 async def csi(args: argparse.Namespace, config: Config) -> int:
-    from csi.server import serve
+    from csi.server import serve, socket_path
 
     if args.session_idle_timeout < 0:
         raise ConfigError("--session-idle-timeout must be 0 or more seconds")
@@ -60,7 +67,8 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
     serve(args.endpoint, node_id=args.node_id, cache_dir=config.cache.dir, state_dir=state_dir,
           cache_group=args.cache_group, mounter=args.mounter, session_idle_timeout=args.session_idle_timeout,
           node=args.mode != "controller", controller=args.mode != "node",
-          registration_dir=args.registration_dir, kubelet_registration_path=args.kubelet_registration_path)
+          registration_dir=args.registration_dir, kubelet_registration_path=args.kubelet_registration_path,
+          session_keeper=socket_path(args.session_keeper) if args.session_keeper else "")
     return 0
 
 
@@ -70,7 +78,8 @@ async def csi_mounter(args: argparse.Namespace, config: Config) -> int:
 
     state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
     _serve_metrics(args, config)
-    serve_mounter(socket_path(args.socket), os.path.join(state_dir, "sessions"), config.cache.dir)
+    serve_mounter(socket_path(args.socket), os.path.join(state_dir, "sessions"), config.cache.dir,
+                  keeper=socket_path(args.session_keeper) if args.session_keeper else "")
     return 0
 
 

@@ -38,6 +38,7 @@ from cachefs.base import errors as _errors
 from cachefs.base.config import default_log_dir
 from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.fuse.holder import start_holder
+from cachefs.fuse.keeper import KEEPER_ENV
 from cachefs.index.mounts import mount_file
 from cachefs.prefetch.samplers import parse_sampler
 
@@ -86,10 +87,12 @@ class LocalMounter:
     """Starts holders (``cachefs mount --foreground``) as children of this process, in its container, and
     reaps them when they exit (at unmount)."""
 
-    def __init__(self, cache_dir: str, log_dir: str | None = None) -> None:
+    def __init__(self, cache_dir: str, log_dir: str | None = None, keeper: str = "") -> None:
         self.cache_dir = cache_dir
         #: The holders' logs: off the cache disk (a full cache disk would silence them).
         self.log_dir = log_dir or default_log_dir()
+        #: The session keeper's socket (cachefs.fuse.keeper): holders keep a copy of their descriptor there.
+        self.keeper = keeper
         self._holders: list[subprocess.Popen] = []
         self._lock = threading.Lock()
 
@@ -106,12 +109,42 @@ class LocalMounter:
         if req.region:
             argv += ["--region", req.region]
         self.reap()
-        holder = start_holder(argv, req.mountpoint, os.path.join(self.log_dir, os.path.basename(
-                              mount_file(self.cache_dir, req.mountpoint, ".log"))), cache_dir=self.cache_dir,
-                              env={**os.environ, **req.env}, timeout=MOUNT_TIMEOUT)
+        self._start(argv, req.mountpoint, req.env)
+        log.info("mounted %s at %s", req.url, req.mountpoint)
+
+    def _start(self, argv: list[str], mountpoint: str, env: dict[str, str]) -> None:
+        extra = {KEEPER_ENV: self.keeper} if self.keeper else {}
+        holder = start_holder(argv, mountpoint, os.path.join(self.log_dir, os.path.basename(
+                              mount_file(self.cache_dir, mountpoint, ".log"))), cache_dir=self.cache_dir,
+                              env={**os.environ, **env, **extra}, timeout=MOUNT_TIMEOUT)
         with self._lock:
             self._holders.append(holder)
-        log.info("mounted %s at %s (holder pid %d)", req.url, req.mountpoint, holder.pid)
+
+    def adopt_orphans(self, root: str) -> list[str]:
+        """Start a holder for every session under ``root`` that the keeper holds and whose holder is gone (this
+        mounter's container was restarted: its holders died with it, their mounts did not); returns their mount
+        points. Their readers waited; the new daemons resume where the dead ones stopped."""
+        from cachefs.fuse.keeper import kept_sessions, take_session
+
+        if not self.keeper:
+            return []
+        adopted = []
+        for mnt, meta in kept_sessions(self.keeper).items():
+            if os.path.commonpath([mnt, root]) != root or _holder_answers(str(meta.get("socket", ""))):
+                continue
+            argv = meta.get("argv")
+            if not isinstance(argv, list) or not argv:
+                log.error("%s: the keeper's copy names no holder command; left as it is", mnt)
+                continue
+            fd, _meta, env = take_session(self.keeper, mnt)
+            os.close(fd)  # (only for the credentials: the new holder takes its own copy)
+            try:
+                self._start([*map(str, argv), "--adopt"], mnt, env)
+            except CacheFSError as exc:
+                log.error("%s: could not adopt the session: %s", mnt, exc)
+                continue
+            adopted.append(mnt)
+        return adopted
 
     @property
     def holders(self) -> list[subprocess.Popen]:
@@ -215,10 +248,25 @@ def parse_request(raw: bytes, root: str) -> MountRequest | None:
                         strings["sampler"], writable)
 
 
-def serve_mounter(socket_path: str, root: str, cache_dir: str, *, ready: threading.Event | None = None,
-                  stop: threading.Event | None = None) -> None:
+def _holder_answers(path: str) -> bool:
+    """Whether a holder listens at ``path`` (a socket file left by a dead one refuses the connection)."""
+    if not path:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def serve_mounter(socket_path: str, root: str, cache_dir: str, *, keeper: str = "",
+                  ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     """Serve mount requests on ``socket_path`` until ``stop`` is set (or SIGTERM in the main thread). Mounts
-    go under ``root``; holders are started as children of this process and outlive the requests."""
+    go under ``root``; holders are started as children of this process and outlive the requests. With a session
+    ``keeper``, holders keep a copy of their descriptor there, and the sessions a previous run of this mounter
+    left (its holders died with it) are adopted first."""
     if not socket_path.startswith("/"):
         raise ConfigError(f"--socket {socket_path!r}: want an absolute path")
     root = os.path.realpath(root)
@@ -226,7 +274,14 @@ def serve_mounter(socket_path: str, root: str, cache_dir: str, *, ready: threadi
     os.makedirs(os.path.dirname(socket_path), exist_ok=True)
     if os.path.exists(socket_path):
         os.unlink(socket_path)  # left by a previous run
-    local = LocalMounter(cache_dir)
+    local = LocalMounter(cache_dir, keeper=keeper)
+    try:
+        adopted = local.adopt_orphans(root)
+    except CacheFSError as exc:  # (no keeper yet: the plugin's container is starting too; nothing to adopt)
+        log.warning("%s", exc)
+        adopted = []
+    if adopted:
+        log.warning("adopted %d session(s) whose holders were gone: %s", len(adopted), ", ".join(adopted))
 
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from cachefs.base.errors import ConfigError
+from cachefs.fuse.keeper import SessionKeeper
 from csi.driver import DRIVER_NAME, ControllerService, IdentityService, NodeService
 from csi.gen import csi_pb2_grpc as rpc
 from csi.mounter import RemoteMounter
@@ -51,10 +52,12 @@ def socket_path(endpoint: str) -> str:
 def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_group: str = "",
           mounter: str = "", session_idle_timeout: float = SESSION_IDLE_TIMEOUT, node: bool = True,
           controller: bool = True, registration_dir: str = "", kubelet_registration_path: str = "",
-          ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+          session_keeper: str = "", ready: threading.Event | None = None,
+          stop: threading.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set). With ``registration_dir`` (kubelet's ``plugins_registry``,
     as this process sees it) the node plugin registers itself with kubelet, naming its socket by
-    ``kubelet_registration_path`` (where kubelet finds it on the node)."""
+    ``kubelet_registration_path`` (where kubelet finds it on the node). With ``session_keeper`` the node plugin
+    keeps a copy of every FUSE session's descriptor there (:mod:`cachefs.fuse.keeper`)."""
     if node and not node_id:
         raise ConfigError("--node-id is required for the node plugin (set it from the NODE_NAME env var)")
     if registration_dir and not (node and kubelet_registration_path.startswith("/")):
@@ -81,6 +84,9 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
     rpc.add_IdentityServicer_to_server(IdentityService(controller=controller, ready=probe), server)
     if controller:
         rpc.add_ControllerServicer_to_server(ControllerService(os.path.join(state_dir, "controller")), server)
+    keeper = SessionKeeper(session_keeper) if node and session_keeper else None
+    if keeper is not None:  # first: a mounter restarted with this plugin finds the sessions its holders left
+        keeper.start()
     if node:
         sessions = SessionManager(state_dir, cache_dir, remote)
         repaired = sessions.recover()
@@ -112,6 +118,8 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
     if registration is not None:
         registration.stop()
     server.stop(grace=5).wait(10)
+    if keeper is not None:
+        keeper.stop()
 
 
 def _repair_loop(sessions: SessionManager, stop: threading.Event, idle_timeout: float) -> None:

@@ -255,6 +255,11 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
                                 passthrough=not args.no_passthrough, prefill=not args.no_prefill,
                                 skip_opens=not args.keep_opens, access=access, sampler=sampler)
         return 0
+    argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
+            *mount_options(args, config)]
+    if args.adopt:  # a holder for a mount whose holder died (the session keeper's copy): mounted and checked
+        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
+                          nonempty=args.nonempty, adopt=True)
     await asyncio.to_thread(check_mountpoint, config, mnt, args.nonempty)
     # The dataset opens (credentials, bucket, a manifest on this node) before anything is mounted, so a typo
     # is one line and an exit code, never a mount that hangs.
@@ -267,8 +272,6 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
             sampler_files((e.path for e in ds.walk_files()), sampler, args.url)
     finally:
         await engine.aclose()
-    argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
-            *mount_options(args, config)]
     if args.foreground:  # this process holds the mount; the daemon serving it is its child
         return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
                           nonempty=args.nonempty)

@@ -179,6 +179,8 @@ def _parser() -> argparse.ArgumentParser:
                          "go to the origin in the background, in the order they were closed; a directory renamed "
                          "from D.tmp to D is committed (docs/SEMANTICS.md, Checkpoints)")
     mt.add_argument("--attach", help=argparse.SUPPRESS)  # internal: serve the mount held at this socket
+    # internal: hold a mount whose holder died, on the descriptor the session keeper kept (CACHEFS_SESSION_KEEPER)
+    mt.add_argument("--adopt", action="store_true", help=argparse.SUPPRESS)
 
     um = sub.add_parser("umount", parents=[base, cache], help="unmount a cachefs mount")
     um.add_argument("mountpoint")

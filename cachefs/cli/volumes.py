@@ -32,10 +32,13 @@ async def mount_writable(args: argparse.Namespace, config: Config, mnt: str) -> 
         await asyncio.to_thread(serve_writable_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 group=parse_group(args.group) if args.group else None, shared=args.allow_other)
         return 0
-    await asyncio.to_thread(check_mountpoint, config, mnt, args.nonempty)
-    await _check_volume_url(config, args.url)  # (one line now, rather than a daemon that cannot start)
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
             *mount_options(args, config)]
+    if args.adopt:  # a holder for a mount whose holder died (the session keeper's copy): mounted and checked
+        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
+                          nonempty=args.nonempty, writable=True, adopt=True)
+    await asyncio.to_thread(check_mountpoint, config, mnt, args.nonempty)
+    await _check_volume_url(config, args.url)  # (one line now, rather than a daemon that cannot start)
     if args.foreground:
         return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
                           nonempty=args.nonempty, writable=True)

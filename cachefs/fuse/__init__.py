@@ -22,6 +22,7 @@ from cachefs.engine import get_engine
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.holder import MountHolder, announce_failure, announce_ready, receive_fd, socket_path_for
 from cachefs.fuse.journal import MountJournal
+from cachefs.fuse.keeper import KEEPER_ENV
 from cachefs.fuse.mount import is_stale_mount, unmount
 from cachefs.fuse.session import FuseSession
 from cachefs.fuse.volume_mount import serve_writable_mount
@@ -34,15 +35,18 @@ log = logging.getLogger("cachefs.fuse")
 
 
 def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str], *, answer_after: float = 10.0,
-               allow_other: bool = False, nonempty: bool = False, writable: bool = False) -> int:
+               allow_other: bool = False, nonempty: bool = False, writable: bool = False, adopt: bool = False) -> int:
     """Mount ``mountpoint`` and keep it mounted until unmounted, serving it by running ``daemon_argv`` (plus
     ``--attach SOCKET``) and restarting that daemon whenever it dies: readers wait, they never see ENOTCONN
     (unless no daemon can start for a while; see :mod:`.holder`). Only the mounting user may read it unless
-    ``allow_other``."""
+    ``allow_other``. With a session keeper (``$CACHEFS_SESSION_KEEPER``) the descriptor is kept there too, and
+    ``adopt`` holds a mount whose holder died on the keeper's copy instead of mounting (``daemon_argv`` is also
+    the holder's own command, which the keeper's copy carries for the next one)."""
     holder = MountHolder(mountpoint, socket_path_for(mount_file(config.cache.dir, mountpoint, ".sock")), url=url,
                          cache_dir=config.cache.dir, answer_after=answer_after, allow_other=allow_other,
-                         nonempty=nonempty, writable=writable)
-    holder.mount()
+                         nonempty=nonempty, writable=writable, keeper=os.environ.get(KEEPER_ENV, ""),
+                         restart_argv=daemon_argv)
+    holder.adopt() if adopt else holder.mount()
     return holder.run([*daemon_argv, "--attach", holder.socket_path])
 
 

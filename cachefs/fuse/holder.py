@@ -24,6 +24,7 @@ the same way.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -56,6 +57,8 @@ log = logging.getLogger("cachefs.fuse")
 
 #: Kernel read-ahead on our mounts: 1 MiB READ requests on the userspace path (the INIT reply allows them).
 READ_AHEAD_KIB = 1024
+#: How often a holder checks that the session keeper still holds its descriptor.
+KEEPER_CHECK = 3.0
 #: Longest unix socket path the kernel takes (sun_path is 108 bytes with its NUL).
 _SUN_PATH_MAX = 107
 
@@ -256,14 +259,17 @@ class MountHolder:
     def __init__(self, mountpoint: str, socket_path: str, *, url: str = "", cache_dir: str | None = None,
                  restart_delay: float = 0.2, max_restart_delay: float = 5.0, answer_after: float = 10.0,
                  max_failing_delay: float = 30.0, allow_other: bool = False, nonempty: bool = False,
-                 writable: bool = False) -> None:
+                 writable: bool = False, keeper: str = "", restart_argv: list[str] | None = None) -> None:
         """``allow_other``: every user of the node may read the mount (by default only the one who mounted it);
         ``nonempty``: mount over a directory that has entries (hidden until unmounted); ``writable``: a checkpoint
-        volume, mounted read-write."""
+        volume, mounted read-write; ``keeper``: the socket of a :class:`~.keeper.SessionKeeper` that keeps a copy
+        of the descriptor (so the mount outlives this process), with ``restart_argv``, this holder's own command,
+        to start another one on it (:meth:`adopt`)."""
         self.mountpoint = os.path.abspath(mountpoint)
         self.allow_other, self.nonempty, self.writable = allow_other, nonempty, writable
         self.socket_path = socket_path
         self.url, self.cache_dir = url, cache_dir
+        self.keeper, self.restart_argv = keeper, list(restart_argv or [])
         self.restart_delay, self.max_restart_delay = restart_delay, max_restart_delay
         #: Seconds without a serving daemon after which the holder answers requests itself (with errors).
         self.answer_after = answer_after
@@ -304,6 +310,55 @@ class MountHolder:
             unmount(self.mountpoint)
             self.close()
             raise
+        self._start_keeping()
+
+    def adopt(self) -> None:
+        """Hold a mount whose holder died, on the copy of its descriptor the keeper kept: the mount is served
+        already (the daemon this holder starts resumes from the mount journal) and readers waited meanwhile."""
+        from cachefs.fuse.keeper import take_session
+
+        if not self.keeper:
+            raise ConfigError("adopting a mount needs the session keeper's socket (CACHEFS_SESSION_KEEPER)")
+        self.fd, meta, _env = take_session(self.keeper, self.mountpoint)
+        self.generation = max(1, int(meta.get("generation", 1)))  # its first daemon resumes, never expects INIT
+        self._served = True
+        self.responder = ErrorResponder(self.fd)
+        self._listen()
+        self._set_state("starting", "")
+        log.warning("%s: adopted the mount from the session keeper (its holder %s is gone)", self.mountpoint,
+                    meta.get("pid"))
+        self._start_keeping()
+
+    # -- the keeper's copy --------------------------------------------------------------------------------------
+    def _deposit(self) -> None:
+        from cachefs.fuse.keeper import KEPT_ENV, keep_session
+
+        meta = {"argv": self.restart_argv, "generation": self.generation, "pid": os.getpid(),
+                "socket": self.socket_path, "url": self.url, "cache_dir": self.cache_dir or ""}
+        keep_session(self.keeper, self.mountpoint, self.fd, meta,
+                     {k: os.environ[k] for k in KEPT_ENV if k in os.environ})
+
+    def _start_keeping(self) -> None:
+        """Deposit the descriptor with the keeper, and again whenever the keeper lost it (its process restarted)."""
+        if not self.keeper:
+            return
+
+        def loop() -> None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            from cachefs.fuse.keeper import has_session
+
+            while not self._stopping.wait(KEEPER_CHECK):
+                try:
+                    if self.fd >= 0 and not has_session(self.keeper, self.mountpoint, os.getpid()):
+                        self._deposit()
+                except CacheFSError as exc:  # the keeper restarting: the next round tries again
+                    log.debug("%s: %s", self.mountpoint, exc)
+
+        try:
+            self._deposit()
+        except CacheFSError as exc:
+            log.warning("%s: %s (the mount ends with this holder until the keeper is back)", self.mountpoint, exc)
+        threading.Thread(target=loop, name="cachefs-fuse-keeper", daemon=True).start()
 
     def _listen(self) -> None:
         os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
@@ -380,6 +435,9 @@ class MountHolder:
                 if self.generation > 1:
                     metrics.safely(metrics.FUSE_RESTARTS.inc)
                 self._ready.clear()
+                if self.keeper and self.generation > 1:  # (the keeper's copy names the generation to resume)
+                    with contextlib.suppress(CacheFSError):
+                        self._deposit()
                 self.daemon = subprocess.Popen(daemon_argv, env={**(env or os.environ),
                                                                  "CACHEFS_FUSE_HOLDER": self.socket_path})
                 rc = self._wait_daemon(down_since)
@@ -438,6 +496,11 @@ class MountHolder:
     def stop(self) -> None:
         """Unmount and let the daemon finish (it sees the unmount and exits)."""
         self._stopping.set()
+        if self.keeper:  # (its copy would keep nothing alive once unmounted, but say so at once)
+            from cachefs.fuse.keeper import drop_session
+
+            with contextlib.suppress(CacheFSError):
+                drop_session(self.keeper, self.mountpoint)
         try:
             unmount(self.mountpoint)
         except CacheFSError as exc:

@@ -30,12 +30,13 @@ if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
 class Plugin:
     """`cachefs csi` in its own process (in ``container`` if given; sessions through ``mounter`` if given)."""
 
-    def __init__(self, base: Path, mounter: str = "", container: Container | None = None) -> None:
+    def __init__(self, base: Path, mounter: str = "", container: Container | None = None, keeper: str = "") -> None:
         self.base, self.sock = base, base / "csi.sock"
         self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "csi", "--endpoint",
                                       f"unix://{self.sock}", "--node-id", "node-1", "--cache-group", "rack-a",
                                       "--cache-dir", str(base / "cache"), "-v",
-                                      *(["--mounter", f"unix://{mounter}"] if mounter else [])],
+                                      *(["--mounter", f"unix://{mounter}"] if mounter else []),
+                                      *(["--session-keeper", f"unix://{keeper}"] if keeper else [])],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if container is not None:
             container.add(self.proc.pid)
@@ -389,12 +390,13 @@ def test_killed_fuse_daemon_under_a_published_target_is_replaced_and_pods_keep_r
 class MounterProcess:
     """`cachefs csi-mounter` in its own container, as in the node DaemonSet."""
 
-    def __init__(self, base: Path, container: Container) -> None:
+    def __init__(self, base: Path, container: Container, keeper: str = "") -> None:
         from csi.mounter import RemoteMounter
 
         self.sock = str(base / "run" / "mounter.sock")
         self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "csi-mounter", "--socket",
-                                      f"unix://{self.sock}", "--cache-dir", str(base / "cache"), "-v"],
+                                      f"unix://{self.sock}", "--cache-dir", str(base / "cache"), "-v",
+                                      *(["--session-keeper", f"unix://{keeper}"] if keeper else [])],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         container.add(self.proc.pid)
         deadline = time.monotonic() + 30
@@ -476,6 +478,55 @@ def test_restarting_the_plugin_container_leaves_sessions_in_the_mounter_containe
             unmount_under(tmp_path)
             for ct in (plugin_ct, plugin_ct2, mounter_ct):
                 ct.remove()
+    assert "Traceback" not in log
+
+
+def test_killing_every_process_of_the_mounter_container_mid_read_loses_no_session(tmp_path, dataset):
+    """The mounter's container dies (kill -9, OOM) with every holder and daemon in it: the plugin's session keeper
+    holds a copy of each session's descriptor, so the mounts stay connected and readers wait; the restarted
+    mounter adopts the sessions and the readers finish with every byte (before the keeper: ENOTCONN)."""
+    import threading
+
+    url, files = dataset
+    expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}
+    base = tmp_path / "plugin"
+    keeper = str(base / "run" / "keeper.sock")
+    mounter_ct, mounter_ct2, plugin_ct = Container("mounter"), Container("mounter2"), Container("plugin")
+    plugin = mounter = None
+    log = ""
+    try:
+        mounter = MounterProcess(base, mounter_ct, keeper)
+        plugin = Plugin(base, mounter.sock, plugin_ct, keeper=keeper)
+        a = kubelet_target(tmp_path, "uid-a")
+        inline_publish(plugin, url, a, "pod-a")
+        first = sorted(files)[0]
+        assert hashlib.sha256((a / first).read_bytes()).hexdigest() == expected[first]
+        deadline = time.monotonic() + 10
+        from cachefs.fuse.keeper import kept_sessions
+
+        while not kept_sessions(keeper):
+            assert time.monotonic() < deadline, "the holder never deposited its descriptor"
+            time.sleep(0.05)
+        mounter_ct.kill()  # the container's every process: mounter, holder, daemon
+        log += mounter.stop()
+        got: dict = {}
+        reader = threading.Thread(target=lambda: got.update(tree_hashes(a)))  # files no one looked up yet
+        reader.start()
+        reader.join(1.0)
+        assert reader.is_alive(), "with no daemon the reads should wait, not fail"
+        mounter = MounterProcess(base, mounter_ct2, keeper)
+        reader.join(60)
+        assert not reader.is_alive() and got == expected
+    finally:
+        try:
+            for proc in (plugin, mounter):
+                if proc is not None:
+                    log += proc.stop()
+        finally:
+            unmount_under(tmp_path)
+            for ct in (plugin_ct, mounter_ct, mounter_ct2):
+                ct.remove()
+    assert "adopted 1 session(s)" in log, log
     assert "Traceback" not in log
 
 
