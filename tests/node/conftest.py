@@ -10,6 +10,8 @@ import pytest
 from .harness import NodeCluster, build, environment_refusal, temp_workdir
 
 TIMES: dict[str, float] = {}
+#: Other figures of the run: what each fault did to its reader, same-run ratios.
+REPORT: dict[str, str] = {}
 
 
 @pytest.fixture(scope="session")
@@ -44,4 +46,8 @@ def pytest_terminal_summary(terminalreporter):
     if TIMES:
         terminalreporter.section("node tier: times (this run)")
         for what, seconds in TIMES.items():
-            terminalreporter.write_line(f"{seconds:9.2f} s  {what}" if seconds < 1e6 else f"{what}: {seconds}")
+            terminalreporter.write_line(f"{seconds:9.2f} s  {what}")
+    if REPORT:
+        terminalreporter.section("node tier: what it measured (this run)")
+        for what, figure in REPORT.items():
+            terminalreporter.write_line(f"{what}: {figure}")

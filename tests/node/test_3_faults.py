@@ -1,0 +1,209 @@
+"""Faults on the node while a pod reads: kubelet restarted, the container runtime restarted, the CSI container killed,
+the mounter container killed, a pod deleted mid-read, the cache disk full.
+
+Each run has a reader pod walk a dataset nobody read yet (so its reads need the FUSE daemon and the origin, not the
+page cache), pacing itself so that the fault lands mid-read, then read everything once more; every byte is checked
+against the origin's digests (a ConfigMap). What it saw — errors, wrong bytes, the longest wait for one file — what
+was left mounted on the host and what kubelet logged are reported at the end of the run and asserted: no error, no
+wrong byte, nothing stale."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import subprocess
+import time
+
+import pytest
+
+from .cluster import CACHE_DIR, mounts_under
+from .conftest import REPORT
+from .harness import BUCKET, IMAGE, digest, last_json
+
+#: The longest a reader may wait for one file across a fault ("a stall of at most a few seconds").
+MAX_STALL_S = 10.0
+
+READ_LOOP = r"""
+import hashlib, json, os, sys, time
+root, want, pace = sys.argv[1], json.load(open(sys.argv[2])), float(sys.argv[3])
+names = sorted(want)
+out = {"reads": 0, "errors": 0, "wrong": 0, "first_errors": [], "max_wait_s": 0.0}
+print("started", flush=True)
+for turn in range(2):  # the first pass reads from the origin, paced; the second checks what the cache kept
+    for rel in names:
+        t = time.monotonic()
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                data = f.read()
+            out["reads"] += 1
+            if hashlib.sha256(data).hexdigest() != want[rel]:
+                out["wrong"] += 1
+        except OSError as exc:
+            out["errors"] += 1
+            if len(out["first_errors"]) < 10:
+                out["first_errors"].append(f"{rel}: {exc}")
+        out["max_wait_s"] = max(out["max_wait_s"], time.monotonic() - t)
+        if turn == 0:
+            time.sleep(pace)
+print(json.dumps(out), flush=True)
+"""
+
+
+def cold_dataset(cluster, name: str, files: int = 300) -> tuple[str, dict[str, str]]:
+    """A dataset of its own at ``faults/<name>`` (small and multi-block files), never read before."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(name)
+    data = {f"d{i % 6}/f{i:04d}.bin": rng.randbytes(rng.randint(10_000, 90_000)) for i in range(files)}
+    data.update({f"big/{i}.bin": rng.randbytes(6_000_000) for i in range(3)})
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda kv: cluster.s3_client.put_object(Bucket=BUCKET, Key=f"faults/{name}/{kv[0]}",
+                                                              Body=kv[1]), data.items()))
+    return f"s3://{BUCKET}/faults/{name}", {rel: digest(b) for rel, b in data.items()}
+
+
+def start_reader(cluster, name: str, url: str, want: dict[str, str], pace: float = 0.05) -> None:
+    cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-want", "namespace": "default",
+                                                                     "labels": {"cachefs-test": "want"}},
+                   "data": {"want.json": json.dumps(want)}})
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": {
+        "restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
+        "containers": [{"name": "reader", "image": IMAGE, "imagePullPolicy": "Never",
+                        "command": ["python3", "-c", READ_LOOP, "/data", "/want/want.json", str(pace)],
+                        "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True},
+                                         {"name": "want", "mountPath": "/want"}]}],
+        "volumes": [{"name": "data", "csi": {
+                        "driver": "csi.cachefs.io", "readOnly": True,
+                        "volumeAttributes": {"url": url, "endpointUrl": cluster.s3.endpoint, "region": "us-east-1"},
+                        "nodePublishSecretRef": {"name": "dataset-credentials"}}},
+                    {"name": "want", "configMap": {"name": f"{name}-want"}}]}})
+    cluster.wait(lambda: "started" in cluster.kubectl("logs", name, check=False), f"{name} reading", 180)
+    time.sleep(3)  # well into the first pass
+
+
+def reader_result(cluster, name: str, timeout: float = 300) -> dict:
+    phase = cluster.wait_pod(name, ("Succeeded", "Failed"), timeout=timeout)
+    out = cluster.logs(name)
+    assert phase == "Succeeded", f"{name}: {phase}\n{out[-2000:]}"
+    return last_json(out)
+
+
+def pid_of(pattern: str) -> int:
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, f"{pattern!r}: {pids}"
+    return int(pids[0])
+
+
+def kubelet_errors(cluster, since: int) -> list[str]:
+    """kubelet's error lines about volumes and CSI logged after byte offset ``since`` of its log."""
+    text = cluster.node.log("kubelet")[since:]
+    return [line for line in text.splitlines() if line.startswith("E") and re.search(r"(?i)csi|volume|mount", line)]
+
+
+def stale_mounts() -> list[str]:
+    """Mounts of cachefs sessions or pods' volumes that no longer answer (ENOTCONN)."""
+    stale = []
+    for m in mounts_under("/var/lib/cachefs/csi/sessions") + [
+            p for p in mounts_under("/var/lib/kubelet/pods") if "kubernetes.io~csi" in p]:
+        try:
+            os.stat(m)
+        except OSError:
+            stale.append(m)
+    return stale
+
+
+def run_fault(cluster, name: str, inject, *, check_log: bool = True) -> dict:
+    url, want = cold_dataset(cluster, name)
+    log_from = len(cluster.node.log("kubelet"))
+    start_reader(cluster, name, url, want)
+    t0 = time.monotonic()
+    inject()
+    result = reader_result(cluster, name)
+    result["fault_to_done_s"] = round(time.monotonic() - t0, 1)
+    cluster.delete_pod(name)
+    result["left_mounted"] = [m for m in mounts_under("/var/lib/kubelet/pods") if "kubernetes.io~csi" in m]
+    result["stale"] = stale_mounts()
+    result["kubelet_errors"] = kubelet_errors(cluster, log_from) if check_log else []
+    REPORT[name] = (f"errors {result['errors']}, wrong bytes in {result['wrong']} files, longest wait "
+                    f"{result['max_wait_s']:.1f} s, left mounted {len(result['left_mounted'])}, stale "
+                    f"{len(result['stale'])}, kubelet volume errors {len(result['kubelet_errors'])}")
+    return result
+
+
+def assert_unharmed(result: dict) -> None:
+    assert result["wrong"] == 0
+    assert result["errors"] == 0, result["first_errors"]
+    assert result["max_wait_s"] < MAX_STALL_S
+    assert result["left_mounted"] == [] and result["stale"] == []
+
+
+def test_kubelet_restarted_under_a_reading_pod(cluster):
+    result = run_fault(cluster, "kubelet-restart", lambda: cluster.node.restart("kubelet"))
+    assert_unharmed(result)
+    cluster.node.wait_ready()
+
+
+def test_container_runtime_restarted_under_a_reading_pod(cluster):
+    result = run_fault(cluster, "containerd-restart", lambda: cluster.node.restart("containerd"))
+    assert_unharmed(result)
+
+
+def test_csi_container_killed_under_a_reading_pod(cluster):
+    result = run_fault(cluster, "csi-killed", lambda: os.kill(pid_of("cachefs csi --mode node"), 9))
+    assert_unharmed(result)
+    cluster.wait_rollout("daemonset", "cachefs-node")
+
+
+def test_mounter_container_killed_under_a_reading_pod(cluster):
+    result = run_fault(cluster, "mounter-killed", lambda: os.kill(pid_of("cachefs csi-mounter"), 9))
+    assert_unharmed(result)
+    cluster.wait_rollout("daemonset", "cachefs-node")
+
+
+def test_a_pod_deleted_while_it_reads_leaves_nothing_and_its_neighbour_reads_on(cluster):
+    url, want = cold_dataset(cluster, "pod-deleted")
+    start_reader(cluster, "pod-deleted-neighbour", url, want, pace=0.08)
+    start_reader(cluster, "pod-deleted", url, want)
+    uid = cluster.get("pod", "pod-deleted")["metadata"]["uid"]
+    cluster.delete_pod("pod-deleted")
+    assert not [m for m in mounts_under(f"/var/lib/kubelet/pods/{uid}")], "the deleted pod's mounts outlived it"
+    # kubelet removes the pod's directory in its housekeeping, once every volume is unmounted
+    cluster.wait(lambda: not os.path.exists(f"/var/lib/kubelet/pods/{uid}"), "the pod's directory removed", 120)
+    result = reader_result(cluster, "pod-deleted-neighbour")
+    cluster.delete_pod("pod-deleted-neighbour")
+    result["left_mounted"] = [m for m in mounts_under("/var/lib/kubelet/pods") if "kubernetes.io~csi" in m]
+    result["stale"] = stale_mounts()
+    REPORT["pod-deleted (its neighbour)"] = (f"errors {result['errors']}, wrong {result['wrong']}, longest wait "
+                                             f"{result['max_wait_s']:.1f} s")
+    assert_unharmed(result)
+
+
+def test_a_full_cache_disk_under_a_reading_pod(cluster):
+    ballast = os.path.join(CACHE_DIR, "ballast")
+
+    def fill() -> None:
+        chunk = b"\0" * (1 << 20)
+        with open(ballast, "wb") as f:
+            try:
+                while True:
+                    f.write(chunk)
+                    f.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+        REPORT["cache-full: free bytes left on the cache disk"] = str(os.statvfs(CACHE_DIR).f_bavail * 4096)
+
+    try:
+        result = run_fault(cluster, "cache-full", fill)
+    finally:
+        if os.path.exists(ballast):
+            os.unlink(ballast)
+    assert_unharmed(result)
+
+
+@pytest.fixture(autouse=True)
+def _cleanup_configmaps(cluster):
+    yield
+    cluster.kubectl("delete", "configmap", "-l", "cachefs-test=want", "-n", "default", "--ignore-not-found", check=False)
