@@ -50,23 +50,26 @@ def test_the_check_can_fail(open_dir):
         assert connect_as(NOBODY, path) == "connected"
 
 
-def test_csi_and_mounter_sockets_refuse_other_users(open_dir):
+def test_csi_mounter_keeper_and_registration_sockets_refuse_other_users(open_dir):
     from csi.mounter import serve_mounter
     from csi.server import serve
 
     stop, csi_ready, mounter_ready = threading.Event(), threading.Event(), threading.Event()
     csi_sock, mounter_sock = os.path.join(open_dir, "csi.sock"), os.path.join(open_dir, "mounter.sock")
+    keeper_sock, registry = os.path.join(open_dir, "keeper.sock"), os.path.join(open_dir, "plugins_registry")
     cache, state = os.path.join(open_dir, "cache"), os.path.join(open_dir, "state")
     threads = [threading.Thread(target=serve, args=(f"unix://{csi_sock}",), daemon=True,
                                 kwargs=dict(node_id="n1", cache_dir=cache, state_dir=state, ready=csi_ready,
-                                            stop=stop)),
+                                            stop=stop, session_keeper=keeper_sock, registration_dir=registry,
+                                            kubelet_registration_path="/var/lib/kubelet/plugins/x/csi.sock")),
                threading.Thread(target=serve_mounter, args=(mounter_sock, os.path.join(open_dir, "mnt"), cache),
                                 kwargs=dict(ready=mounter_ready, stop=stop), daemon=True)]
     for t in threads:
         t.start()
     try:
         assert csi_ready.wait(30) and mounter_ready.wait(30)
-        for path in (csi_sock, mounter_sock):
+        os.chmod(registry, 0o755)  # (let nobody walk to it: the socket alone must refuse)
+        for path in (csi_sock, mounter_sock, keeper_sock, os.path.join(registry, "csi.cachefs.io-reg.sock")):
             assert connect_as(0, path) == "connected"
             assert connect_as(NOBODY, path) == "PermissionError", path
     finally:
