@@ -43,3 +43,17 @@ def test_cachefs_pods_run_and_the_driver_is_registered(cluster):
     csinode = cluster.get("csinode", NODE_NAME)
     assert [(d["name"], d["nodeID"]) for d in csinode["spec"]["drivers"]] == [("csi.cachefs.io", NODE_NAME)]
     assert "csi.cachefs.io" in cluster.node.log("kubelet")
+
+
+#: Warnings a healthy deploy may raise here: this test cluster runs no DNS, and probes fail once while a pod starts.
+EXPECTED_WARNINGS = {"MissingClusterDNS", "Unhealthy"}
+
+
+def test_nothing_of_cachefs_warns(cluster):
+    """Every Warning event about cachefs's own objects is a defect of deploy/ (one found this way: a
+    PodDisruptionBudget over the DaemonSet's pods, which the disruption controller can never compute, since
+    DaemonSets have no scale subresource, and which therefore refused every eviction of a node pod)."""
+    events = json.loads(cluster.kubectl("get", "events", "-n", "cachefs-system", "-o", "json"))["items"]
+    warnings = [f"{e['involvedObject']['kind']}/{e['involvedObject']['name']}: {e['reason']}: {e['message']}"
+                for e in events if e["type"] == "Warning" and e["reason"] not in EXPECTED_WARNINGS]
+    assert warnings == []
