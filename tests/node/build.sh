@@ -15,7 +15,16 @@ here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 out="${CACHEFS_NODE_CACHE:-$repo/.cache/node}"
 mkdir -p "$out/images" "$out/bin"
-step() { echo "tests/node/build.sh: $1 in $(( $(date +%s) - $2 )) s" >&2; }
+# Each step's time, to stderr and (for the tier's report) to last-build.txt when this run built anything.
+worked=0
+: > "$out/build-times.tmp"
+step() {
+  local took=$(( $(date +%s) - $2 ))
+  echo "tests/node/build.sh: $1 in $took s" >&2
+  echo "$took s  $1" >> "$out/build-times.tmp"
+  [ "$took" -gt 0 ] && worked=1
+  return 0
+}
 
 t=$(date +%s)
 need=""
@@ -97,4 +106,5 @@ if [ "$(cat "$tar.key" 2>/dev/null)" != "$key" ] || [ ! -s "$tar" ]; then
   podman image prune -f >/dev/null 2>&1 || true  # the previous build's layers
 fi
 step "cachefs image ready" "$t"
+if [ "$worked" = 1 ]; then mv "$out/build-times.tmp" "$out/last-build.txt"; else rm -f "$out/build-times.tmp"; fi
 echo "$out"
