@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from cachefs.base.errors import ConfigError
 from csi.gen import pluginregistration_pb2 as pb
 from csi.gen import pluginregistration_pb2_grpc as rpc
 
@@ -24,6 +25,8 @@ __all__ = ["CSI_VERSIONS", "Registration", "registration_socket"]
 
 log = logging.getLogger("cachefs.csi")
 
+#: Longest unix socket path the kernel takes (sun_path is 108 bytes with its NUL).
+_SUN_PATH_MAX = 107
 #: The CSI versions the plugin speaks, as kubelet wants them listed.
 CSI_VERSIONS = ("1.0.0",)
 
@@ -71,6 +74,9 @@ class Registration:
         return self._service.registered, self._service.error
 
     def start(self) -> None:
+        if len(self.path.encode()) > _SUN_PATH_MAX:
+            raise ConfigError(f"registration socket {self.path}: longer than the {_SUN_PATH_MAX} bytes a unix socket "
+                              "path may have (choose a shorter --registration-dir)")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if os.path.lexists(self.path):
             os.unlink(self.path)  # left by a previous run: kubelet is told about the new one when it appears

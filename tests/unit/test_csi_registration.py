@@ -5,22 +5,33 @@ away when the plugin stops (kubelet then unregisters the driver). tests/node run
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 
 import grpc
 import pytest
 
+from cachefs.base.errors import ConfigError
 from csi.gen import pluginregistration_pb2 as pb
 from csi.gen import pluginregistration_pb2_grpc as rpc
 from csi.registration import Registration, registration_socket
 
 
-def test_kubelet_learns_the_driver_and_the_socket_it_should_use_and_the_outcome_is_kept(tmp_path):
-    reg = Registration(str(tmp_path / "plugins_registry"), "csi.cachefs.io",
+@pytest.fixture
+def short_dir():
+    """A directory with a short path (pytest's may be longer than a unix socket's path may be)."""
+    d = tempfile.mkdtemp(prefix="cfs-reg-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_kubelet_learns_the_driver_and_the_socket_it_should_use_and_the_outcome_is_kept(short_dir):
+    reg = Registration(os.path.join(short_dir, "plugins_registry"), "csi.cachefs.io",
                        "/var/lib/kubelet/plugins/csi.cachefs.io/csi.sock")
     reg.start()
     try:
-        path = registration_socket(str(tmp_path / "plugins_registry"), "csi.cachefs.io")
+        path = registration_socket(os.path.join(short_dir, "plugins_registry"), "csi.cachefs.io")
         assert path.endswith("/csi.cachefs.io-reg.sock")
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         with grpc.insecure_channel(f"unix://{path}") as channel:
@@ -36,6 +47,12 @@ def test_kubelet_learns_the_driver_and_the_socket_it_should_use_and_the_outcome_
     finally:
         reg.stop()
     assert not os.path.exists(path)
+
+
+def test_a_registration_directory_too_long_for_a_socket_is_a_clear_error(tmp_path):
+    reg = Registration(str(tmp_path / ("x" * 120)), "csi.cachefs.io", "/var/lib/kubelet/plugins/x/csi.sock")
+    with pytest.raises(ConfigError, match="longer than"):
+        reg.start()
 
 
 def test_a_relative_kubelet_path_is_refused():

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
+import tempfile
 
 import pytest
 
@@ -16,14 +18,16 @@ from cachefs.fuse.keeper import SessionKeeper, drop_session, has_session, keep_s
 
 
 @pytest.fixture
-def keeper(tmp_path):
-    k = SessionKeeper(str(tmp_path / "keeper.sock"))
+def keeper():
+    d = tempfile.mkdtemp(prefix="cfs-keeper-")  # (pytest's tmp_path can be longer than a socket's path may be)
+    k = SessionKeeper(os.path.join(d, "keeper.sock"))
     k.start()
     yield k
     k.stop()
+    shutil.rmtree(d, ignore_errors=True)
 
 
-def test_a_kept_descriptor_is_handed_back_as_a_copy_with_its_meta_and_credentials_only(keeper, tmp_path):
+def test_a_kept_descriptor_is_handed_back_as_a_copy_with_its_meta_and_credentials_only(keeper):
     assert stat.S_IMODE(os.stat(keeper.path).st_mode) == 0o600
     r, w = os.pipe()  # any descriptor stands in for /dev/fuse here
     keep_session(keeper.path, "/mnt/a", w, {"argv": ["cachefs", "mount"], "pid": 42, "generation": 3},
