@@ -1,6 +1,8 @@
 """The container path adds nothing: a 1 GiB file read in a pod through a cachefs volume, against the same read
-through `cachefs mount` on the node itself, same origin, same run, each from a cold cache (of its own, on tmpfs) and
-then warm (the best of five reads). Every byte is checked (a second, hashing pass). Figures are printed at the end of
+through `cachefs mount` on the node itself, same origin, same run. Cold: each from a cache of its own (the node's, a
+fresh tmpfs for the host's mount). Warm (the best of five reads): the host's mount over the node's cache directory,
+so both read the same cached bytes (two tmpfs instances alone differ by ~10 % here: 0.078 s against 0.086 s a GiB
+on a fresh one and on the node's). Every byte is checked (a second, hashing pass). Figures are printed at the end of
 the run; the assertion is only that both read the right bytes (no timed assertions: these machines are noisy)."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 from cachefs.testing.s3server import CREDENTIALS
 
+from .cluster import CACHE_DIR
 from .conftest import REPORT
 from .harness import BUCKET, IMAGE, last_json
 
@@ -69,20 +72,25 @@ def test_a_gib_read_in_a_pod_is_as_fast_as_on_the_node(cluster, tmp_path):
     pod = last_json(cluster.logs("gib-reader"))
     cluster.delete_pod("gib-reader")
 
-    host = _read_on_the_host(cluster)
+    host = {"cold_s": _read_on_the_host(cluster)["cold_s"]}
+    same_cache = _read_on_the_host(cluster, cache_dir=CACHE_DIR)
+    host["warm_s"], host["sha256"] = same_cache["warm_s"], same_cache["sha256"]
     assert pod["sha256"] == host["sha256"] == want
     for name in ("cold_s", "warm_s"):
         ratio = host[name] / pod[name]
-        REPORT[f"1 GiB read, {name[:4]} cache: in a pod vs cachefs mount on the node"] = (
+        where = "its own cache" if name == "cold_s" else "the node's cache"
+        REPORT[f"1 GiB read, {name[:4]}: in a pod vs cachefs mount on the node ({where})"] = (
             f"pod {GIB / pod[name] / 2**20:.0f} MiB/s, node {GIB / host[name] / 2**20:.0f} MiB/s, "
             f"pod/node {ratio:.2f}x (goal >= 0.95x)")
 
 
-def _read_on_the_host(cluster) -> dict:
-    """The same read through `cachefs mount` on the node, with a cold cache of its own on tmpfs (as the node's)."""
-    cache = tempfile.mkdtemp(prefix="cachefs-host-cache-")
+def _read_on_the_host(cluster, cache_dir: str = "") -> dict:
+    """The same read through `cachefs mount` on the node: over ``cache_dir``, or a cold cache of its own on tmpfs
+    (as the node's)."""
+    cache = cache_dir or tempfile.mkdtemp(prefix="cachefs-host-cache-")
     mnt = tempfile.mkdtemp(prefix="cachefs-host-mnt-")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "cachefs-host-cache", cache], check=True)
+    if not cache_dir:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "cachefs-host-cache", cache], check=True)
     env = {**os.environ, **CREDENTIALS}
     cli = [sys.executable, "-m", "cachefs.cli.main"]
     try:
@@ -96,6 +104,7 @@ def _read_on_the_host(cluster) -> dict:
         return last_json(proc.stdout)
     finally:
         subprocess.run([*cli, "umount", mnt, "--cache-dir", cache], env=env, capture_output=True, timeout=120)
-        subprocess.run(["umount", "-l", cache], check=False)
         os.rmdir(mnt)
-        os.rmdir(cache)
+        if not cache_dir:
+            subprocess.run(["umount", "-l", cache], check=False)
+            os.rmdir(cache)
