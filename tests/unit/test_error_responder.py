@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from cachefs.fuse.holder import ErrorResponder
+from cachefs.fuse.error_responder import ErrorResponder
 
 
 def test_a_start_during_a_stop_leaves_no_thread_running_unstopped(monkeypatch):
