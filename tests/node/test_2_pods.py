@@ -182,10 +182,15 @@ def test_a_checkpoint_pvc_writes_renames_uploads_at_pod_deletion_and_reads_back(
                         security={**security, "runAsUser": 1000}, read_only=False)
     written = run_to_completion(cluster, writer)
     assert written["gid"] == 1000
+    uid = cluster.get("pod", "ckpt-writer")["metadata"]["uid"]
     # Deleting the pod unpublishes its volume, which waits for the uploads (NodeUnpublishVolume).
     cluster.delete_pod("ckpt-writer")
+    kubelet_said = [line for line in cluster.node.log("kubelet").splitlines() if uid in line][-15:]
     keys = {o["Key"]: o for o in cluster.s3_client.list_objects_v2(Bucket=BUCKET, Prefix="checkpoints/run-17/")
             .get("Contents", [])}
+    assert {f"checkpoints/run-17/step-100/{n}" for n in written["files"]} <= set(keys), (
+        sorted(keys), kubelet_said, cluster.kubectl("logs", "-n", "cachefs-system", "daemonset/cachefs-node",
+                                                    "-c", "csi", "--tail=40", check=False))
     for name, want in written["files"].items():
         body = cluster.s3_client.get_object(Bucket=BUCKET, Key=f"checkpoints/run-17/step-100/{name}")["Body"].read()
         assert digest(body) == want, name

@@ -123,8 +123,17 @@ def run_fault(cluster, name: str, inject, *, check_log: bool = True) -> dict:
     inject()
     result = reader_result(cluster, name)
     result["fault_to_done_s"] = round(time.monotonic() - t0, 1)
+    uid = cluster.get("pod", name)["metadata"]["uid"]
     cluster.delete_pod(name)
+    pod_dir = f"/var/lib/kubelet/pods/{uid}"
+    # kubelet's housekeeping removes the pod's directory once every volume of it is unmounted: a mount left behind
+    # keeps it there (and is reported below)
+    deadline = time.monotonic() + 120
+    while os.path.exists(pod_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
     result["left_mounted"] = [m for m in mounts_under("/var/lib/kubelet/pods") if "kubernetes.io~csi" in m]
+    if result["left_mounted"]:
+        result["kubelet_on_the_pod"] = [line for line in cluster.node.log("kubelet").splitlines() if uid in line][-15:]
     result["stale"] = stale_mounts()
     result["kubelet_errors"] = kubelet_errors(cluster, log_from) if check_log else []
     REPORT[name] = (f"errors {result['errors']}, wrong bytes in {result['wrong']} files, longest wait "
@@ -137,7 +146,7 @@ def assert_unharmed(result: dict) -> None:
     assert result["wrong"] == 0
     assert result["errors"] == 0, result["first_errors"]
     assert result["max_wait_s"] < MAX_STALL_S
-    assert result["left_mounted"] == [] and result["stale"] == []
+    assert result["left_mounted"] == [] and result["stale"] == [], result.get("kubelet_on_the_pod")
 
 
 def test_kubelet_restarted_under_a_reading_pod(cluster):
@@ -186,11 +195,10 @@ def test_a_full_cache_disk_under_a_reading_pod(cluster):
 
     def fill() -> None:
         chunk = b"\0" * (1 << 20)
-        with open(ballast, "wb") as f:
+        with open(ballast, "wb", buffering=0) as f:  # (unbuffered: nothing left to flush, and fail, at close)
             try:
-                while True:
-                    f.write(chunk)
-                    f.flush()
+                while f.write(chunk):
+                    pass
             except OSError as exc:
                 assert exc.errno == errno.ENOSPC
         REPORT["cache-full: free bytes left on the cache disk"] = str(os.statvfs(CACHE_DIR).f_bavail * 4096)
