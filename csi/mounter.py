@@ -124,7 +124,7 @@ class LocalMounter:
         """Start a holder for every session under ``root`` that the keeper holds and whose holder is gone (this
         mounter's container was restarted: its holders died with it, their mounts did not); returns their mount
         points. Their readers waited; the new daemons resume where the dead ones stopped."""
-        from cachefs.fuse.keeper import kept_sessions, take_session
+        from cachefs.fuse.keeper import kept_sessions
 
         if not self.keeper:
             return []
@@ -136,10 +136,8 @@ class LocalMounter:
             if not isinstance(argv, list) or not argv:
                 log.error("%s: the keeper's copy names no holder command; left as it is", mnt)
                 continue
-            fd, _meta, env = take_session(self.keeper, mnt)
-            os.close(fd)  # (only for the credentials: the new holder takes its own copy)
-            try:
-                self._start([*map(str, argv), "--adopt"], mnt, env)
+            try:  # (the new holder takes the descriptor and the volume's credentials from the keeper itself)
+                self._start([*map(str, argv), "--adopt"], mnt, {})
             except CacheFSError as exc:
                 log.error("%s: could not adopt the session: %s", mnt, exc)
                 continue

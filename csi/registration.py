@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from cachefs.base.errors import ConfigError
+from cachefs.fuse.holder import SUN_PATH_MAX
 from csi.gen import pluginregistration_pb2 as pb
 from csi.gen import pluginregistration_pb2_grpc as rpc
 
@@ -25,8 +26,6 @@ __all__ = ["CSI_VERSIONS", "Registration", "registration_socket"]
 
 log = logging.getLogger("cachefs.csi")
 
-#: Longest unix socket path the kernel takes (sun_path is 108 bytes with its NUL).
-_SUN_PATH_MAX = 107
 #: The CSI versions the plugin speaks, as kubelet wants them listed.
 CSI_VERSIONS = ("1.0.0",)
 
@@ -74,8 +73,8 @@ class Registration:
         return self._service.registered, self._service.error
 
     def start(self) -> None:
-        if len(self.path.encode()) > _SUN_PATH_MAX:
-            raise ConfigError(f"registration socket {self.path}: longer than the {_SUN_PATH_MAX} bytes a unix socket "
+        if len(self.path.encode()) > SUN_PATH_MAX:
+            raise ConfigError(f"registration socket {self.path}: longer than the {SUN_PATH_MAX} bytes a unix socket "
                               "path may have (choose a shorter --registration-dir)")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if os.path.lexists(self.path):

@@ -58,13 +58,13 @@ READ_AHEAD_KIB = 1024
 #: How often a holder checks that the session keeper still holds its descriptor.
 KEEPER_CHECK = 3.0
 #: Longest unix socket path the kernel takes (sun_path is 108 bytes with its NUL).
-_SUN_PATH_MAX = 107
+SUN_PATH_MAX = 107
 
 
 def socket_path_for(path: str) -> str:
     """``path`` for a unix socket, or, when it is too long to bind (108 bytes), a short name derived from it in
     this user's runtime directory (:func:`runtime_dir`)."""
-    if len(path.encode()) > _SUN_PATH_MAX:
+    if len(path.encode()) > SUN_PATH_MAX:
         path = os.path.join(runtime_dir(), f"{hashlib.blake2b(path.encode(), digest_size=8).hexdigest()}.sock")
     return path
 
@@ -251,7 +251,8 @@ class MountHolder:
 
         if not self.keeper:
             raise ConfigError("adopting a mount needs the session keeper's socket (CACHEFS_SESSION_KEEPER)")
-        self.fd, meta, _env = take_session(self.keeper, self.mountpoint)
+        self.fd, meta, env = take_session(self.keeper, self.mountpoint)
+        os.environ.update(env)  # the volume's credentials, for its daemons (and this holder's next deposit)
         self.generation = max(1, int(meta.get("generation", 1)))  # its first daemon resumes, never expects INIT
         self._served = True
         self.responder = ErrorResponder(self.fd)

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 from cachefs.testing.s3server import CREDENTIALS
 
@@ -96,11 +95,9 @@ def _read_on_the_host(cluster, cache_dir: str = "") -> dict:
     try:
         subprocess.run([*cli, "mount", f"s3://{BUCKET}/big", mnt, "--cache-dir", cache, "--endpoint-url",
                         cluster.s3.endpoint], check=True, env=env, capture_output=True, timeout=120)
-        t = time.monotonic()
         proc = subprocess.run([sys.executable, "-c", READ_TIMED, f"{mnt}/one-gib.bin"], capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr
-        assert time.monotonic() - t > 0
         return last_json(proc.stdout)
     finally:
         subprocess.run([*cli, "umount", mnt, "--cache-dir", cache], env=env, capture_output=True, timeout=120)
