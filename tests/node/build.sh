@@ -9,7 +9,8 @@
 #       localhost/pause:3.10                 the runtime's sandbox image (bins/pause, ours);
 #     built with podman (daemonless, from Debian's packages).
 # The Debian packages it needs (podman, mmdebstrap, containerd, runc, CNI plugins, iptables) are installed when missing
-# and this runs as root with apt-get. Prints each step's time; the output directory on its last line.
+# and this runs as root with apt-get. Prints each step's time; the output directory on its last line (its file
+# k8s-bins names the Kubernetes binaries' directory).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -43,6 +44,7 @@ fi
 
 t=$(date +%s)
 k8s="$("$repo/tests/e2e/k8s-bins/build.sh" node | tail -n 1)"
+echo "$k8s" > "$out/k8s-bins"  # (where the tier finds them)
 step "Kubernetes binaries ready" "$t"
 
 export CGO_ENABLED=0 GOFLAGS=-mod=mod

@@ -24,7 +24,7 @@ import yaml
 from cachefs.testing.s3server import CREDENTIALS, S3Server
 from tests.e2e.controlplane import REPO, ControlPlaneError
 
-from .cluster import NODE_IP, NODE_NAME, Node, NodeControlPlane, mounts_under
+from .cluster import NODE_IP, NODE_NAME, Node, NodeControlPlane
 
 HERE = Path(__file__).resolve().parent
 IMAGE = "localhost/cachefs:0.1.0"
@@ -42,9 +42,7 @@ def build() -> tuple[Path, Path, float]:
     if proc.returncode != 0:
         raise ControlPlaneError(f"tests/node/build.sh failed:\n{proc.stderr[-4000:]}")
     out = Path(proc.stdout.strip().splitlines()[-1])
-    k8s = subprocess.run([str(REPO / "tests" / "e2e" / "k8s-bins" / "build.sh"), "node"], capture_output=True,
-                         text=True, check=True).stdout.strip().splitlines()[-1]
-    return Path(k8s), out, time.monotonic() - t0
+    return Path((out / "k8s-bins").read_text().strip()), out, time.monotonic() - t0
 
 
 def sample_dataset(seed: int = 7) -> dict[str, bytes]:
@@ -203,9 +201,6 @@ class NodeCluster:
     def delete_pod(self, name: str, namespace: str = "default", *, wait: bool = True, timeout: float = 180) -> None:
         self.kubectl("delete", "pod", name, "-n", namespace, "--ignore-not-found", f"--wait={str(wait).lower()}",
                      f"--timeout={int(timeout)}s", timeout=timeout + 30)
-
-    def host_mounts(self, prefix: str = "/var/lib/kubelet/pods") -> list[str]:
-        return mounts_under(prefix)
 
 
 READ_SCRIPT = r"""
