@@ -9,9 +9,10 @@ LRU by default), which never offers staged bytes nor what a running prefetch job
 evicted only while it alone is over the target: never for guest data that readers hold at the moment.
 
 A dataset read as an epoch scan (:mod:`.scan`) is admitted differently: only under the high watermark, into room
-taken from guest data and from what nobody used since the scan began, never from the scan's own bytes. So the part
-of it that fits stays from one epoch to the next, and the rest passes through uncached (a hit ratio of the fraction
-that fits, where LRU gets 15 % at half). An object
+taken from guest data and from what nobody used since the scan began, never from the scan's own bytes; and the
+sweep to the low watermark takes what the scan kept only while usage is over the high one. So the part of it that
+fits stays from one epoch to the next, and the rest passes through uncached (a hit ratio of the fraction that
+fits, where LRU gets 15 % at half). An object
 a reader holds (any process: a shared ``flock``) is skipped; a pack goes without waiting for readers, who read on
 from the unlinked file. Guest blocks go from an object's file by rewriting it without them
 (:meth:`~cachefs.store.base.BlockStore.try_keep_only`), so the blocks it owns stay.
@@ -327,20 +328,37 @@ class Evictor:
                 return freed
         candidates = [*(Candidate(okey, rec) for okey, rec in self.index.objects(dataset)),
                       *(Candidate(None, p) for p in self.index.packs(dataset))]
-        for victim in self.policy.order(candidates, self.current_hints(keep=not (everything or dataset))):
-            okey, rec = victim.okey, victim.record
-            if not (everything or dataset):
-                total, _ = self.index.totals()
-                _, free = self.files.disk_usage()
-                if total <= target and free >= floor:
-                    break
+        hints = self.current_hints(keep=not (everything or dataset))
+        if everything or dataset:
+            return self._evict_down_to(self.policy.order(candidates, hints), None, floor)
+        # What a scan kept since it began (its pinned part) goes only while usage is over the high watermark, the
+        # line its admission keeps to: sweeping it down to the low one made the scan fetch that part from the
+        # origin again within the same epoch.
+        scans = self.scans()
+
+        def pinned(v: Candidate) -> bool:
+            scan = scans.get(v.record.dataset)
+            return scan is not None and v.last_access >= scan.since
+
+        high = min(int(self.capacity * c.high_watermark), self.capacity - need)
+        freed += self._evict_down_to(self.policy.order([v for v in candidates if not pinned(v)], hints), target, floor)
+        freed += self._evict_down_to(self.policy.order([v for v in candidates if pinned(v)], hints), high, floor)
+        if freed:
+            log.info("evicted %d bytes", freed)
+        return freed
+
+    def _evict_down_to(self, victims: list[Candidate], target: int | None, floor: float) -> int:
+        """Evict ``victims`` in order until usage is at most ``target`` with ``floor`` bytes free (None: all of
+        them that no reader holds); bytes freed."""
+        freed = 0
+        for victim in victims:
+            if target is not None and self._under(target, floor):
+                break
             try:
-                freed += self._evict_one(okey, rec)
+                freed += self._evict_one(victim.okey, victim.record)
             except CacheFullError as exc:  # not even the index's reserve let it commit
                 log.error("eviction stopped: %s", exc)
                 break
-        if freed:
-            log.info("evicted %d bytes", freed)
         return freed
 
     def _under(self, target: int, floor: float) -> bool:

@@ -527,3 +527,27 @@ def test_status_reports_the_tier_bytes_of_its_own_cache_directory(config, datase
     total = sum(len(b) for b in files.values())
     assert status_report(config)["tier_bytes"].get("origin", 0) == total
     assert status_report(other)["tier_bytes"].get("origin", 0) == 0
+
+
+def test_the_watermark_sweep_leaves_a_scans_kept_part_under_the_high_watermark(config, s3):
+    """A dataset larger than the cache is read as a scan: admitted up to the high watermark and kept there. The
+    sweep that takes usage down to the low watermark leaves that part alone (it used to evict it, and a shuffled
+    first epoch then read those files from the origin a second time)."""
+    files = {f"e{i:02d}.bin": bytes([i]) * 90_000 for i in range(14)}
+    engine, src, url = small_cache(config, s3, "scanned", files)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        for path in files:
+            e = ds.file(path)
+            assert await engine.read(ds, e, 0, e.size, ReadStream()) == files[path]
+        await engine.prefetcher.drain()
+        if (background := engine.evictor.background()) is not None:
+            await background
+        assert engine.evictor.scanning(ds.ref.id)
+        kept = engine.index.totals()[0]
+        assert engine.capacity * config.cache.low_watermark < kept <= engine.capacity * config.cache.high_watermark
+        await engine.evict(force=True)
+        assert engine.index.totals()[0] == kept
+
+    run(engine, scenario, src)
