@@ -179,7 +179,10 @@ async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metri
     view = lambda: MembersRecord(k.group, node, table.members, frozenset(table.draining()),
                              k.token_file if not k.secret_file else "", k.secret_file,
                              tls=(k.tls_cert, k.tls_key, k.tls_ca))
-    tasks.append(asyncio.ensure_future(_keep_members_file(config.cache.dir, table, synced, view)))
+    # The agent's own engine follows the file at once (its stats loop re-reads it only every few seconds, and
+    # until then the engine fetched from the origin without asking the members that hold copies).
+    tasks.append(asyncio.ensure_future(_keep_members_file(config.cache.dir, table, synced, view,
+                                                          engine.group.refresh)))
     tasks.append(asyncio.ensure_future(_keep_heat_file(config.cache.dir, heat)))
     stop = _stop_on_signals()
     log.info("cachefs agent %s of group %s: peer server on %s", node, k.group, k.listen)
@@ -284,9 +287,9 @@ async def _group_of_node(kube, node: str) -> str:
 
 
 async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio.Event,
-                             view: Callable[[], MembersRecord]) -> None:
+                             view: Callable[[], MembersRecord], on_written: Callable[[], object]) -> None:
     """Write the members file at every membership change and every REWRITE_EVERY seconds (its age tells readers
-    that the agent is alive)."""
+    that the agent is alive); ``on_written()`` after each write of a change."""
     await synced.wait()
     written, since = -1, 0.0
     loop = asyncio.get_running_loop()
@@ -297,7 +300,9 @@ async def _keep_members_file(cache_dir: str, table: MemberTable, synced: asyncio
                 if table.generation != written:  # (the table first: a reader that sees the members finds it)
                     await asyncio.to_thread(table.placement.save, placement_path(cache_dir))
                 await asyncio.to_thread(write_members, cache_dir, view())
-                written, since = table.generation, loop.time()
+                changed, written, since = table.generation != written, table.generation, loop.time()
+                if changed:
+                    on_written()
             except OSError as exc:
                 log.warning("cache group: cannot write %s: %s", members_path(cache_dir), exc)
         await asyncio.sleep(0.5)
