@@ -71,6 +71,7 @@ class WritableVolume:
         self._snap_inode: dict[int, int] = {}  # snapshot → its inode (a write to that inode copies it first)
         self._downloads: dict[str, threading.Event] = {}
         self._stopped = threading.Event()
+        self._status_written = threading.Lock()  # (one writer of status.json at a time: they share its temp file)
         self._status_thread: threading.Thread | None = None
         #: The owner lock's descriptor (open_volume takes it), released by stop().
         self.lock_fd: int | None = None
@@ -159,6 +160,9 @@ class WritableVolume:
             remote.drop_xattr(path, remote.DIRTY)
         if self.replicator.wanted:  # (outside the lock: the network)
             self._replicate(e)
+        # What close promised shows in ``cachefs status`` once it returns (the periodic write lags up to 0.2 s,
+        # and a status read just after close showed the file below its promise, or no volume status at all).
+        self._write_status()
         return e
 
     def _queue_put(self, rel: str, st: os.stat_result, *, before: QueueEntry | None = None) -> QueueEntry:
@@ -393,11 +397,12 @@ class WritableVolume:
                                     writers_waiting=self.room.waiting, url=self.url, dir=self.dir, writer=self.writer)
 
     def _write_status(self) -> dict[str, Any]:
-        st = self.status()
-        try:
-            atomic_write(os.path.join(self.dir, "status.json"), json.dumps(st))
-        except OSError as exc:
-            log.debug("volume status not written: %s", exc)
+        with self._status_written:
+            st = self.status()
+            try:
+                atomic_write(os.path.join(self.dir, "status.json"), json.dumps(st))
+            except OSError as exc:
+                log.debug("volume status not written: %s", exc)
         report.export_metrics(st)
         return st
 
