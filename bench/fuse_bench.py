@@ -286,7 +286,7 @@ def run(args, server, work: str) -> None:
     local_large = [os.path.join(local, "large", n) for n in names]
     mine, base, engine_only = [], [], []
     for _ in range(0 if args.only_small else args.rounds):
-        engine.evict_sync(dataset=ds.ref.id, everything=False)
+        engine.purge_sync(ds.ref.id)
         for n in names:
             e = ds.stat(n)
             run_sync(engine.read(ds, e, 0, e.size // 2))
@@ -302,7 +302,7 @@ def run(args, server, work: str) -> None:
         finally:
             mount.close()
         # The same half-cached state read by the engine in this process (no FUSE): what the origin allows.
-        engine.evict_sync(dataset=ds.ref.id, everything=False)
+        engine.purge_sync(ds.ref.id)
         for n in names:
             e = ds.stat(n)
             run_sync(engine.read(ds, e, 0, e.size // 2))

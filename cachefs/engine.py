@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import functools
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -40,15 +39,18 @@ from cachefs.base.types import DatasetRef, Entry, object_key
 from cachefs.cluster.link import GroupLink
 from cachefs.index import DatasetRecord, Index
 from cachefs.index.counters import NodeCounters
+from cachefs.index.hints import HintStore
 from cachefs.manifest import ManifestStore, take_snapshot
 from cachefs.manifest.dataset import Dataset
 from cachefs.manifest.shipping import ReceivedListing
+from cachefs.node.admission import Admission
 from cachefs.node.disk_jobs import DiskJobs
-from cachefs.node.eviction import Evictor
+from cachefs.node.eviction import Eviction
 from cachefs.node.funnel import OriginFunnel
 from cachefs.node.open_objects import OpenObjects
 from cachefs.node.pack_assembly import PackAssemblies
 from cachefs.node.read_stats import ReadStats
+from cachefs.node.scan_view import ScanView
 from cachefs.node.space import DiskSpace
 from cachefs.prefetch.orders import OrderBook
 from cachefs.prefetch.prefetcher import Prefetcher
@@ -89,22 +91,26 @@ class Engine:
         pack_store = DiskPackStore(c.dir)
         self.space = DiskSpace(self.index, self.store, capacity=self.capacity, min_free=self.min_free,
                                high_watermark=c.high_watermark, low_watermark=c.low_watermark)
-        self.evictor = Evictor(config, self.space, pack_store, self.objects, self.stats, self.disk)
-        self.assemblies = PackAssemblies(pack_store, self.index, self.evictor, self.disk)
+        #: Declared read orders (cachefs.prefetch.orders): what readers open next is fetched ahead of them, and
+        #: what they have passed makes room for what is read ahead (eviction by next use).
+        orders = OrderBook(c.dir)
+        self.scans = ScanView(HintStore(self.index), self.stats, enabled=c.scan_admission)
+        self.eviction = Eviction(config, self.space, pack_store, self.objects, self.stats, self.scans, self.disk,
+                                 orders)
+        self.admission = Admission(self.space, self.eviction, self.scans)
+        self.assemblies = PackAssemblies(pack_store, self.index, self.admission, self.disk)
         self.prefetcher = Prefetcher(self.funnel.memory, max_running=e.max_concurrent_fetches)
         self.tier_counts = TierCounts()
         self.group = GroupLink(c.dir)
         parts = TierParts(config, self.funnel, self.group.view)
         block_chain = build_chain(tier_names(e.block_tiers), parts, "block", self.tier_counts)
         small_chain = build_chain(tier_names(e.small_tiers), parts, "small", self.tier_counts)
-        self.blocks = BlockStrategy(config, self.objects, block_chain, self.funnel, self.evictor, self.disk,
+        self.blocks = BlockStrategy(config, self.objects, block_chain, self.funnel, self.admission, self.disk,
                                     self.stats, self.prefetcher)
-        self.packs = PackStrategy(config, pack_store, self.index, small_chain, self.funnel, self.evictor, self.disk,
+        self.packs = PackStrategy(config, pack_store, self.index, small_chain, self.funnel, self.admission, self.disk,
                                   self.stats, self.assemblies, self.prefetcher)
-        #: Declared read orders (cachefs.prefetch.orders): what readers open next is fetched ahead of them.
-        self.ordered = OrderedLookahead(OrderBook(c.dir), self.prefetcher, self.strategy,
+        self.ordered = OrderedLookahead(orders, self.prefetcher, self.strategy,
                                         min(e.order_lookahead, e.memory_budget // 8))
-        self.blocks.passed = self.ordered.orders.passed  # (eviction by next use: cachefs.node.eviction)
         mirror = small_chain.tier("mirror")
         #: The packed mirror tier, when the small files' chain has one.
         self.mirror = mirror if isinstance(mirror, MirrorTier) else None
@@ -270,7 +276,7 @@ class Engine:
         if full is not None:
             raise full
         if self.space.over_limits():
-            await self.evict()
+            await self.trim()
 
     def cached_bytes(self, ds: Dataset, entry: Entry) -> int:
         return self.strategy(entry).cached_bytes(ds, entry, self.object_key(ds, entry))
@@ -309,7 +315,7 @@ class Engine:
         and put the index's reserve back if it was spent."""
         self.packs.reads.close_unlinked()
         self.objects.close_evicted()
-        self.evictor.flush_stats()
+        self.eviction.flush_stats()
         self._push_metrics()
         self._count_tiers()
         try:
@@ -373,21 +379,26 @@ class Engine:
             await asyncio.to_thread(self.flush_stats)
             self.group.refresh()
 
-    async def evict(self, *, force: bool = False, dataset: str | None = None) -> int:
-        """Evict until under the low watermark (``dataset``: all of that dataset no reader holds); returns bytes
-        freed."""
-        if dataset is not None:  # a purge: this process lets go of what it still had open of it at once
-            freed = await self.disk.run(functools.partial(self.evictor.evict, dataset=dataset))
-            self.objects.close_evicted()
-            self.packs.reads.close_unlinked()
-            return freed
-        if force:
-            return await self.disk.run(self.evictor.make_room, 0)
-        return await self.disk.run(self.evictor.evict)
+    # -- eviction (cachefs.node.eviction) ------------------------------------------------------------------
+    async def trim(self) -> int:
+        """If usage is past the cache's limits, evict until it is under the low watermark; bytes freed."""
+        return await self.disk.run(self.eviction.trim)
 
-    def evict_sync(self, *, force: bool = False, dataset: str | None = None, everything: bool = False) -> int:
-        """:meth:`evict` from a thread; ``dataset``/``everything``: all of it that no reader holds."""
-        return self.evictor.evict(force=force, dataset=dataset, everything=everything)
+    async def make_room(self, need: int = 0) -> int:
+        """Evict until usage is under the low watermark and ``need`` more bytes fit; bytes freed."""
+        return await self.disk.run(self.eviction.make_room, need)
+
+    async def purge(self, dataset: str) -> int:
+        """Evict all of ``dataset`` that no reader holds; this process lets go of what it still had open of it at
+        once. Bytes freed."""
+        freed = await self.disk.run(self.eviction.purge, dataset)
+        self.objects.close_evicted()
+        self.packs.reads.close_unlinked()
+        return freed
+
+    def purge_sync(self, dataset: str | None = None) -> int:
+        """From a thread: all of ``dataset`` (None: of every dataset) that no reader holds; bytes freed."""
+        return self.eviction.purge(dataset) if dataset is not None else self.eviction.purge_all()
 
     # -- closing --------------------------------------------------------------------------------------------
     async def aclose(self) -> None:
@@ -400,7 +411,7 @@ class Engine:
         await asyncio.gather(*fetches, return_exceptions=True)
         await self.assemblies.drain()
         await self.packs.pending.flush()
-        for job in (self._stats_task, self.evictor.background()):
+        for job in (self._stats_task, self.eviction.trimming()):
             if job is not None and not job.done():
                 job.cancel()
                 await asyncio.gather(job, return_exceptions=True)

@@ -79,7 +79,7 @@ class GroupServing:
         node does not know it."""
         if self.engine.dataset_record(ds_id) is None:
             return None
-        return await self.engine.evict(dataset=ds_id)
+        return await self.engine.purge(ds_id)
 
     async def bytes_for(self, ds: Dataset, entry: Entry, block: int | None, *,
                         fetch: bool) -> tuple[bytes, int] | None:

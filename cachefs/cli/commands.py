@@ -112,10 +112,10 @@ async def evict(args: argparse.Namespace, config: Config) -> int:
     engine = Engine(config)
     try:
         if args.all:
-            freed = engine.evict_sync(everything=True)
+            freed = engine.purge_sync()
         else:
             ref = DatasetRef.from_url(args.url)
-            freed = engine.evict_sync(dataset=ref.id)
+            freed = engine.purge_sync(ref.id)
         total = NodeSummary(config).report()["used_bytes"]
         members = await engine.group.evict_everywhere(ref) if args.group else {}
     finally:

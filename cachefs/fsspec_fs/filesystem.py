@@ -76,7 +76,7 @@ class CacheFileSystem(_Base):
             engine = self.engine
             protocol = self.target_protocol or "s3"
             options = {**self._origin_layers.get(protocol, {}), **self.target_options}
-            volumes = ProcessVolumes.of_process(self._config, budget=engine.budget, make_room=engine.evictor.make_room,
+            volumes = ProcessVolumes.of_process(self._config, budget=engine.budget, make_room=engine.eviction.make_room,
                                                 storage_options=options, group=engine.group.view)
             self._writes = VolumeFiles(volumes, self.volume_url)
         return self._writes

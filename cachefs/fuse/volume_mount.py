@@ -33,10 +33,10 @@ def serve_writable_mount(config: Config, url: str, mountpoint: str, *, attach: s
     create files at the top: members of ``group`` (setgid, 2775); with ``shared`` and no group, every user the
     mount lets in (1777, as /tmp); else the mounting user (0755)."""
     fd, info = receive_fd(attach)
-    engine = get_engine(config)  # the memory budget, and the read cache's evictor that makes room for staged bytes
+    engine = get_engine(config)  # the memory budget, and the read cache's eviction that makes room for staged bytes
     try:
         volume = open_volume(config, url, session=volume_session(mountpoint), budget=engine.budget,
-                             make_room=engine.evictor.make_room, group=engine.group.view,
+                             make_room=engine.eviction.make_room, group=engine.group.view,
                              mountpoint=os.path.abspath(mountpoint))
         run_sync(engine.start_background())  # (follows the cache group's members file: where copies go)
         run_sync(volume.start())

@@ -132,7 +132,7 @@ async def warm(
 
     # What this run brings in is not evicted to make room for the rest of it (by any process on the node): a
     # selection larger than the cache fails as a full disk, instead of "succeeding" with most of it evicted again.
-    async with engine.evictor.keeping_newer_than(time.time() - 1.0):
+    async with engine.eviction.keeping_newer_than(time.time() - 1.0):
         try:
             todo = (hint(e) for e in files if e.path in left)
             async with contextlib.aclosing(engine.prefetcher.run_job(todo, concurrency=workers)) as jobs:

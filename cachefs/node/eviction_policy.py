@@ -20,12 +20,21 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from cachefs.base.errors import ConfigError
 from cachefs.index.records import ObjectRecord, PackRecord
 
-__all__ = ["LRU", "POLICIES", "Candidate", "EvictionHints", "EvictionPolicy", "TwoTouchLRU", "policy_named"]
+__all__ = ["LRU", "POLICIES", "Candidate", "EvictionHints", "EvictionPolicy", "NextUse", "TwoTouchLRU", "policy_named"]
+
+
+class NextUse(Protocol):
+    """What the node knows of the next use of its files: the declared read orders
+    (:class:`cachefs.prefetch.orders.OrderBook`)."""
+
+    def passed(self, dataset: str, path: str) -> bool:
+        """Whether every declared order holding ``path`` has had its reader go past it this epoch."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +63,16 @@ class Candidate:
 
 @dataclass(frozen=True)
 class EvictionHints:
-    """What eviction knows beyond access statistics (read from the index before each eviction)."""
+    """What a policy may know beyond a candidate's recency and use count (read from the index before each
+    eviction): leases, pins, next use."""
 
     #: Bytes used at or after this time stay: a prefetch job is filling the cache, and what it brought must not
     #: be evicted to make room for the rest of it (a selection larger than the cache fails clearly instead).
     keep_newer_than: float | None = None
     #: Keys of staged bytes (written on this node, not yet uploaded): never evicted.
     staged: frozenset[bytes] = field(default_factory=frozenset)
+    #: The next use of files, from declared read orders (None: no orders on this node).
+    next_use: NextUse | None = None
 
 
 class EvictionPolicy(abc.ABC):

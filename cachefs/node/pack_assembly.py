@@ -6,7 +6,7 @@ offsets the mirror's index gives. Nothing is re-serialised.
 A window's members are readable the moment it is accepted (:meth:`PackAssemblies.read`): from the window's bytes
 in memory until they are written, then from the temp file, then from the published pack. At most
 :data:`MAX_UNWRITTEN` bytes of accepted windows wait for the disk (:meth:`PackAssemblies.backlog`). A pack whose
-temp file cannot be written (no room, see :meth:`~cachefs.node.eviction.Evictor.store`) is given up: what was
+temp file cannot be written (no room, see :meth:`~cachefs.node.admission.Admission.store`) is given up: what was
 served stays served, later misses fetch again.
 """
 
@@ -24,8 +24,8 @@ from cachefs.base.errors import CacheFSError, CacheFullError
 from cachefs.formats.mirror_index import MirrorWindow
 from cachefs.formats.pack_file import CORRUPT, MemberRead, read_member
 from cachefs.index import Index
+from cachefs.node.admission import Admission
 from cachefs.node.disk_jobs import DiskJobs
-from cachefs.node.eviction import Evictor
 from cachefs.store.base import PackStore
 
 __all__ = ["MAX_UNWRITTEN", "Assembly", "PackAssemblies"]
@@ -56,8 +56,8 @@ class Assembly:
 
 
 class PackAssemblies:
-    def __init__(self, store: PackStore, index: Index, evictor: Evictor, disk: DiskJobs) -> None:
-        self.store, self.index, self.evictor, self.disk = store, index, evictor, disk
+    def __init__(self, store: PackStore, index: Index, admission: Admission, disk: DiskJobs) -> None:
+        self.store, self.index, self.admission, self.disk = store, index, admission, disk
         self._assembling: dict[tuple[str, int], Assembly] = {}
         self._members: dict[bytes, tuple[Assembly, int, int, int]] = {}  # okey → (assembly, offset, len, checksum)
         self._installs: set[asyncio.Future] = set()
@@ -134,7 +134,7 @@ class PackAssemblies:
 
     async def _write(self, assembly: Assembly, window: int, lo: int, raw: bytes | bytearray) -> None:
         try:
-            written = await self.disk.run(self.evictor.store, len(raw), lambda: self._write_window(assembly, raw, lo),
+            written = await self.disk.run(self.admission.store, len(raw), lambda: self._write_window(assembly, raw, lo),
                                           assembly.ds_id)
         except CacheFSError as exc:
             self._give_up(assembly, exc)
@@ -193,13 +193,13 @@ class PackAssemblies:
             log.warning("installing a pack failed: %s", task.exception())
         elif task.result():
             self.full_error = None
-            self.evictor.note_stored(task.result())
+            self.admission.note_stored(task.result())
 
     def _give_up(self, assembly: Assembly, exc: BaseException) -> None:
         log.warning("pack %d: not kept on this node (%s)", assembly.pack, exc)
         if isinstance(exc, CacheFullError):
             self.full_error = CacheFullError(f"cache disk full: could not keep a pack of {assembly.size} B "
-                                             f"(capacity {self.evictor.capacity} B)")
+                                             f"(capacity {self.admission.capacity} B)")
         self._assembling.pop((assembly.ds_id, assembly.pack), None)
         fd = self._detach(assembly)
         if fd >= 0:

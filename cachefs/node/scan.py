@@ -3,9 +3,9 @@
 Training reads every file of a dataset once per epoch, in a new random order each time. Under LRU a dataset that
 does not fit then hits c + (1 - c)·ln(1 - c) for a cache holding a fraction c of it (15 % at c = 0.5), because
 what was kept is evicted just before it is read again. Keeping a fixed part of it instead, and letting the rest
-pass through uncached, hits c (CoorDL's policy). So a dataset read as a scan gets that policy: the evictor admits
+pass through uncached, hits c (CoorDL's policy). So a dataset read as a scan gets that policy: admission admits
 its bytes only into room it does not have to take from anything used since the scan began, and never evicts the
-scan's own bytes to admit more of it (:meth:`cachefs.node.eviction.Evictor.store`).
+scan's own bytes to admit more of it (:meth:`cachefs.node.admission.Admission.store`).
 
 What counts as a scan: within a pass (the files opened since the last epoch boundary), few opens are of a file
 already opened in that pass. A pass ends when most of the last :data:`WINDOW` opens were repeats (the next epoch

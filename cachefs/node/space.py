@@ -1,7 +1,7 @@
 """Room on the cache disk: whether new bytes may be stored.
 
 A write is admitted only if afterwards the cached bytes stay within the capacity *and* the file system keeps its
-free-space floor. The "evict, then try once more" rule every writer follows is :meth:`cachefs.node.eviction.Evictor.store`,
+free-space floor. The "evict, then try once more" rule every writer follows is :meth:`cachefs.node.admission.Admission.store`,
 built on this.
 
 After a refusal the disk counts as full for :data:`FULL_BACKOFF` seconds, during which writes are refused at
@@ -78,7 +78,7 @@ class DiskSpace:
     def try_store(self, nbytes: int, write: Callable[[], T]) -> tuple[bool, T | None]:
         """Run ``write()`` (which puts ``nbytes`` on the disk and may raise :class:`CacheFullError`) if there is
         room now, without evicting: (True, result) when decided here (written, or refused while the disk counts
-        as full); (False, None) when only eviction can decide (see Evictor.store)."""
+        as full); (False, None) when only eviction can decide (see Admission.store)."""
         if self.full:
             self.refused += 1
             return True, None

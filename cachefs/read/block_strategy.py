@@ -32,10 +32,10 @@ from cachefs.base.config import Config
 from cachefs.base.errors import CacheFullError, CorruptBlockError
 from cachefs.base.types import Entry, object_key
 from cachefs.manifest.dataset import Dataset
+from cachefs.node.admission import Admission
 from cachefs.node.budget import Reservation
 from cachefs.node.bytes_lru import BytesLRU
 from cachefs.node.disk_jobs import DiskJobs
-from cachefs.node.eviction import Evictor
 from cachefs.node.flight import SingleFlight
 from cachefs.node.funnel import OriginFunnel
 from cachefs.node.open_objects import OpenObject, OpenObjects
@@ -55,17 +55,13 @@ class BlockStrategy(ReadStrategy):
     packed = False
 
     def __init__(self, config: Config, objects: OpenObjects, chain: TierChain, funnel: OriginFunnel,
-                 evictor: Evictor, disk: DiskJobs, stats: ReadStats, prefetcher: Prefetcher) -> None:
+                 admission: Admission, disk: DiskJobs, stats: ReadStats, prefetcher: Prefetcher) -> None:
         self.block_size = config.cache.block_size
         self.max_window = config.engine.readahead_max // self.block_size
-        self.objects, self.chain, self.funnel, self.evictor, self.disk, self.stats = (
-            objects, chain, funnel, evictor, disk, stats)
+        self.objects, self.chain, self.funnel, self.admission, self.disk, self.stats = (
+            objects, chain, funnel, admission, disk, stats)
         self.prefetcher = prefetcher
-        #: ``passed(dataset, path)``: whether the readers of every declared order holding that file have passed
-        #: it this epoch (the engine sets it from the orders it follows); handed to the evictor with blocks read
-        #: ahead, which such files make room for (cachefs.node.eviction.Evictor.store).
-        self.passed: Callable[[str, str], bool] | None = None
-        self.space = evictor.space
+        self.space = admission.space
         self._fetches = SingleFlight()  # (object key, block) → (bytes, stored, guest)
         #: Blocks a full disk could not take, kept for their readers (see the module docstring).
         self.unstored_limit = min(config.engine.readahead_max, config.engine.memory_budget // 4)
@@ -324,19 +320,20 @@ class BlockStrategy(ReadStrategy):
             return True
 
         if guest:
-            stored = await self.disk.run(self.evictor.store_guest, len(data), write)
+            stored = await self.disk.run(self.admission.store_guest, len(data), write)
         else:
             dataset = ob.record.dataset
-            small = len(data) < 256 * 1024 and not self.evictor.scanning(dataset)  # (a scan is admitted otherwise)
+            small = len(data) < 256 * 1024 and not self.admission.scanning(dataset)  # (a scan is admitted otherwise)
             decided, stored = self.space.try_store(len(data), write) if small else (False, None)
             if not decided:
-                passed = self.passed if self.stats.block_ahead(ob.key, idx) else None
-                stored = await self.disk.run(functools.partial(self.evictor.store, passed=passed), len(data), write,
+                # (a block read ahead may take the room of files the readers of declared orders have passed)
+                ahead = self.stats.block_ahead(ob.key, idx)
+                stored = await self.disk.run(functools.partial(self.admission.store, ahead=ahead), len(data), write,
                                              dataset)
         if not stored:
             return False
         ob.present[idx] = (checksum, len(data))
-        self.evictor.note_stored(len(data))
+        self.admission.note_stored(len(data))
         return True
 
     # -- serving peers ----------------------------------------------------------------------------------------
@@ -375,7 +372,7 @@ class BlockStrategy(ReadStrategy):
         return {i: data for i, data in got.items() if data is not None}
 
     def ahead_hints(self, ds: Dataset, entry: Entry) -> list[Hint]:
-        if self.evictor.ahead_refusing(ds.ref.id):
+        if self.admission.ahead_refusing(ds.ref.id):
             return []
         okey = object_key(ds.ref.id, entry.path, entry.version)
         ob = self.objects.acquire(ds.ref.id, entry, okey)

@@ -28,10 +28,10 @@ from cachefs.formats.mirror_index import MirrorWindow
 from cachefs.formats.pack_file import WOULD_WAIT, Member, MemberRead
 from cachefs.index import Index
 from cachefs.manifest.dataset import Dataset
+from cachefs.node.admission import Admission
 from cachefs.node.budget import Reservation
 from cachefs.node.bytes_lru import BytesLRU
 from cachefs.node.disk_jobs import DiskJobs
-from cachefs.node.eviction import Evictor
 from cachefs.node.flight import SingleFlight
 from cachefs.node.funnel import OriginFunnel
 from cachefs.node.pack_assembly import PackAssemblies
@@ -57,15 +57,15 @@ class PackStrategy(ReadStrategy):
     packed = True
 
     def __init__(self, config: Config, store: PackStore, index: Index, chain: TierChain, funnel: OriginFunnel,
-                 evictor: Evictor, disk: DiskJobs, stats: ReadStats, assemblies: PackAssemblies,
+                 admission: Admission, disk: DiskJobs, stats: ReadStats, assemblies: PackAssemblies,
                  prefetcher: Prefetcher) -> None:
         c = config.cache
         self.threshold, self.pack_size = c.pack_threshold, c.pack_size
         self.store, self.index, self.chain, self.funnel, self.disk, self.stats = store, index, chain, funnel, disk, stats
-        self.assemblies, self.prefetcher, self.evictor = assemblies, prefetcher, evictor
+        self.assemblies, self.prefetcher, self.admission = assemblies, prefetcher, admission
         mirror = chain.tier("mirror")
         self.mirror = mirror if isinstance(mirror, MirrorTier) else None
-        self.pending = PendingPacks(c.pack_size, store, index, evictor, disk)
+        self.pending = PendingPacks(c.pack_size, store, index, admission, stats, disk)
         self.directories = DirectoryAhead(config.engine.dir_readahead)
         # Small files the group's peers sent and this node does not store (cluster.keep_guest off): kept in
         # memory for a while, as a directory's read-ahead brings them before their readers ask.
@@ -206,8 +206,8 @@ class PackStrategy(ReadStrategy):
         (all a scanned dataset is admitted into), less what is already on its way to the disk."""
         if not hints:
             return hints
-        space = self.evictor.space
-        if space.full or self.evictor.scan_refusing(ds_id):
+        space = self.admission.space
+        if space.full or self.admission.scan_refusing(ds_id):
             return []
         room = space.room_under_high() - self.pending.unwritten - self.prefetcher.outstanding_bytes
         out, need = [], 0

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from cachefs.base.errors import CacheFSError, CacheFullError
 from cachefs.formats.pack_file import Member
 from cachefs.index import Index
+from cachefs.node.admission import Admission
 from cachefs.node.disk_jobs import DiskJobs
-from cachefs.node.eviction import Evictor
+from cachefs.node.read_stats import ReadStats
 from cachefs.store.base import PackStore
 
 __all__ = ["PendingPacks"]
@@ -40,9 +41,10 @@ def _pack_bytes(members: list[Member]) -> int:
 
 
 class PendingPacks:
-    def __init__(self, pack_size: int, store: PackStore, index: Index, evictor: Evictor, disk: DiskJobs) -> None:
-        self.pack_size, self.store, self.index, self.evictor, self.disk = pack_size, store, index, evictor, disk
-        self.space = evictor.space
+    def __init__(self, pack_size: int, store: PackStore, index: Index, admission: Admission, stats: ReadStats,
+                 disk: DiskJobs) -> None:
+        self.pack_size, self.store, self.index, self.admission, self.disk = pack_size, store, index, admission, disk
+        self.stats, self.space = stats, admission.space
         self._lock = threading.Lock()  # read from FUSE threads too
         # (dataset id, guest) → members of its next pack: guest data (other members own it) goes in packs of its
         # own, which are evicted first.
@@ -114,7 +116,7 @@ class PendingPacks:
             if not t.cancelled() and t.exception() is not None:
                 log.error("writing a pack failed: %s", t.exception())  # (its members are fetched again)
             elif not t.cancelled():
-                self.evictor.note_stored(t.result())
+                self.admission.note_stored(t.result())
             if self._written is not None:
                 self._written.set()
 
@@ -146,21 +148,12 @@ class PendingPacks:
     def _write_fitting(self, key: tuple[str, bool], members: list[Member], dropped: list[Member]) -> int:
         """Write as many of ``members`` (in order) as the disk has room for, as one pack; the rest go to
         ``dropped``. Room is asked for first (evicting once), so a full disk costs no failed writes."""
-        space, guest = self.space, key[1]
-        if guest:  # only into room under the high watermark, made by evicting other guests (Evictor.store_guest)
-            if space.guest_room() < _pack_bytes(members):
-                self.evictor.make_guest_room(_pack_bytes(members))
-            room = space.guest_room()
-        elif self.evictor.scanning(key[0]):  # a dataset read as an epoch scan: admitted as eviction.py says
-            room = self.evictor.scan_room(key[0], _pack_bytes(members))
-        else:
-            if not space.full and not space.admits(_pack_bytes(members)):
-                self.evictor.make_room(_pack_bytes(members))
-            room = 0 if space.full else space.room()
-        if room < _pack_bytes(members):
+        space, guest, nbytes = self.space, key[1], _pack_bytes(members)
+        room = self.admission.guest_room(nbytes) if guest else self.admission.room(key[0], nbytes)
+        if room < nbytes:
             # What read-ahead brought and no reader has had yet goes first: dropping it costs a second fetch when
             # its reader comes; what readers already had only matters next epoch.
-            unread = self.evictor.stats.unread_ahead
+            unread = self.stats.unread_ahead
             members = sorted(members, key=lambda m: not unread(m.okey))
         fit, need = 0, _PACK_OVERHEAD
         for m in members:
@@ -170,14 +163,14 @@ class PendingPacks:
             fit += 1
         dropped.extend(members[fit:])
         if not fit:
-            if not guest and not self.evictor.scanning(key[0]):
+            if not guest and not self.admission.scanning(key[0]):
                 space.mark_full()
             return 0
         if guest:
-            written = self.evictor.store_guest(_pack_bytes(members[:fit]), lambda: self._write_pack(key, members[:fit]))
+            written = self.admission.store_guest(_pack_bytes(members[:fit]), lambda: self._write_pack(key, members[:fit]))
         else:
-            written = self.evictor.store(_pack_bytes(members[:fit]), lambda: self._write_pack(key, members[:fit]),
-                                         dataset=key[0])
+            written = self.admission.store(_pack_bytes(members[:fit]), lambda: self._write_pack(key, members[:fit]),
+                                           dataset=key[0])
         if written is None:
             dropped.extend(members[:fit])
             return 0

@@ -3,7 +3,7 @@
 Staged bytes are those written to a volume and not yet on the origin. Past ``checkpoint.staging_limit`` a writer
 waits while the upload drains; only when the upload has made no progress for ``checkpoint.stall_timeout`` does it
 get ENOSPC. Below the limit, a write that the disk has no room for first asks the read cache to make room
-(``make_room``: the engine's evictor, which never offers staged bytes), then drops clean copies of files already
+(``make_room``: the engine's eviction, which never offers staged bytes), then drops clean copies of files already
 uploaded.
 """
 

@@ -264,7 +264,7 @@ def test_eviction_keeps_usage_under_capacity_and_spares_open_objects(config, s3)
                 e = ds.file(path)
                 assert await engine.read(ds, e, 0, e.size) == files[path]
                 await asyncio.sleep(0.01)
-            await engine.evict()
+            await engine.trim()
             total, _ = engine.index.totals()
             assert total <= engine.capacity
             assert engine.cached_bytes(ds, pinned) == 200_000  # in use: never evicted
@@ -315,10 +315,10 @@ def test_eviction_prefers_objects_read_once(config, s3):
             # always sees the scan's files idle (on a busy machine it otherwise ran while they were being
             # written, found them held, and went on to s0: the policy is what this test is about).
             await engine.prefetcher.drain()
-            if (background := engine.evictor.background()) is not None:
+            if (background := engine.eviction.trimming()) is not None:
                 await background
         engine.close()  # flush access statistics, release handles
-        await engine.evict()
+        await engine.trim()
         assert engine.cached_bytes(ds, hot) == hot.size
         assert engine.index.object(engine.object_key(ds, hot)).hits == 2
         assert engine.index.totals()[0] <= engine.capacity
@@ -412,7 +412,7 @@ def test_guest_data_is_evicted_first_and_the_blocks_a_node_owns_stay(config, s3)
         guest_bytes = 3 * 3 * bs + sum(len(d) for p, d in files.items() if p.startswith("small") and int(p[5:7]) % 2)
         assert engine.index.guest_bytes_by_dataset() == {ds.ref.id: guest_bytes}  # (what status and labels show)
         engine.close()  # release handles, as readers closing their files would
-        freed = await asyncio.to_thread(engine.evictor.make_room, engine.capacity - total + guest_bytes // 2)
+        freed = await asyncio.to_thread(engine.eviction.make_room, engine.capacity - total + guest_bytes // 2)
         assert 0 < freed
         # Room for half the guest bytes: found among guests alone, everything the node owns stays.
         blocks_after, packs_after = engine.index.guests()
@@ -427,7 +427,7 @@ def test_guest_data_is_evicted_first_and_the_blocks_a_node_owns_stay(config, s3)
         assert owned_all_there()
         assert engine.index.totals()[0] <= total - freed
         # Room for more than all guests: they all go, and only then some of the node's own data.
-        freed2 = await asyncio.to_thread(engine.evictor.make_room, engine.capacity - total + guest_bytes + bs)
+        freed2 = await asyncio.to_thread(engine.eviction.make_room, engine.capacity - total + guest_bytes + bs)
         assert freed + freed2 >= guest_bytes
         assert engine.index.guests() == ({}, [])
         assert not owned_all_there()
@@ -492,14 +492,14 @@ def test_eviction_hints_in_the_index_hold_for_every_process(config, s3):
             assert await engine.read(ds, ds.file(path), 0, len(data)) == data
         engine.flush_stats()
         subprocess.run([sys.executable, "-c", lease, config.cache.dir, "60"], check=True, timeout=60)
-        assert engine.evict_sync(force=True) == 0  # everything was used since the lease's time
+        assert engine.eviction.make_room(0) == 0  # everything was used since the lease's time
         subprocess.run([sys.executable, "-c", lease, config.cache.dir, "-1"], check=True, timeout=60)  # lapsed
         staged = engine.object_key(ds, ds.file("f0.bin"))
-        engine.evictor.hints.stage(staged, 200_000)
-        assert engine.evict_sync(everything=True) == 3 * 200_000
+        engine.eviction.hints.stage(staged, 200_000)
+        assert engine.purge_sync() == 3 * 200_000
         assert [okey for okey, _rec in engine.index.objects()] == [staged]
-        engine.evictor.hints.unstage(staged)
-        assert engine.evict_sync(everything=True) == 200_000
+        engine.eviction.hints.unstage(staged)
+        assert engine.purge_sync() == 200_000
 
     run(engine, scenario, src)
 
@@ -542,12 +542,12 @@ def test_the_watermark_sweep_leaves_a_scans_kept_part_under_the_high_watermark(c
             e = ds.file(path)
             assert await engine.read(ds, e, 0, e.size, ReadStream()) == files[path]
         await engine.prefetcher.drain()
-        if (background := engine.evictor.background()) is not None:
+        if (background := engine.eviction.trimming()) is not None:
             await background
-        assert engine.evictor.scanning(ds.ref.id)
+        assert engine.admission.scanning(ds.ref.id)
         kept = engine.index.totals()[0]
         assert engine.capacity * config.cache.low_watermark < kept <= engine.capacity * config.cache.high_watermark
-        await engine.evict(force=True)
+        await engine.make_room()
         assert engine.index.totals()[0] == kept
 
     run(engine, scenario, src)

@@ -55,7 +55,7 @@ def test_shuffled_epochs_over_a_dataset_twice_the_cache(s3, tmp_path, admission)
         hits.append(1 - got / total)
     if admission:
         assert min(hits[1:]) >= 0.8 * C, hits  # (bench/epoch_bench.py measures the 0.9 c target at scale)
-        assert fs.engine.evictor.scanning(fs.engine.known_dataset_for(f"s3://{bucket}/ep").id)
+        assert fs.engine.admission.scanning(fs.engine.known_dataset_for(f"s3://{bucket}/ep").id)
     else:
         assert max(hits[1:]) < 0.6 * C, hits  # LRU: c + (1 - c)·ln(1 - c) = 0.15 at c = 0.5 (one file at a time)
 
@@ -113,7 +113,7 @@ def test_with_an_order_files_the_reader_passed_make_room_for_what_it_reads_next(
     """Large files (block-stored), a cache of half the dataset, scan admission, a published order each epoch: once
     the pinned part fills the cache, blocks fetched ahead of the reader take the place of files it has passed this
     epoch (eviction by next use), where pinning alone refused them and let some be fetched twice (1.009-1.015x the
-    dataset in the first epoch in three runs of four with ``evictor.passed`` unset). Every byte right, no epoch
+    dataset in the first epoch in three runs of four with eviction by next use off). Every byte right, no epoch
     costs more than the dataset from the origin, and later epochs still hit about c."""
     import cachefs
     from cachefs.base.types import DatasetRef
@@ -138,8 +138,8 @@ def test_with_an_order_files_the_reader_passed_make_room_for_what_it_reads_next(
         assert got <= total * 1.001, f"epoch {epoch + 1} took {got / total:.3f}x the dataset from the origin"
         hits.append(1 - got / total)
     assert min(hits[1:]) >= 0.7 * C, hits
-    assert engine.evictor.scanning(engine.known_dataset_for(url).id)
-    assert engine.evictor.passed_evicted > 0
+    assert engine.admission.scanning(engine.known_dataset_for(url).id)
+    assert engine.eviction.passed_evicted > 0
 
 
 def test_with_an_order_blocks_are_not_fetched_again_in_the_same_epoch(s3, tmp_path):
@@ -171,4 +171,4 @@ def test_with_an_order_blocks_are_not_fetched_again_in_the_same_epoch(s3, tmp_pa
     # be fetched again: one block, or under CPU load up to a file's four (seen: 2-4 in one epoch, about one run in
     # ten with three runs side by side). Without the back-off: 10-23 repeats (checked again: 10, 10, 19, 19).
     assert sum(repeats) <= 5, repeats
-    assert fs.engine.evictor.scanning(DatasetRef.from_url(url).id)
+    assert fs.engine.admission.scanning(DatasetRef.from_url(url).id)

@@ -133,7 +133,7 @@ def test_eviction_removes_whole_packs_and_files_come_back(tree, config):
     pack_files = sorted(os.listdir(os.path.join(config.cache.dir, "packs", next(index.packs()).dataset)))
     assert pack_files and all(n.endswith(".arrow") for n in pack_files)
     engine = Engine(config)
-    freed = engine.evict_sync(everything=True)
+    freed = engine.purge_sync()
     engine.close()
     assert freed > 0 and list(index.packs()) == [] and index.totals() == (0, 0)
     assert not any(n.endswith(".arrow") for _d, _i, n in packs_module.DiskPackStore(config.cache.dir).files())
@@ -155,7 +155,7 @@ def test_a_pack_evicted_by_another_process_is_closed_here_and_its_files_come_bac
         for rel, data in small.items():  # from the packs now: their descriptors are kept
             assert engine.read_local(ds, ds.file(rel), 0, len(data)) == data
         other = Engine(config)  # another process's eviction
-        assert other.evict_sync(everything=True) > 0
+        assert other.purge_sync() > 0
         other.close()
         assert engine.packs.reads.close_unlinked() >= 1
         assert engine.packs.reads.close_unlinked() == 0

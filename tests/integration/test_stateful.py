@@ -75,7 +75,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def evict_all(self):
-        self.engine.evict_sync(everything=True)
+        self.engine.purge_sync()
 
     @rule()
     def restart(self):

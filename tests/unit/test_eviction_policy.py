@@ -4,6 +4,8 @@ bench/eviction_bench.py, and the protections every policy keeps."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.eviction_bench import simulate, traces
 from cachefs.base.errors import ConfigError
@@ -55,3 +57,34 @@ def test_staged_bytes_and_what_a_prefetch_brought_are_never_candidates(name):
 def test_an_unknown_policy_is_a_config_error():
     with pytest.raises(ConfigError, match=r"unknown policy 'mru'.*two-touch-lru"):
         policy_named("mru")
+
+
+# -- conformance: what every policy in POLICIES must do (a new policy is one class and a POLICIES entry) --------
+_candidates = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5), st.floats(0, 100), st.booleans()),
+                       max_size=30, unique_by=lambda t: t[0])
+
+
+class _Passed:
+    def passed(self, dataset: str, path: str) -> bool:
+        return path.endswith("0")
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=150, deadline=None)
+@given(specs=_candidates, keep_newer=st.none() | st.floats(0, 100), staged_every=st.integers(2, 5),
+       next_use=st.booleans())
+def test_every_policy_offers_only_unprotected_candidates_each_once_and_the_same_way_twice(
+        name, specs, keep_newer, staged_every, next_use):
+    cands = [Candidate(None, PackRecord("0123456789abcdef", i, 100, 100, 3, last, hits)) if is_pack
+             else Candidate(bytes([i]) * 16, ObjectRecord("ds", f"f{i}", "v", 10, 10, last, hits))
+             for i, hits, last, is_pack in specs]
+    staged = frozenset(c.key for n, c in enumerate(cands) if n % staged_every == 0)
+    hints = EvictionHints(keep_newer_than=keep_newer, staged=staged, next_use=_Passed() if next_use else None)
+    policy = policy_named(name)
+    got = policy.order(list(cands), hints)
+    assert len({c.key for c in got}) == len(got)  # each at most once
+    assert all(any(c is x for x in cands) for c in got)  # only what it was given
+    assert not any(c.key in staged for c in got)  # never staged bytes
+    assert keep_newer is None or all(c.last_access < keep_newer for c in got)  # never what a lease keeps
+    assert policy.order(list(cands), hints) == got  # deterministic
+    assert policy_named(name).name == name
