@@ -95,9 +95,8 @@ class Engine:
         #: what they have passed makes room for what is read ahead (eviction by next use).
         orders = OrderBook(c.dir)
         self.scans = ScanView(HintStore(self.index), self.stats, enabled=c.scan_admission)
-        self.eviction = Eviction(config, self.space, pack_store, self.objects, self.stats, self.scans, self.disk,
-                                 orders)
-        self.admission = Admission(self.space, self.eviction, self.scans)
+        self.eviction = Eviction(config, self.space, pack_store, self.objects, self.stats, self.scans, self.disk)
+        self.admission = Admission(self.space, self.eviction, self.scans, orders)
         self.assemblies = PackAssemblies(pack_store, self.index, self.admission, self.disk)
         self.prefetcher = Prefetcher(self.funnel.memory, max_running=e.max_concurrent_fetches)
         self.tier_counts = TierCounts()

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from cachefs.base.errors import CacheFullError
 from cachefs.node.eviction import Eviction
+from cachefs.node.eviction_policy import NextUse
 from cachefs.node.scan_view import ScanView
 from cachefs.node.space import FULL_BACKOFF, DiskSpace
 
@@ -32,8 +33,10 @@ T = TypeVar("T")
 
 
 class Admission:
-    def __init__(self, space: DiskSpace, eviction: Eviction, scans: ScanView) -> None:
-        self.space, self.eviction, self.scans = space, eviction, scans
+    """``next_use``: the node's declared read orders (what their readers have passed this epoch), if any."""
+
+    def __init__(self, space: DiskSpace, eviction: Eviction, scans: ScanView, next_use: NextUse | None = None) -> None:
+        self.space, self.eviction, self.scans, self.next_use = space, eviction, scans, next_use
         self.capacity = space.capacity
         self._guests_full_until = 0.0  # (guest writes refused at once until then: no scan of guests per block)
         self._scan_full_until: dict[str, float] = {}  # a scan's writes refused at once until then
@@ -67,7 +70,7 @@ class Admission:
             return 0
         limit, floor = self.eviction.high - need, self.eviction.floor_for(need)
         if not self.eviction.under(limit, floor):
-            self.eviction.make_room_for_scan(dataset, since, limit, floor, ahead=False)
+            self.eviction.make_room_for_scan(dataset, since, limit, floor)
         room = self.space.room_under_high()
         if room < need:
             self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
@@ -132,7 +135,8 @@ class Admission:
             if evict_first:
                 if self.scan_refusing(dataset):
                     break
-                self.eviction.make_room_for_scan(dataset, since, limit, floor, ahead=ahead)
+                self.eviction.make_room_for_scan(dataset, since, limit, floor,
+                                                 self.next_use.passed if ahead and self.next_use else None)
             if self.eviction.under(limit, floor):
                 try:
                     return write()

@@ -23,13 +23,13 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from cachefs.base.config import Config
 from cachefs.base.errors import CacheFullError
 from cachefs.index.records import ObjectRecord, PackRecord
 from cachefs.node.disk_jobs import DiskJobs
-from cachefs.node.eviction_policy import Candidate, EvictionHints, NextUse, policy_named
+from cachefs.node.eviction_policy import Candidate, EvictionHints, policy_named
 from cachefs.node.open_objects import OpenObjects
 from cachefs.node.read_stats import ReadStats
 from cachefs.node.scan_view import ScanView
@@ -45,16 +45,15 @@ KEEP_LEASE_TTL = 60.0
 
 
 class Eviction:
-    """``next_use``: the node's declared read orders (what readers have passed this epoch), if any."""
 
     def __init__(self, config: Config, space: DiskSpace, packs: PackStore, objects: OpenObjects, stats: ReadStats,
-                 scans: ScanView, disk: DiskJobs, next_use: NextUse | None = None) -> None:
+                 scans: ScanView, disk: DiskJobs) -> None:
         c = config.cache
         self.space, self.capacity, self.min_free = space, space.capacity, space.min_free
         self.high = int(self.capacity * c.high_watermark)
         self.low = int(self.capacity * c.low_watermark)
         self.index, self.files = space.index, space.store  # (the object files)
-        self.packs, self.objects, self.stats, self.scans, self.next_use = packs, objects, stats, scans, next_use
+        self.packs, self.objects, self.stats, self.scans = packs, objects, stats, scans
         self.disk = disk
         self.hot_dir_half_life = config.engine.hot_dir_half_life
         self.policy = policy_named(c.eviction_policy)
@@ -76,7 +75,7 @@ class Eviction:
 
     def current_hints(self, *, keep: bool = True) -> EvictionHints:
         """The node's eviction hints now (``keep``: with the prefetch jobs' leases)."""
-        return EvictionHints(self.hints.kept_newer_than() if keep else None, self.hints.staged(), self.next_use)
+        return EvictionHints(self.hints.kept_newer_than() if keep else None, self.hints.staged())
 
     @contextlib.asynccontextmanager
     async def keeping_newer_than(self, since: float) -> AsyncIterator[None]:
@@ -145,19 +144,20 @@ class Eviction:
             self.flush_stats()
             return self._evict_guests(min(self.low, self.high - need), self.floor_for(need))
 
-    def make_room_for_scan(self, dataset: str, since: float, target: int, floor: float, *, ahead: bool) -> int:
+    def make_room_for_scan(self, dataset: str, since: float, target: int, floor: float,
+                           passed: Callable[[str, str], bool] | None = None) -> int:
         """Room for a scanned dataset's bytes, down to ``target`` bytes used and ``floor`` free: guest data; then, for
-        bytes fetched ahead of a reader (``ahead``), the scan's own files its readers have passed this epoch
+        bytes fetched ahead of a reader, the scan's own files ``passed(dataset, path)`` says its readers have passed
         (eviction by next use: they are not read again before the next epoch); then what the policy offers of other
         datasets' bytes that nobody used since the scan began. Never the scan's own bytes otherwise: a miss does not
-        displace the kept part. Bytes freed."""
+        displace the kept part. Bytes freed. (``passed`` is handed down for the call: the declared orders sit above
+        this layer.)"""
         with self._one_at_a_time:
             self.flush_stats()
             freed = self._evict_guests(target, floor)
             if self.under(target, floor):
                 return freed
             hints = self.current_hints()
-            passed = hints.next_use.passed if ahead and hints.next_use is not None else None
             own: list[Candidate] = []
             others = [Candidate(None, p) for p in self.index.packs() if p.dataset != dataset and p.last_access < since]
             for okey, rec in self.index.objects():  # (one pass over the objects for both lists)

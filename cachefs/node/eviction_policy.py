@@ -64,15 +64,13 @@ class Candidate:
 @dataclass(frozen=True)
 class EvictionHints:
     """What a policy may know beyond a candidate's recency and use count (read from the index before each
-    eviction): leases, pins, next use."""
+    eviction): leases and pins."""
 
     #: Bytes used at or after this time stay: a prefetch job is filling the cache, and what it brought must not
     #: be evicted to make room for the rest of it (a selection larger than the cache fails clearly instead).
     keep_newer_than: float | None = None
     #: Keys of staged bytes (written on this node, not yet uploaded): never evicted.
     staged: frozenset[bytes] = field(default_factory=frozenset)
-    #: The next use of files, from declared read orders (None: no orders on this node).
-    next_use: NextUse | None = None
 
 
 class EvictionPolicy(abc.ABC):

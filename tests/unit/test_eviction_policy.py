@@ -64,22 +64,16 @@ _candidates = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5), st.float
                        max_size=30, unique_by=lambda t: t[0])
 
 
-class _Passed:
-    def passed(self, dataset: str, path: str) -> bool:
-        return path.endswith("0")
-
-
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @settings(max_examples=150, deadline=None)
-@given(specs=_candidates, keep_newer=st.none() | st.floats(0, 100), staged_every=st.integers(2, 5),
-       next_use=st.booleans())
+@given(specs=_candidates, keep_newer=st.none() | st.floats(0, 100), staged_every=st.integers(2, 5))
 def test_every_policy_offers_only_unprotected_candidates_each_once_and_the_same_way_twice(
-        name, specs, keep_newer, staged_every, next_use):
+        name, specs, keep_newer, staged_every):
     cands = [Candidate(None, PackRecord("0123456789abcdef", i, 100, 100, 3, last, hits)) if is_pack
              else Candidate(bytes([i]) * 16, ObjectRecord("ds", f"f{i}", "v", 10, 10, last, hits))
              for i, hits, last, is_pack in specs]
     staged = frozenset(c.key for n, c in enumerate(cands) if n % staged_every == 0)
-    hints = EvictionHints(keep_newer_than=keep_newer, staged=staged, next_use=_Passed() if next_use else None)
+    hints = EvictionHints(keep_newer_than=keep_newer, staged=staged)
     policy = policy_named(name)
     got = policy.order(list(cands), hints)
     assert len({c.key for c in got}) == len(got)  # each at most once
