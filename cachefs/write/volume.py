@@ -160,9 +160,9 @@ class WritableVolume:
             remote.drop_xattr(path, remote.DIRTY)
         if self.replicator.wanted:  # (outside the lock: the network)
             self._replicate(e)
-        # What close promised shows in ``cachefs status`` once it returns (the periodic write lags up to 0.2 s,
-        # and a status read just after close showed the file below its promise, or no volume status at all).
-        self._write_status()
+            # The copies close promised show in ``cachefs status`` once it returns (the periodic write lags up to
+            # 0.2 s: a status read just after close showed the file below its promise).
+            self._write_status()
         return e
 
     def _queue_put(self, rel: str, st: os.stat_result, *, before: QueueEntry | None = None) -> QueueEntry:
@@ -407,8 +407,11 @@ class WritableVolume:
         return st
 
     def _publish_status(self) -> None:
-        while not self._stopped.wait(0.2):
+        # (at once, then every 0.2 s: a status read just after the first close found no volume status yet)
+        while True:
             try:
                 self._write_status()
             except Exception:
                 log.exception("volume status")
+            if self._stopped.wait(0.2):
+                return
