@@ -96,32 +96,22 @@ class Admission:
         if self.space.full:
             self.space.refused += 1
             return None
-        for attempt in (0, 1):
-            if self.space.admits(nbytes):
-                try:
-                    return write()
-                except CacheFullError:
-                    pass
-            if attempt == 0:
-                self.eviction.make_room(nbytes)
-        self.space.mark_full()
-        return None
+        stored, value = _write_making_room_once(lambda: self.space.admits(nbytes),
+                                                lambda: self.eviction.make_room(nbytes), write)
+        if not stored:
+            self.space.mark_full()
+        return value
 
     def store_guest(self, nbytes: int, write: Callable[[], T]) -> T | None:
         """:meth:`store` for guest data: written only into room under the low watermark, making room by evicting
         other guest data only; None when not stored, which is no error (its owner keeps it)."""
         if time.monotonic() < self._guests_full_until:
             return None
-        for attempt in (0, 1):
-            if nbytes <= self.space.guest_room():
-                try:
-                    return write()
-                except CacheFullError:
-                    pass
-            if attempt == 0:
-                self.eviction.make_guest_room(nbytes)
-        self._guests_full_until = time.monotonic() + FULL_BACKOFF
-        return None
+        stored, value = _write_making_room_once(lambda: nbytes <= self.space.guest_room(),
+                                                lambda: self.eviction.make_guest_room(nbytes), write)
+        if not stored:
+            self._guests_full_until = time.monotonic() + FULL_BACKOFF
+        return value
 
     def note_stored(self, nbytes: int) -> None:
         """``nbytes`` more are on the disk (from the event loop)."""
@@ -129,22 +119,38 @@ class Admission:
 
     def _store_for_scan(self, dataset: str, since: float, nbytes: int, write: Callable[[], T], ahead: bool) -> T | None:
         limit, floor = self.eviction.high - nbytes, self.eviction.floor_for(nbytes)
-        # What fits without evicting is written even while the scan's writes back off (the part of a pack that
-        # fits the last room: Admission.room).
-        for evict_first in (False, True):
-            if evict_first:
-                if self.scan_refusing(dataset):
-                    break
-                self.eviction.make_room_for_scan(dataset, since, limit, floor,
-                                                 self.next_use.passed if ahead and self.next_use else None)
-            if self.eviction.under(limit, floor):
-                try:
-                    return write()
-                except CacheFullError:
-                    pass
-        else:
+        passed = self.next_use.passed if ahead and self.next_use else None
+
+        def make_room() -> bool:
+            # What fits without evicting is written even while the scan's writes back off (the part of a pack
+            # that fits the last room: Admission.room); evicting for it waits for the backoff to end.
+            if self.scan_refusing(dataset):
+                return False
+            self.eviction.make_room_for_scan(dataset, since, limit, floor, passed)
+            return True
+
+        stored, value = _write_making_room_once(lambda: self.eviction.under(limit, floor), make_room, write)
+        if stored:
+            return value
+        if not self.scan_refusing(dataset):
             self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
         if ahead:
             self._ahead_full_until[dataset] = time.monotonic() + FULL_BACKOFF
         self.scan_refused += nbytes
         return None
+
+
+def _write_making_room_once(fits: Callable[[], bool], make_room: Callable[[], object], write: Callable[[], T]
+                            ) -> tuple[bool, T | None]:
+    """The rule every writer of cached bytes follows: ``write()`` if the bytes ``fits()``; if not (or the write
+    found the disk full after all), ``make_room()`` once and try again; a ``make_room()`` that answers False
+    made none, and the write is not tried again. (Whether it was stored, what ``write()`` returned.)"""
+    for attempt in (0, 1):
+        if fits():
+            try:
+                return True, write()
+            except CacheFullError:
+                pass
+        if attempt == 0 and make_room() is False:
+            break
+    return False, None
