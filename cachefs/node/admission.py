@@ -41,8 +41,6 @@ class Admission:
         self._guests_full_until = 0.0  # (guest writes refused at once until then: no scan of guests per block)
         self._scan_full_until: dict[str, float] = {}  # a scan's writes refused at once until then
         self._ahead_full_until: dict[str, float] = {}  # a scan's reading ahead paused until then (ahead_refusing)
-        #: Bytes of scanned datasets not admitted (served without caching) since start.
-        self.scan_refused = 0
 
     # -- what writers ask first -----------------------------------------------------------------------------
     def scanning(self, dataset: str) -> bool:
@@ -136,7 +134,6 @@ class Admission:
             self._scan_full_until[dataset] = time.monotonic() + FULL_BACKOFF
         if ahead:
             self._ahead_full_until[dataset] = time.monotonic() + FULL_BACKOFF
-        self.scan_refused += nbytes
         return None
 
 

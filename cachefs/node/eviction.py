@@ -202,12 +202,13 @@ class Eviction:
             scan = scans.get(v.record.dataset)
             return scan is not None and v.last_access >= scan.since
 
-        candidates = self._candidates(None)
+        kept: list[Candidate] = []
+        others: list[Candidate] = []
+        for v in self._candidates(None):
+            (kept if kept_by_scan(v) else others).append(v)
         hints = self.current_hints()
-        freed += self._evict_down_to(self.policy.order([v for v in candidates if not kept_by_scan(v)], hints),
-                                     target, floor)
-        freed += self._evict_down_to(self.policy.order([v for v in candidates if kept_by_scan(v)], hints),
-                                     min(self.high, self.capacity - need), floor)
+        freed += self._evict_down_to(self.policy.order(others, hints), target, floor)
+        freed += self._evict_down_to(self.policy.order(kept, hints), min(self.high, self.capacity - need), floor)
         if freed:
             log.info("evicted %d bytes", freed)
         return freed
