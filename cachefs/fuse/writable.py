@@ -140,14 +140,18 @@ class WritableSession(RequestLoop):
         self._handles[fh] = h
         return fh
 
-    def _own(self, path: str) -> None:
+    def _own(self, path: str, mode: int) -> None:
         """New files and directories belong to the caller (the daemon runs as root); in a setgid directory (a
-        volume published for a pod's fsGroup) to the directory's group, which the kernel gave them already."""
+        volume published for a pod's fsGroup) to the directory's group, which the kernel gave them already. Their
+        mode is ``mode``, what the caller asked for less its umask, not less the daemon's own umask too (which
+        took the group's write bit from what a pod with umask 002 made in its group volume)."""
         uid, gid, _pid = CALLER.get()
+        in_setgid_dir = os.stat(os.path.dirname(path)).st_mode & stat.S_ISGID
         if os.geteuid() == 0 and uid is not None:
-            if os.stat(os.path.dirname(path)).st_mode & stat.S_ISGID:
-                gid = -1
-            os.lchown(path, uid, gid)
+            os.lchown(path, uid, -1 if in_setgid_dir else gid)
+        if in_setgid_dir and os.path.isdir(path):
+            mode |= stat.S_ISGID  # (as mkdir gave it: chmod would take it away)
+        os.chmod(path, mode)
 
     # -- handlers ---------------------------------------------------------------------------------------------------
     def _init(self, nodeid: int, unique: int, body: memoryview) -> bytes:
@@ -244,10 +248,10 @@ class WritableSession(RequestLoop):
         existed = os.path.lexists(path)
         if existed and not excl:
             self.volume.open_for_write(rel, truncate=bool(flags & os.O_TRUNC))
-        fd = os.open(path, os.O_CREAT | excl | os.O_RDWR | (flags & os.O_TRUNC) | os.O_CLOEXEC,
-                     stat.S_IMODE(mode) & ~umask)
+        wanted = stat.S_IMODE(mode) & ~umask
+        fd = os.open(path, os.O_CREAT | excl | os.O_RDWR | (flags & os.O_TRUNC) | os.O_CLOEXEC, wanted)
         if not existed:
-            self._own(path)
+            self._own(path, wanted)
         h = _Handle(fd, 0, True)
         self.volume.before_write(h.inode, rel, 0)  # created: uploaded at close even if empty
         h.wrote = True
@@ -311,8 +315,9 @@ class WritableSession(RequestLoop):
         mode, umask = abi.MKDIR_IN.unpack_from(body)
         rel = self._child(nodeid, body[abi.MKDIR_IN.size:])
         path = self.volume.path(rel)
-        os.mkdir(path, stat.S_IMODE(mode) & ~umask)
-        self._own(path)
+        wanted = stat.S_IMODE(mode) & ~umask
+        os.mkdir(path, wanted)
+        self._own(path, wanted)
         return self._entry(rel)
 
     def _mknod(self, nodeid: int, unique: int, body: memoryview) -> bytes:
@@ -321,9 +326,10 @@ class WritableSession(RequestLoop):
             raise OSError(errno.EPERM, "a checkpoint volume holds regular files and directories only")
         rel = self._child(nodeid, body[abi.MKNOD_IN.size:])
         path = self.volume.path(rel)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, stat.S_IMODE(mode) & ~umask)
+        wanted = stat.S_IMODE(mode) & ~umask
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, wanted)
         try:
-            self._own(path)
+            self._own(path, wanted)
             self.volume.before_write(os.fstat(fd).st_ino, rel, 0)
             self.volume.closed(rel, fd)
         finally:

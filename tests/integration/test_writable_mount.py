@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -327,21 +328,30 @@ def test_only_the_mounting_user_reaches_a_writable_mount(volume):
 def test_files_made_in_a_group_volume_belong_to_the_group_whoever_makes_them(s3, cache_dir, tmp_path):
     """A volume published for a pod's fsGroup (``--group``; the top is setgid 2775): what any member makes in it
     belongs to the group, as in any setgid directory, not to the maker's primary group (found on a real node: a pod
-    running as user 1000 with fsGroup 1000 made a checkpoint directory of group root)."""
+    running as user 1000 with fsGroup 1000 made a checkpoint directory of group root), with the modes its umask
+    gives (the daemon's own umask took the group's write bit)."""
     _, _client, bucket = s3
     mnt = tempfile.mkdtemp(prefix="cachefs-group-")  # (pytest's tmp_path is root's alone: 1234 could not reach it)
     os.chmod(mnt, 0o755)
     m = Mounted(cache_dir, f"s3://{bucket}/ck", mnt, "--writable", "--group", "4242", "--allow-other", env=ENV)
     try:
-        writer = ("import os, sys\nos.setgroups([4242]); os.setgid(777); os.setuid(1234)\n"
+        writer = ("import os, sys\nos.setgroups([4242]); os.setgid(777); os.setuid(1234); os.umask(0o002)\n"
                   "os.mkdir(sys.argv[1] + '/step.tmp')\nopen(sys.argv[1] + '/step.tmp/shard', 'wb').write(b'x')\n"
                   "os.mkdir(sys.argv[1] + '/step.tmp/sub')\n")
         r = subprocess.run([sys.executable, "-c", writer, m.mountpoint], capture_output=True, text=True, timeout=30)
-        assert r.returncode == 0, r.stderr
+        if r.returncode != 0 and os.path.lexists(m.path("step.tmp")):  # (what the volume made, as the tree has it)
+            st = os.stat(m.path("step.tmp"))
+            seen = f"step.tmp: mode {oct(st.st_mode)} uid {st.st_uid} gid {st.st_gid}"
+        else:
+            seen = ""
+        assert r.returncode == 0, (r.stderr, seen, m.read_output()[-2000:])
         for rel in ("step.tmp", "step.tmp/shard", "step.tmp/sub"):
             st = os.stat(m.path(rel))
             assert (st.st_uid, st.st_gid) == (1234, 4242), rel
-        assert os.stat(m.path("step.tmp")).st_mode & 0o2000 and os.stat(m.path("step.tmp/sub")).st_mode & 0o2000
+        # The maker's umask (002: its group may write) and nothing else decides the modes; directories stay setgid.
+        for rel in ("step.tmp", "step.tmp/sub"):
+            assert stat.S_IMODE(os.stat(m.path(rel)).st_mode) == 0o2775, rel
+        assert stat.S_IMODE(os.stat(m.path("step.tmp/shard")).st_mode) == 0o664
     finally:
         m.close()
         os.rmdir(mnt)
