@@ -59,7 +59,7 @@ from cachefs.read.ordered import OrderedLookahead
 from cachefs.sources import Source, open_origin
 from cachefs.store import DiskStore
 from cachefs.store.pack_store import DiskPackStore
-from cachefs.tiers import MirrorTier, TierCounts, TierParts, build_chain
+from cachefs.tiers import TierCounts, TierParts, build_chain
 
 __all__ = ["WOULD_WAIT", "Dataset", "Engine", "LocalRead", "OpenFile", "ReadStream", "get_engine"]
 
@@ -110,9 +110,6 @@ class Engine:
                                   self.stats, self.assemblies, self.prefetcher)
         self.ordered = OrderedLookahead(orders, self.prefetcher, self.strategy,
                                         min(e.order_lookahead, e.memory_budget // 8))
-        mirror = small_chain.tier("mirror")
-        #: The packed mirror tier, when the small files' chain has one.
-        self.mirror = mirror if isinstance(mirror, MirrorTier) else None
         self._metric_deltas = metrics.Deltas()
         self.counters = NodeCounters(self.index)
         self._tiers_counted: dict[str, int] = {}
@@ -267,8 +264,8 @@ class Engine:
         """Write pending packs now and get back under the cache's limits (the end of a prefetch). Raises
         CacheFullError if small files could not be stored."""
         await self.prefetcher.drain()
-        if self.mirror is not None:
-            await self.mirror.drain()
+        await self.blocks.chain.drain()
+        await self.packs.chain.drain()
         await self.assemblies.drain()
         await self.packs.pending.flush()
         full = self.packs.pending.full_error or self.assemblies.full_error
@@ -403,8 +400,7 @@ class Engine:
     async def aclose(self) -> None:
         """Stop fetching, let every write finish, write pending packs, release the origin connections, then
         :meth:`close` the files. In that order: a file is never closed under a write still running."""
-        fetches = [*self.prefetcher.stop(), *self.blocks.stop(), *self.packs.stop(),
-                   *(self.mirror.stop() if self.mirror is not None else [])]
+        fetches = [*self.prefetcher.stop(), *self.blocks.stop(), *self.packs.stop()]
         for task in fetches:
             task.cancel()
         await asyncio.gather(*fetches, return_exceptions=True)

@@ -108,8 +108,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
                     if ticks % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
                         s.fs.sweep()
                     s.metrics.flush(s.fs.stats)
-                    mirror = engine.mirror.problems.get(ds.ref.id) if engine.mirror is not None else None
-                    now = (dict(s.fs.stats), s.opens_skipped, mirror)
+                    now = (dict(s.fs.stats), s.opens_skipped, engine.packs.chain.problem(ds.ref.id))
                     if now != last and record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0],
                                                     opens_skipped=now[1], mirror_problem=now[2]):
                         last = now

@@ -412,7 +412,7 @@ class BlockStrategy(ReadStrategy):
     def stop(self) -> list[asyncio.Future]:
         """Stop starting work; the fetches and read-ahead in flight (for the caller to cancel and await)."""
         self.closing = True
-        return self._fetches.runs()
+        return [*self._fetches.runs(), *self.chain.stop()]
 
 
 def _slice(pieces: list[bytes], lo: int, hi: int) -> bytes:

@@ -42,8 +42,7 @@ from cachefs.read.base import OpenFile, ReadStrategy, ReadStream
 from cachefs.read.pack_reads import PackReads
 from cachefs.read.pending_packs import PendingPacks
 from cachefs.store.base import PackStore
-from cachefs.tiers import Keep, MirrorTier, TierChain, Want
-from cachefs.tiers.mirror import WindowRef
+from cachefs.tiers import BatchRef, Keep, TierChain, Want
 
 __all__ = ["PackStrategy", "PackedFile"]
 
@@ -63,8 +62,6 @@ class PackStrategy(ReadStrategy):
         self.threshold, self.pack_size = c.pack_threshold, c.pack_size
         self.store, self.index, self.chain, self.funnel, self.disk, self.stats = store, index, chain, funnel, disk, stats
         self.assemblies, self.prefetcher, self.admission = assemblies, prefetcher, admission
-        mirror = chain.tier("mirror")
-        self.mirror = mirror if isinstance(mirror, MirrorTier) else None
         self.pending = PendingPacks(c.pack_size, store, index, admission, stats, disk)
         self.directories = DirectoryAhead(config.engine.dir_readahead)
         # Small files the group's peers sent and this node does not store (cluster.keep_guest off): kept in
@@ -128,8 +125,8 @@ class PackStrategy(ReadStrategy):
         # bytearray a source may have received the body into.
         data = served.data if type(served.data) is bytes else bytes(served.data)
         self._note_fetched(okey)
-        if served.window is not None:
-            self._install(ds, served.window, okey, reader=reader)
+        if served.batch is not None:
+            self._install(ds, served.batch, self.chain.batches_after(served), okey, reader=reader)
         if served.keep is Keep.NONE:  # the group member that owns it keeps it
             self.guests.put(okey, data)
         elif not self.has(okey):
@@ -138,37 +135,40 @@ class PackStrategy(ReadStrategy):
         await self.assemblies.backlog()
         return data
 
-    def _install(self, ds: Dataset, window: MirrorWindow, asked: bytes | None, *, reader: bool) -> None:
-        """Keep a mirror window here (its members this node lacks), and read the rest of its pack ahead."""
+    def _install(self, ds: Dataset, window: MirrorWindow, after: list[BatchRef], asked: bytes | None, *,
+                 reader: bool) -> None:
+        """Keep a batch here (the members of its pack window this node lacks), and read ``after`` ahead (the rest
+        of its pack, as the tier that served it says)."""
         keep = [m for m in window.members if m[0] == asked or not self.has(m[0])]
         if not self.assemblies.accept(window, keep):
             return  # (another reader of the window installed it)
         if reader:
             self.stats.note_ahead([m[0] for m in keep if m[0] != asked])
-        if self.mirror is not None and asked is not None and not self.closing:
-            hints = [self._window_hint(ds, ref, reader) for ref in self.mirror.windows_after(window)
-                     if not self._window_here(ds.ref.id, ref)]
+        if asked is not None and not self.closing:
+            hints = [self._window_hint(ds, ref, reader) for ref in after if not self._window_here(ds.ref.id, ref)]
             hints = self._keepable(ds.ref.id, hints)
             if hints:
                 self.prefetcher.offer(hints)
 
-    def _window_here(self, ds_id: str, ref: WindowRef) -> bool:
+    def _window_here(self, ds_id: str, ref: BatchRef) -> bool:
         if self.assemblies.accepted(ds_id, ref.pack, ref.window):
             return True
         return (ref.first is not None and not self.assemblies.assembling(ds_id, ref.pack)
                 and self.index.packed(ref.first) is not None)
 
-    def _window_hint(self, ds: Dataset, ref: WindowRef, reader: bool) -> Hint:
-        return Hint(("window", ds.ref.id, ref.pack, ref.window), ref.nbytes, "mirror",
+    def _window_hint(self, ds: Dataset, ref: BatchRef, reader: bool) -> Hint:
+        return Hint(("window", ds.ref.id, ref.tier, ref.pack, ref.window), ref.nbytes, ref.tier,
                     functools.partial(self._window_ahead, ds, ref, reader))
 
-    async def _window_ahead(self, ds: Dataset, ref: WindowRef, reader: bool, held: Reservation | None) -> None:
-        """Read a mirror window ahead (the prefetcher runs this with memory ``held`` for it)."""
-        if self.mirror is None or self.closing or self._window_here(ds.ref.id, ref):
+    async def _window_ahead(self, ds: Dataset, ref: BatchRef, reader: bool, held: Reservation | None) -> None:
+        """Read a batch ahead (the prefetcher runs this with memory ``held`` for it)."""
+        if self.closing or self._window_here(ds.ref.id, ref):
+            if held is not None:
+                await held.release()
             return
-        window = await self.mirror.window(ds, ref.pack, ref.window, held)
+        window = await self.chain.fetch_batch(ds, ref, held)
         if not self.assemblies.accepted(ds.ref.id, ref.pack, ref.window):
-            self._install(ds, window, None, reader=reader)
+            self._install(ds, window, [], None, reader=reader)
         await self.assemblies.backlog()
 
     # -- directory read-ahead -------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ class PackStrategy(ReadStrategy):
     def stop(self) -> list[asyncio.Future]:
         """Stop starting work; the fetches in flight (for the caller to cancel and await)."""
         self.closing = True
-        return self._fetches.runs()
+        return [*self._fetches.runs(), *self.chain.stop()]
 
     # -- counting -------------------------------------------------------------------------------------------
     def count(self, ds: Dataset, entry: Entry, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:

@@ -3,7 +3,9 @@
 A test class subclasses :class:`TierConformance` and provides a ``tier_case`` fixture: a :class:`TierCase` with the
 tier, built as the engine builds it, and wants it has and lacks. The suite checks the seam's promises: a tier
 answers exactly what it was asked (the bytes, its name, what the caller should keep) or None, never fills the
-cache, answers many concurrent asks alike, and is registered under its name.
+cache, answers many concurrent asks alike, and is registered under its name; a batch it brings holds the bytes
+asked for, verifies, and can be fetched again by its reference; nothing of its own stays in flight after a drain;
+a dataset it serves has no problem.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from cachefs.tiers import TIERS, Keep, Served, Tier, Want
+import pytest
+
+from cachefs.base.checksum import block_checksum
+from cachefs.base.errors import CacheFSError
+from cachefs.formats.mirror_index import MirrorWindow
+from cachefs.tiers import TIERS, BatchRef, Keep, Served, Tier, Want
 
 __all__ = ["TierCase", "TierConformance"]
 
@@ -23,7 +30,8 @@ class TierCase:
     """What a tier is tested with. ``run(coro)`` runs a coroutine where the tier lives (its event loop);
     ``has``: wants the tier holds, with the bytes each must answer; ``lacks``: wants it must answer None (empty
     for a tier that always answers, the origin); ``cache_dir``: the reading node's cache directory, which the tier
-    must leave alone; ``keeps``: what the tier says to keep of what it serves."""
+    must leave alone; ``keeps``: what the tier says to keep of what it serves; ``batches``: whether it serves
+    the ``has`` wants in batches (a packed mirror)."""
 
     tier: Tier
     run: Callable[[Awaitable], object]
@@ -31,6 +39,7 @@ class TierCase:
     lacks: list[Want] = field(default_factory=list)
     cache_dir: str = ""
     keeps: Keep = Keep.OWN
+    batches: bool = False
 
 
 def _tree(path: str) -> dict[str, tuple[int, int]]:
@@ -80,3 +89,38 @@ class TierConformance:
 
     def test_is_registered_under_its_name(self, tier_case: TierCase):
         assert TIERS[tier_case.tier.name] is type(tier_case.tier)
+
+    def test_batches_hold_what_was_asked_and_can_be_fetched_again(self, tier_case: TierCase):
+        tier = tier_case.tier
+        for want, expected in tier_case.has:
+            served = tier_case.run(tier.fetch(want))
+            assert isinstance(served, Served) and (served.batch is not None) is tier_case.batches, want
+            batch = served.batch
+            if batch is None:
+                with pytest.raises(CacheFSError):
+                    tier_case.run(tier.fetch_batch(want.ds, BatchRef(tier.name, 0, 0, want.length, None), None))
+                continue
+            assert bytes(batch.member(want.okey) or b"") == expected
+            view = memoryview(batch.data)
+            for _okey, offset, length, checksum in batch.members:
+                assert block_checksum(view[offset - batch.start:offset - batch.start + length]) == checksum
+            refs = [BatchRef(tier.name, batch.pack, batch.window, len(batch.data), None), *tier.batches_after(batch)]
+            for ref in refs:
+                assert ref.tier == tier.name and ref.nbytes > 0
+                again = tier_case.run(tier.fetch_batch(want.ds, ref, None))
+                assert isinstance(again, MirrorWindow)
+                assert (again.pack, again.window, len(again.data)) == (ref.pack, ref.window, ref.nbytes)
+
+    def test_nothing_stays_in_flight_after_a_drain(self, tier_case: TierCase):
+        async def fetch_then_drain() -> list[asyncio.Future]:
+            await asyncio.gather(*(tier_case.tier.fetch(w) for w, _ in tier_case.has))
+            await tier_case.tier.drain()
+            return tier_case.tier.stop()
+
+        left = tier_case.run(fetch_then_drain())
+        assert isinstance(left, list) and all(f.done() for f in left), left
+
+    def test_a_dataset_it_serves_has_no_problem(self, tier_case: TierCase):
+        for want, _expected in tier_case.has:
+            tier_case.run(tier_case.tier.fetch(want))
+            assert tier_case.tier.problem(want.ds.ref.id) is None

@@ -8,6 +8,14 @@ multilevel cache fills its own local level. A tier that is not the last one fail
 it is counted as a fallback (with why) and the next tier is asked; only the last tier's errors reach the reader.
 Every tier counts the bytes it served.
 
+A tier may bring more than it was asked: the packed mirror fetches a window of a pack holding the file and its
+neighbours. It answers with that *batch* beside the bytes (:attr:`Served.batch`), says what to read ahead after it
+(:meth:`Tier.batches_after`) and fetches those batches when asked (:meth:`Tier.fetch_batch`); the caller installs
+batches whole and schedules the read-ahead, whichever tier they came from. Memory: the caller holds it for the
+bytes it asked for (``want.length``) for as long as it has them; a tier holds memory only for what it brings beyond
+that (the rest of a batch). Tiers with work in flight let the engine wait for it (:meth:`Tier.drain`) or cancel it
+(:meth:`Tier.stop`), and say why a dataset cannot use them (:meth:`Tier.problem`, shown by ``cachefs status``).
+
 Chains come from configuration (``engine.small_tiers``, ``engine.block_tiers``): names looked up in
 :data:`TIERS` (as fsspec's ``known_implementations``), each class building itself from :class:`TierParts`.
 """
@@ -15,6 +23,7 @@ Chains come from configuration (``engine.small_tiers``, ``engine.block_tiers``):
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 import logging
 import threading
@@ -29,9 +38,10 @@ if TYPE_CHECKING:
     from cachefs.base.config import Config
     from cachefs.cluster.link import GroupView
     from cachefs.formats.mirror_index import MirrorWindow
+    from cachefs.node.budget import Reservation
     from cachefs.node.funnel import OriginFunnel
 
-__all__ = ["TIERS", "Keep", "Kind", "Served", "Tier", "TierChain", "TierCounts", "TierParts", "Want", "build_chain"]
+__all__ = ["TIERS", "BatchRef", "Keep", "Kind", "Served", "Tier", "TierChain", "TierCounts", "TierParts", "Want", "build_chain"]
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +77,25 @@ class Keep(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """What a tier answered: exactly the bytes asked for, the tier's name, what to keep, and (the packed mirror)
-    the window of the mirror pack the bytes came in, which the caller may install whole."""
+    """What a tier answered: exactly the bytes asked for, the tier's name, what to keep, and the batch the bytes
+    came in when the tier fetched more than asked (a window of a pack: the caller may install it whole)."""
 
     data: bytes | bytearray
     tier: str
     keep: Keep = Keep.OWN
-    window: MirrorWindow | None = None
+    batch: MirrorWindow | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRef:
+    """A batch to read ahead: the tier that offers it, where it is (``pack``, ``window``), its size, and the key of
+    its pack's first member (whether that pack is here already)."""
+
+    tier: str
+    pack: int
+    window: int
+    nbytes: int
+    first: bytes | None
 
 
 @dataclass(frozen=True)
@@ -98,6 +120,28 @@ class Tier(abc.ABC):
     async def fetch(self, want: Want) -> Served | None:
         """Exactly ``want.length`` bytes, or None if this tier does not have them; raises
         :class:`~cachefs.base.errors.CacheFSError` when it should have had them and failed."""
+
+    def batches_after(self, batch: MirrorWindow) -> list[BatchRef]:
+        """What to read ahead after ``batch`` (one this tier served), in order; a tier without batches has none."""
+        return []
+
+    async def fetch_batch(self, ds: Dataset, ref: BatchRef, held: Reservation | None) -> MirrorWindow:
+        """The batch ``ref`` names (one of :meth:`batches_after`'s). ``held``: memory reserved for it already (the
+        prefetcher's), used for the fetch or given back."""
+        if held is not None:
+            await held.release()
+        raise CacheFSError(f"tier {self.name} serves no batches")
+
+    def problem(self, ds_id: str) -> str | None:
+        """Why dataset ``ds_id`` cannot use this tier although it has something for it (None: no problem)."""
+        return None
+
+    async def drain(self) -> None:  # noqa: B027 - optional hook
+        """Wait for the fetches this tier has in flight of its own (beyond the asks it is answering)."""
+
+    def stop(self) -> list[asyncio.Future]:
+        """The fetches of its own in flight, for the engine to cancel at shutdown."""
+        return []
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and background work."""
@@ -154,6 +198,31 @@ class TierChain:
             raise CacheFSError(f"{want.entry.path}: no tier could serve it")
         self.counts.served(last.name, len(served.data))
         return served
+
+    def batches_after(self, served: Served) -> list[BatchRef]:
+        """What to read ahead after the batch ``served`` came in (none if it came alone)."""
+        tier = self.tier(served.tier)
+        return tier.batches_after(served.batch) if tier is not None and served.batch is not None else []
+
+    async def fetch_batch(self, ds: Dataset, ref: BatchRef, held: Reservation | None) -> MirrorWindow:
+        """The batch ``ref`` names, from the tier that offered it."""
+        tier = self.tier(ref.tier)
+        if tier is None:
+            if held is not None:
+                await held.release()
+            raise CacheFSError(f"no tier {ref.tier} in this chain")
+        return await tier.fetch_batch(ds, ref, held)
+
+    def problem(self, ds_id: str) -> str | None:
+        """The first of the tiers' problems with dataset ``ds_id``."""
+        return next((p for t in self.tiers if (p := t.problem(ds_id)) is not None), None)
+
+    async def drain(self) -> None:
+        for tier in self.tiers:
+            await tier.drain()
+
+    def stop(self) -> list[asyncio.Future]:
+        return [f for tier in self.tiers for f in tier.stop()]
 
     async def close(self) -> None:
         for tier in self.tiers:

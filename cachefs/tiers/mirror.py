@@ -6,7 +6,7 @@ about :data:`MIRROR_WINDOW` bytes that holds it, so its reader waits for one ran
 the file's bytes and the whole window (:class:`~cachefs.formats.mirror_index.MirrorWindow`, every member the
 manifest names verified); the pack read strategy installs the window as it is, so the files that came with it
 are local when their readers ask, and plans the rest of the pack and the next one as read-ahead
-(:meth:`MirrorTier.windows_after`). Files the mirror does not have (larger ones, or changed at the source since
+(:meth:`MirrorTier.batches_after`). Files the mirror does not have (larger ones, or changed at the source since
 it was written) are not this tier's: the next tier serves them.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 from cachefs.base.checksum import block_checksum
 from cachefs.base.errors import CacheFSError, ObjectNotFoundError
@@ -26,25 +25,14 @@ from cachefs.node.flight import SingleFlight
 from cachefs.node.funnel import OriginFunnel
 from cachefs.prefetch.planners import mirror_windows, window_of
 from cachefs.sources import Source
-from cachefs.tiers.base import Keep, Kind, Served, Tier, TierParts, Want
+from cachefs.tiers.base import BatchRef, Keep, Kind, Served, Tier, TierParts, Want
 
-__all__ = ["MIRROR_WINDOW", "MirrorTier", "WindowRef", "load_mirror"]
+__all__ = ["MIRROR_WINDOW", "MirrorTier", "load_mirror"]
 
 log = logging.getLogger(__name__)
 
 #: The ranged GETs a mirror pack is fetched in; a miss waits for the one that holds its file.
 MIRROR_WINDOW = 8 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class WindowRef:
-    """A window of a mirror pack to read ahead: where it is, its size, and the key of its pack's first member
-    (whether the pack is here already)."""
-
-    pack: int
-    window: int
-    nbytes: int
-    first: bytes | None
 
 
 async def load_mirror(ref: DatasetRef, source: Source, url: str | None = None) -> MirrorIndex | None:
@@ -108,14 +96,19 @@ class MirrorTier(Tier):
         if mirror is None or want.okey not in mirror.entries:
             return None
         pack, offset, _length, _ck = mirror.entries[want.okey]
-        window = await self.window(want.ds, pack, window_of(mirror.bounds(pack, MIRROR_WINDOW), offset))
+        # (the caller holds memory for the file it asked for: the window's fetch holds only the rest)
+        window = await self._window(want.ds, pack, window_of(mirror.bounds(pack, MIRROR_WINDOW), offset), None,
+                                    want.length)
         data = window.member(want.okey)
         if data is None:
             raise CacheFSError(f"{mirror.url}: pack {pack}: the window fetched did not hold the file")
         return Served(data, self.name, Keep.OWN, window)
 
-    def windows_after(self, window: MirrorWindow) -> list[WindowRef]:
-        """What to read ahead after ``window``: the rest of its pack, then the next pack's windows, in that order."""
+    def problem(self, ds_id: str) -> str | None:
+        return self.problems.get(ds_id)
+
+    def batches_after(self, window: MirrorWindow) -> list[BatchRef]:
+        """The rest of ``window``'s pack, then the next pack's windows, in that order."""
         mirror = self._mirrors.get(window.ds_id)
         if mirror is None:
             return []
@@ -125,28 +118,34 @@ class MirrorTier(Tier):
         for p, w in mirror_windows(window.pack, window.window, counts, {})[1:]:
             bounds = mirror.bounds(p, MIRROR_WINDOW)
             first = mirror.layout[p][0][2] if mirror.layout[p] else None
-            refs.append(WindowRef(p, w, bounds[w + 1] - bounds[w], first))
+            refs.append(BatchRef(self.name, p, w, bounds[w + 1] - bounds[w], first))
         return refs
 
-    async def window(self, ds: Dataset, pack: int, window: int, held: Reservation | None = None) -> MirrorWindow:
+    async def fetch_batch(self, ds: Dataset, ref: BatchRef, held: Reservation | None) -> MirrorWindow:
+        return await self._window(ds, ref.pack, ref.window, held, 0)
+
+    async def _window(self, ds: Dataset, pack: int, window: int, held: Reservation | None,
+                      asked: int) -> MirrorWindow:
         """Window ``window`` of ``pack`` (single-flight: one GET however many ask). ``held``: memory reserved for it
-        already (read-ahead), used for the fetch or given back."""
+        already (read-ahead), used for the fetch or given back; ``asked``: bytes of it the caller holds memory
+        for (the file it asked for)."""
         key = (ds.ref.id, pack, window)
         fut = self._windows.get(key)
         if fut is None:
-            fut = self._windows.start(key, self._fetch_window(ds, pack, window, held))
+            fut = self._windows.start(key, self._fetch_window(ds, pack, window, held, asked))
         elif held is not None:
             await held.release()
         return await asyncio.shield(fut)
 
-    async def _fetch_window(self, ds: Dataset, pack: int, window: int, held: Reservation | None) -> MirrorWindow:
+    async def _fetch_window(self, ds: Dataset, pack: int, window: int, held: Reservation | None,
+                            asked: int) -> MirrorWindow:
         mirror = await self.mirror(ds)
         if mirror is None:
             raise CacheFSError(f"{ds.ref.url}: its packed mirror went away")
         bounds = mirror.bounds(pack, MIRROR_WINDOW)
         lo, hi = bounds[window], bounds[window + 1]
         url, version = mirror.packs[pack]
-        async with held or await self.funnel.hold(hi - lo):
+        async with held or await self.funnel.hold(max(0, hi - lo - asked)):
             raw = await self.funnel.get(ds.source, url, version, lo, hi - lo)
         self.gets += 1
         if len(raw) != hi - lo:

@@ -349,7 +349,7 @@ def test_cachefs_pack_writes_a_verified_mirror_that_cold_reads_use_and_staleness
             await engine.persist()
         finally:
             await source.close()
-        return got, engine.mirror.files, engine.mirror.gets
+        return got, engine.packs.chain.tier("mirror").files, engine.packs.chain.tier("mirror").gets
 
     got, mirror_files, mirror_gets = run(engine, scenario())
     assert got == changed  # every byte right, the changed file's new bytes included
@@ -462,4 +462,4 @@ def test_the_mirror_is_looked_up_with_the_datasets_own_storage_options(s3, tmp_p
         for rel, data in files.items():
             assert fs.cat_file(f"{bucket}/opt/{rel}") == data
     assert "cannot use its packed mirror" not in caplog.text
-    assert fs.engine.mirror.files == len(files) and fs.engine.mirror.gets >= 1
+    assert (mirror := fs.engine.packs.chain.tier("mirror")).files == len(files) and mirror.gets >= 1

@@ -79,7 +79,8 @@ class TestMirrorTier(TierConformance):
         lacks = [Want(ds, big, object_key(ds.ref.id, big.path, big.version), 0, big.size),  # not in the mirror
                  Want(ds, small, object_key(ds.ref.id, small.path, small.version), 10, 100)]  # not a whole file
         has = _wants(ds, "small/b.txt", blocks=False) + _wants(ds, "small/c.txt", blocks=False)
-        return TierCase(engine.packs.chain.tier("mirror"), run_sync, has, lacks, engine.config.cache.dir)
+        return TierCase(engine.packs.chain.tier("mirror"), run_sync, has, lacks, engine.config.cache.dir,
+                        batches=True)
 
 
 class TestPeerTier(TierConformance):
