@@ -60,6 +60,7 @@ from cachefs.sources import Source, open_origin
 from cachefs.store import DiskStore
 from cachefs.store.pack_store import DiskPackStore
 from cachefs.tiers import TierCounts, TierParts, build_chain
+from cachefs.write.services import NodeServices
 
 __all__ = ["WOULD_WAIT", "Dataset", "Engine", "LocalRead", "OpenFile", "ReadStream", "get_engine"]
 
@@ -102,6 +103,8 @@ class Engine:
         self.tier_counts = TierCounts()
         self.group = GroupLink(c.dir)
         parts = TierParts(config, self.funnel, self.group.view)
+        #: What writable volumes on this node take from it (their memory, disk room and copies).
+        self.node_services = NodeServices(self.budget, self.eviction.make_room, self.group.view)
         block_chain = build_chain(tier_names(e.block_tiers), parts, "block", self.tier_counts)
         small_chain = build_chain(tier_names(e.small_tiers), parts, "small", self.tier_counts)
         self.blocks = BlockStrategy(config, self.objects, block_chain, self.funnel, self.admission, self.disk,

@@ -76,8 +76,8 @@ class CacheFileSystem(_Base):
             engine = self.engine
             protocol = self.target_protocol or "s3"
             options = {**self._origin_layers.get(protocol, {}), **self.target_options}
-            volumes = ProcessVolumes.of_process(self._config, budget=engine.budget, make_room=engine.eviction.make_room,
-                                                storage_options=options, group=engine.group.view)
+            volumes = ProcessVolumes.of_process(self._config, services=engine.node_services,
+                                                storage_options=options)
             self._writes = VolumeFiles(volumes, self.volume_url)
         return self._writes
 

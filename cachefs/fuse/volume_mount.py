@@ -35,8 +35,7 @@ def serve_writable_mount(config: Config, url: str, mountpoint: str, *, attach: s
     fd, info = receive_fd(attach)
     engine = get_engine(config)  # the memory budget, and the read cache's eviction that makes room for staged bytes
     try:
-        volume = open_volume(config, url, session=volume_session(mountpoint), budget=engine.budget,
-                             make_room=engine.eviction.make_room, group=engine.group.view,
+        volume = open_volume(config, url, session=volume_session(mountpoint), services=engine.node_services,
                              mountpoint=os.path.abspath(mountpoint))
         run_sync(engine.start_background())  # (follows the cache group's members file: where copies go)
         run_sync(volume.start())

@@ -9,6 +9,7 @@ for ``cachefs sync URL`` to finish.
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import logging
 import os
@@ -21,10 +22,9 @@ from typing import ClassVar
 from cachefs.base.aio import get_loop, run_sync
 from cachefs.base.config import Config
 from cachefs.base.errors import InvalidURLError
-from cachefs.cluster.link import GroupView
-from cachefs.node.budget import MemoryBudget
 from cachefs.write import remote
 from cachefs.write.opening import open_volume
+from cachefs.write.services import NodeServices
 from cachefs.write.volume import WritableVolume
 
 __all__ = ["ProcessVolumes", "StagedFile", "VolumeFiles"]
@@ -121,9 +121,8 @@ class ProcessVolumes:
                 found = cls._of_process[key] = cls(config, **kw)
             return found
 
-    def __init__(self, config: Config, *, budget: MemoryBudget | None, make_room=None,
-                 storage_options: dict | None = None, group: GroupView | None = None) -> None:
-        self.config, self.budget, self.make_room, self.group = config, budget, make_room, group
+    def __init__(self, config: Config, *, services: NodeServices, storage_options: dict | None = None) -> None:
+        self.config, self.services = config, services
         self.storage_options = storage_options
         self._volumes: dict[str, WritableVolume] = {}
         self._lock = threading.Lock()
@@ -138,9 +137,8 @@ class ProcessVolumes:
         with self._lock:
             v = self._volumes.get(root)
             if v is None:
-                v = open_volume(self.config, root, session=self._session, budget=self.budget,
-                                make_room=self.make_room, storage_options=self.storage_options, group=self.group,
-                                pid=os.getpid())
+                v = open_volume(self.config, root, session=self._session, services=self.services,
+                                storage_options=self.storage_options, pid=os.getpid())
                 run_sync(v.start(list_origin=False))
                 self._volumes[root] = v
             return v
@@ -152,10 +150,8 @@ class ProcessVolumes:
             volumes, self._volumes = list(self._volumes.values()), {}
         deadline = time.monotonic() + (self.config.checkpoint.stall_timeout if timeout is None else timeout)
         for v in volumes:
-            with v.queue.changed:
-                while v.queue.entries and time.monotonic() < deadline:
-                    v.queue.changed.wait(timeout=0.5)
-                left = len(v.queue.entries)
+            v.wait_until(functools.partial(_emptied, v), timeout=max(0.0, deadline - time.monotonic()))
+            left = len(v.queue.pending())
             run_sync(v.stop())
             if left:
                 log.warning("%s: %d uploads did not finish before this process ended; `cachefs sync %s` finishes "
@@ -273,3 +269,7 @@ class VolumeFiles:
     def mkdir(self, url: str) -> None:
         volume, rel = self._where(url)
         os.makedirs(volume.path(rel), exist_ok=True)
+
+
+def _emptied(volume: WritableVolume) -> bool:
+    return not volume.queue.entries

@@ -14,9 +14,8 @@ from cachefs.base.config import Config
 from cachefs.base.errors import ConfigError
 from cachefs.base.files import atomic_write
 from cachefs.base.types import canonical_url
-from cachefs.cluster.link import GroupView
 from cachefs.index.volumes import volumes_root
-from cachefs.node.budget import MemoryBudget
+from cachefs.write.services import NodeServices
 from cachefs.write.volume import WritableVolume
 
 __all__ = ["lock_volume", "open_volume"]
@@ -34,8 +33,7 @@ def lock_volume(vdir: str) -> int | None:
 
 
 def open_volume(config: Config, url: str, *, session: str, storage_options: dict | None = None,
-                budget: MemoryBudget | None = None, make_room=None, group: GroupView | None = None,
-                **info: Any) -> WritableVolume:
+                services: NodeServices = NodeServices.NONE, **info: Any) -> WritableVolume:
     """The volume of ``url`` for ``session`` (a mount point, or a process's own), locked for this process.
     ``info`` is recorded in ``volume.json`` (e.g. the mount point)."""
     url = canonical_url(url).rstrip("/")
@@ -48,6 +46,6 @@ def open_volume(config: Config, url: str, *, session: str, storage_options: dict
     atomic_write(os.path.join(vdir, "volume.json"), json.dumps({"url": url, "session": session, **info}))
     node = os.environ.get("NODE_NAME") or socket.gethostname()
     volume = WritableVolume(config, url, vdir, writer=f"{node}/{key}", storage_options=storage_options,
-                            budget=budget, make_room=make_room, group=group)
+                            services=services)
     volume.lock_fd = fd
     return volume

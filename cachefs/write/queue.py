@@ -8,6 +8,7 @@ effect ahead of uploads already queued (see :meth:`UploadQueue.add`).
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import threading
@@ -15,17 +16,36 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["QueueEntry", "UploadQueue", "fsync_dir", "under"]
+__all__ = ["EntryKind", "QueueEntry", "UploadQueue", "fsync_dir", "under"]
 
-#: Kinds of entries: upload a closed file's snapshot, copy or delete an object, claim a checkpoint's name, write
-#: its commit record.
-KINDS = ("put", "copy", "delete", "claim", "commit")
+
+class EntryKind(enum.StrEnum):
+    """What an entry does on the origin (its value is what the journal records)."""
+
+    #: Upload a closed file's snapshot.
+    PUT = "put"
+    #: Copy an object (a rename of what is there already), then...
+    COPY = "copy"
+    #: ...delete an object.
+    DELETE = "delete"
+    #: Claim a checkpoint directory's name before its objects go up.
+    CLAIM = "claim"
+    #: Write a checkpoint directory's commit record after all of them.
+    COMMIT = "commit"
+
+    @property
+    def makes_object(self) -> bool:
+        """It leaves an object under its key (a put or a copy)."""
+        return self in (EntryKind.PUT, EntryKind.COPY)
+
+
+_KINDS = frozenset(k.value for k in EntryKind)
 
 
 @dataclass
 class QueueEntry:
     seq: int
-    kind: str
+    kind: EntryKind
     key: str  # the object (put, delete, copy's destination), or the checkpoint's name (claim, commit)
     size: int = 0
     src: str = ""  # copy: the source key
@@ -54,9 +74,10 @@ class UploadQueue:
     """The ordered entries of one volume and their journal. Thread-safe: front doors add from their threads, the
     uploader takes and finishes entries from the event loop."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, lock: threading.RLock | None = None) -> None:
+        """``lock``: the owner's, when the owner changes other state together with the queue (a volume's tree)."""
         self.path = path
-        self.lock = threading.RLock()
+        self.lock = lock if lock is not None else threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.entries: list[QueueEntry] = []
         self.next_seq = 1
@@ -83,8 +104,8 @@ class UploadQueue:
                 continue
             t, seq = r.get("t"), int(r.get("seq", 0))
             self.next_seq = max(self.next_seq, seq + 1)
-            if t in KINDS:
-                e = QueueEntry(seq, t, r["key"], int(r.get("size", 0)), r.get("src", ""), int(r.get("snap", 0)),
+            if t in _KINDS:
+                e = QueueEntry(seq, EntryKind(t), r["key"], int(r.get("size", 0)), r.get("src", ""), int(r.get("snap", 0)),
                                float(r.get("added", 0)))
                 by_seq[seq] = e
                 before = r.get("before")
@@ -134,11 +155,11 @@ class UploadQueue:
             os.fsync(self._file.fileno())
 
     # -- changes from the front doors ---------------------------------------------------------------------------
-    def add(self, kind: str, key: str, *, size: int = 0, src: str = "", snap: int = 0,
+    def add(self, kind: EntryKind, key: str, *, size: int = 0, src: str = "", snap: int = 0,
             before: QueueEntry | None = None) -> QueueEntry:
         """Queue an entry at the end, or just before ``before`` (which must not have started), durably."""
         with self.lock:
-            e = QueueEntry(self.next_seq, kind, key, size, src, snap)
+            e = QueueEntry(self.next_seq, EntryKind(kind), key, size, src, snap)
             self.next_seq += 1
             record = e.record()
             if before is not None and before in self.entries and not before.running:
@@ -212,7 +233,7 @@ class UploadQueue:
                 self.entries.remove(e)
             if failed:
                 self.failed[e.seq] = failed
-            elif e.kind == "put":
+            elif e.kind is EntryKind.PUT:
                 self.uploaded_bytes += e.size
             self.done_seqs.add(e.seq)
             if not self.entries and not self.failed and self._file is not None:
@@ -220,6 +241,10 @@ class UploadQueue:
                 self._compact()
                 self._file = open(self.path, "a", buffering=1)
             self.changed.notify_all()
+
+    def wait_changed(self, timeout: float) -> None:
+        """Wait (the lock held) until the queue changes, or ``timeout`` seconds."""
+        self.changed.wait(timeout=timeout)
 
     def done_through(self, seq: int) -> bool:
         """Whether every entry up to ``seq`` has left the queue (done, dropped or failed)."""

@@ -13,7 +13,7 @@ from cachefs.base.metrics import (
     CHECKPOINT_STAGED_FILES,
     safely,
 )
-from cachefs.write.queue import UploadQueue
+from cachefs.write.queue import EntryKind, UploadQueue
 from cachefs.write.uploader import Uploader
 
 __all__ = ["durability", "export_metrics", "volume_status"]
@@ -28,7 +28,7 @@ def volume_status(queue: UploadQueue, uploader: Uploader, *, dirty: int, wanted:
         entries = list(queue.entries)
         failed = dict(queue.failed)
         last = queue.next_seq - 1
-    puts = [e for e in entries if e.kind == "put"]
+    puts = [e for e in entries if e.kind is EntryKind.PUT]
     queued = sum(e.size for e in puts)
     rate = uploader.rate
     return {

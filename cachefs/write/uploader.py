@@ -15,8 +15,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from cachefs.base.errors import CacheFSError, CommitConflictError, ObjectNotFoundError, StaleObjectError
 from cachefs.base.metrics import CHECKPOINT_FAILURES, CHECKPOINT_UPLOADED_BYTES, result_of, safely
@@ -24,9 +24,9 @@ from cachefs.node.budget import MemoryBudget
 from cachefs.sources import Source
 from cachefs.sources.writes import ObjectWrites
 from cachefs.write import commits
-from cachefs.write.queue import QueueEntry, UploadQueue, under
+from cachefs.write.queue import EntryKind, QueueEntry, UploadQueue, under
 
-__all__ = ["Uploader"]
+__all__ = ["UploadOwner", "Uploader"]
 
 log = logging.getLogger(__name__)
 
@@ -34,30 +34,39 @@ log = logging.getLogger(__name__)
 LOOKAHEAD = 8
 
 
-class Uploader:
-    """Runs ``queue`` against the origin at ``url`` (the volume's root), on the event loop."""
+class UploadOwner(Protocol):
+    """What the uploader needs of the volume whose queue it runs (thread-safe, quick: called on the loop)."""
 
-    def __init__(self, queue: UploadQueue, url: str, snapshot: Callable[[int], str], writes: ObjectWrites,
-                 source: Source, *, writer: str, part_size: int, concurrency: int, backoff_max: float,
-                 budget: MemoryBudget | None = None, on_done: Callable[[QueueEntry, str], None] | None = None,
-                 origin_etag: Callable[[str], str] = lambda key: "",
-                 reupload: Callable[[QueueEntry, str], bool] = lambda e, etag: False) -> None:
-        """``origin_etag(key)``: the ETag this volume knows the origin's object ``key`` by ("" if none); a copy is
-        made only while its source still has it. ``reupload(copy, etag)``: when the source was replaced (another
-        writer's object of the same name) or deleted, queue a put of the tree's own bytes in the copy's place
-        (True), or say there are none here (False: the copy fails for good)."""
-        self.queue, self.url, self.snapshot = queue, url.rstrip("/"), snapshot
+    def snapshot(self, snap: int) -> str:
+        """The path of a put's snapshot."""
+
+    def origin_etag(self, key: str) -> str:
+        """The ETag the volume knows the origin's object ``key`` by ("" if none): a copy is made only while its
+        source still has it."""
+
+    def uploaded(self, e: QueueEntry, failed: str) -> None:
+        """``e`` finished (``failed``: given up for good, and why)."""
+
+    def reupload(self, copy: QueueEntry, etag: str) -> bool:
+        """The source of ``copy`` no longer has ``etag`` (another writer replaced or deleted it): queue a put of
+        the tree's own bytes in the copy's place (True), or say there are none here (False: the copy fails)."""
+
+
+class Uploader:
+    """Runs ``queue`` against the origin at ``url`` (the volume's root), on the event loop, for ``owner``."""
+
+    def __init__(self, queue: UploadQueue, url: str, owner: UploadOwner, writes: ObjectWrites, source: Source, *,
+                 writer: str, part_size: int, concurrency: int, backoff_max: float,
+                 budget: MemoryBudget | None = None) -> None:
+        self.queue, self.url, self.owner = queue, url.rstrip("/"), owner
         self.writes, self.source, self.writer = writes, source, writer
         self.part_size, self.backoff_max, self.budget = part_size, backoff_max, budget
-        self.on_done = on_done
-        self.origin_etag, self.reupload = origin_etag, reupload
         self._parts = asyncio.Semaphore(concurrency)
         self._prepared: dict[int, asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self.paused = False  # (tests hold the upload back)
         #: The last failure of the entry at the head, while it is retried ("" when none).
         self.last_error = ""
         self.failures = 0
@@ -106,13 +115,13 @@ class Uploader:
         await self._abort_leftovers()
         delay = 0.0
         while True:
-            head = [] if self.paused else self.queue.head(LOOKAHEAD)
+            head = self.queue.head(LOOKAHEAD)
             if not head:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             for e in head:
-                if e.kind == "put" and e.size > self.part_size and e.seq not in self._prepared:
+                if e.kind is EntryKind.PUT and e.size > self.part_size and e.seq not in self._prepared:
                     self._prepared[e.seq] = asyncio.ensure_future(self._prepare(e, e.key))
             first = head[0]
             try:
@@ -123,7 +132,7 @@ class Uploader:
                 self._give_up(first, str(exc))
                 continue
             except _SourceReplaced as exc:
-                if not self.reupload(first, exc.etag):
+                if not self.owner.reupload(first, exc.etag):
                     self._give_up(first, f"{first.key}: its source {first.src} was replaced or deleted by another "
                                          f"writer, and this node does not hold its bytes")
                 continue
@@ -139,8 +148,7 @@ class Uploader:
             self.last_error = ""
             self.last_progress = time.monotonic()
             self.queue.finished(first)
-            if self.on_done is not None:
-                self.on_done(first, "")
+            self.owner.uploaded(first, "")
 
     def _failed(self, e: QueueEntry, exc: BaseException) -> None:
         self.failures += 1
@@ -154,14 +162,14 @@ class Uploader:
         bytes stay in the volume's tree."""
         log.error("%s/%s: %s; its files stay on this node only", self.url, first.key, reason)
         name = first.key
-        for e in [first, *self.queue.pending(lambda e: e is not first and e.kind in ("put", "copy", "commit")
-                                              and under(e.key, name))]:
+        in_it = self.queue.pending(lambda e: e is not first and (e.kind.makes_object or e.kind is EntryKind.COMMIT)
+                                   and under(e.key, name))
+        for e in [first, *in_it]:
             task = self._prepared.pop(e.seq, None)
             if task is not None:
                 task.cancel()
             self.queue.finished(e, failed=reason)
-            if self.on_done is not None:
-                self.on_done(e, reason)
+            self.owner.uploaded(e, reason)
         self.last_error = reason
 
     async def _abort_leftovers(self) -> None:
@@ -184,33 +192,33 @@ class Uploader:
 
     # -- one entry ----------------------------------------------------------------------------------------------
     async def _finish(self, e: QueueEntry) -> None:
-        if e.kind == "put":
+        if e.kind is EntryKind.PUT:
             started = time.monotonic()
             if e.size > self.part_size:
                 await self._complete(e)
             else:
                 self.queue.started(e)
                 async with self._memory(e.size):
-                    data = await asyncio.to_thread(_pread, self.snapshot(e.snap), 0, e.size)
+                    data = await asyncio.to_thread(_pread, self.owner.snapshot(e.snap), 0, e.size)
                     e.etag = await self.writes.put(self._url(e.key), data)
             seconds = time.monotonic() - started
             self.rate = e.size / seconds if seconds > 0 else 0.0
             safely(lambda: CHECKPOINT_UPLOADED_BYTES.inc(e.size))
             return
         self.queue.started(e)
-        if e.kind == "copy":
-            etag = self.origin_etag(e.src)
+        if e.kind is EntryKind.COPY:
+            etag = self.owner.origin_etag(e.src)
             try:
                 e.etag = await self.writes.copy(self._url(e.src), self._url(e.key), e.size, if_match=etag)
             except (StaleObjectError, ObjectNotFoundError):
                 # (a renamed temporary name another writer used too: copy only the object this volume put there)
                 e.running = False
                 raise _SourceReplaced(etag) from None
-        elif e.kind == "delete":
+        elif e.kind is EntryKind.DELETE:
             await self.writes.delete(self._url(e.key))
-        elif e.kind == "claim":
+        elif e.kind is EntryKind.CLAIM:
             await commits.claim(self.writes, self.source, self._url(e.key), self.writer)
-        elif e.kind == "commit":
+        elif e.kind is EntryKind.COMMIT:
             await commits.write_record(self.writes, self.source, self._url(e.key), self.writer)
 
     async def _complete(self, e: QueueEntry) -> None:
@@ -259,14 +267,17 @@ class Uploader:
         async with self._parts:
             size = min(self.part_size, total - start)
             async with self._memory(size):
-                data = await asyncio.to_thread(_pread, self.snapshot(snap), start, size)
+                data = await asyncio.to_thread(_pread, self.owner.snapshot(snap), start, size)
                 return await self.writes.put_part(url, upload_id, number, data)
 
-    def _memory(self, size: int) -> contextlib.AbstractAsyncContextManager[Any]:
+    @contextlib.asynccontextmanager
+    async def _memory(self, size: int) -> AsyncIterator[None]:
         """``size`` bytes of the memory budget, held while a body is read and sent."""
         if self.budget is None:
-            return contextlib.nullcontext()
-        return _Held(self.budget, size)
+            yield
+            return
+        async with await self.budget.take(size):
+            yield
 
 
 class _Renamed(Exception):
@@ -281,18 +292,6 @@ class _SourceReplaced(Exception):
         self.etag = etag
 
 
-class _Held:
-    def __init__(self, budget: MemoryBudget, size: int) -> None:
-        self.budget, self.size = budget, size
-        self.reservation: Any = None
-
-    async def __aenter__(self) -> None:
-        self.reservation = await self.budget.take(self.size)
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.reservation.release()
-
-
 def _pread(path: str, start: int, size: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -302,8 +301,3 @@ def _pread(path: str, start: int, size: int) -> bytes:
     if len(out) != size:
         raise OSError(f"{path}: snapshot holds {start + len(out)} bytes, {start + size} were journalled")
     return out
-
-
-def describe(uploader: Uploader) -> dict[str, Any]:
-    """What status shows about an uploader."""
-    return {"last_error": uploader.last_error, "failures": uploader.failures, "upload_rate": uploader.rate}

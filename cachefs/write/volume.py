@@ -16,17 +16,17 @@ import os
 import shutil
 import stat
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from cachefs.base.aio import run_sync
 from cachefs.base.config import Config, resolve_size
 from cachefs.base.files import atomic_write
-from cachefs.cluster.link import GroupView
-from cachefs.node.budget import MemoryBudget
 from cachefs.sources import open_object_writes, open_origin
 from cachefs.write import remote, report
-from cachefs.write.queue import QueueEntry, UploadQueue, fsync_dir, under
+from cachefs.write.queue import EntryKind, QueueEntry, UploadQueue, fsync_dir, under
 from cachefs.write.replicas import Replicator
+from cachefs.write.services import NodeServices
 from cachefs.write.staging import StagingRoom
 from cachefs.write.uploader import Uploader
 
@@ -40,30 +40,28 @@ class WritableVolume:
     for their upload), ``<dir>/journal`` (the queue), ``<dir>/status.json`` (what ``cachefs status`` shows)."""
 
     def __init__(self, config: Config, url: str, vdir: str, *, writer: str, storage_options: dict | None = None,
-                 budget: MemoryBudget | None = None, make_room=None, group: GroupView | None = None) -> None:
+                 services: NodeServices = NodeServices.NONE) -> None:
         self.config, self.url, self.dir, self.writer = config, url.rstrip("/"), vdir, writer
         self.tree = os.path.join(vdir, "tree")
         self.snapdir = os.path.join(vdir, "queue")
         os.makedirs(self.tree, exist_ok=True)
         os.makedirs(self.snapdir, exist_ok=True)
-        self.queue = UploadQueue(os.path.join(vdir, "journal"))
-        self.lock = self.queue.lock
+        #: Held for every change to the tree together with the queue (which guards itself with it too).
+        self.lock = threading.RLock()
+        self.queue = UploadQueue(os.path.join(vdir, "journal"), self.lock)
         self.source = open_origin(self.url, config, storage_options)
         k = config.checkpoint
-        self.uploader = Uploader(self.queue, self.url, self.snapshot, open_object_writes(self.url, config, storage_options),
+        self.budget = services.budget
+        self.uploader = Uploader(self.queue, self.url, self, open_object_writes(self.url, config, storage_options),
                                  self.source, writer=writer, part_size=k.part_size, concurrency=k.upload_concurrency,
-                                 backoff_max=config.origin.backoff_max, budget=budget, on_done=self._uploaded,
-                                 origin_etag=lambda key: self.origin_keys.get(key, (0, ""))[1], reupload=self._reupload)
-        self.budget = budget
-        self.replicator = Replicator(group, self.url, config.checkpoint.replicas)
+                                 backoff_max=config.origin.backoff_max, budget=self.budget)
+        self.replicator = Replicator(services.group, self.url, config.checkpoint.replicas)
         st = os.statvfs(vdir)
         total = st.f_blocks * st.f_frsize
         self.room = StagingRoom(vdir, limit=resolve_size(k.staging_limit, total, "checkpoint.staging_limit"),
                                 min_free=resolve_size(config.cache.min_free, total, "cache.min_free"),
-                                stall_timeout=k.stall_timeout, changed=self.queue.changed, queued=self.queued_bytes,
-                                dirty=lambda: sum(self._dirty.values()),
-                                last_progress=lambda: self.uploader.last_progress,
-                                make_room=[f for f in (make_room, self.drop_clean) if f is not None])
+                                stall_timeout=k.stall_timeout, staged=self,
+                                make_room=[f for f in (services.make_room, self.drop_clean) if f is not None])
         #: Objects on the origin now, key → (size, ETag): the listing at start, then every upload, copy and delete
         #: that finished.
         self.origin_keys: dict[str, tuple[int, str]] = {}
@@ -86,14 +84,14 @@ class WritableVolume:
     async def start(self, *, list_origin: bool = True) -> None:
         """Show the origin's objects (unless ``list_origin`` is false) and start uploading what is queued."""
         remote.check_xattrs(self.tree)
-        for e in self.queue.pending(lambda e: e.kind == "put"):
+        for e in self.queue.pending(lambda e: e.kind is EntryKind.PUT):
             try:
                 self._snap_inode[e.snap] = os.stat(self.snapshot(e.snap)).st_ino
             except FileNotFoundError:
                 log.error("%s: the snapshot of %s is missing; its upload is dropped", self.dir, e.key)
                 self.queue.drop(e)
         if list_origin:
-            keep = {e.key for e in self.queue.pending(lambda e: e.kind in ("put", "copy"))}
+            keep = {e.key for e in self.queue.pending(lambda e: e.kind.makes_object)}
             self.origin_keys = await remote.list_into_tree(self.source, self.url, self.tree, keep)
             # Files other members hold copies of, not on the origin yet: their writer's upload is pending (or its
             # node is gone). They show as placeholders read from those members.
@@ -171,7 +169,7 @@ class WritableVolume:
         snap = self.queue.reserve_seq()
         os.link(self.path(rel), self.snapshot(snap))
         fsync_dir(self.snapdir)
-        e = self.queue.add("put", rel, size=st.st_size, snap=snap, before=before)
+        e = self.queue.add(EntryKind.PUT, rel, size=st.st_size, snap=snap, before=before)
         self._snap_inode[snap] = st.st_ino
         return e
 
@@ -200,7 +198,7 @@ class WritableVolume:
         finish first)."""
         for snap in [s for s, i in self._snap_inode.items() if i == inode]:
             while any(e.running and e.snap == snap for e in self.queue.pending()):
-                self.queue.changed.wait(timeout=1.0)
+                self.queue.wait_changed(1.0)
             if snap not in self._snap_inode:
                 continue  # its upload finished meanwhile
             tmp = self.snapshot(snap) + ".copy"
@@ -252,21 +250,21 @@ class WritableVolume:
                 return dst + key[len(src):]
 
             targets = set()
-            for e in self.queue.pending(lambda e: not e.running and e.kind in ("put", "copy") and under(e.key, src)):
+            for e in self.queue.pending(lambda e: not e.running and e.kind.makes_object and under(e.key, src)):
                 old = e.seq
                 self.queue.move(e, moved(e.key))
                 self.uploader.forget_prepared(old)
                 targets.add(e.key)
                 if e.held_by:
                     self._background(self.replicator.rekey(e.held_by, e.snap, e.key))
-            deleting = {e.key for e in self.queue.pending(lambda e: e.kind == "delete")}
+            deleting = {e.key for e in self.queue.pending(lambda e: e.kind is EntryKind.DELETE)}
             there = {k: n for k, (n, _) in self.origin_keys.items() if under(k, src) and k not in deleting}
-            for e in self.queue.pending(lambda e: e.running and e.kind in ("put", "copy") and under(e.key, src)):
+            for e in self.queue.pending(lambda e: e.running and e.kind.makes_object and under(e.key, src)):
                 there[e.key] = e.size
             for key, size in sorted(there.items()):
                 if moved(key) not in targets:  # (a newer version goes up under that name anyway)
-                    self.queue.add("copy", moved(key), src=key, size=size)
-                self.queue.add("delete", key)
+                    self.queue.add(EntryKind.COPY, moved(key), src=key, size=size)
+                self.queue.add(EntryKind.DELETE, key)
             if os.path.basename(src) == ".metadata.tmp" and os.path.basename(dst) == ".metadata":
                 self.commit(os.path.dirname(dst))
             elif was_dir and src == dst + ".tmp":
@@ -276,40 +274,45 @@ class WritableVolume:
         with self.lock:
             inode = os.lstat(self.path(rel)).st_ino
             os.unlink(self.path(rel))
-            for e in self.queue.pending(lambda e: not e.running and e.kind in ("put", "copy") and e.key == rel):
+            for e in self.queue.pending(lambda e: not e.running and e.kind.makes_object and e.key == rel):
                 self.queue.drop(e)
                 self.uploader.forget_prepared(e.seq)
                 self._forget_snapshot(e)
                 if e.held_by:
                     self._background(self.replicator.drop(e.held_by, e.snap))
-            running = self.queue.pending(lambda e: e.running and e.kind in ("put", "copy") and e.key == rel)
+            running = self.queue.pending(lambda e: e.running and e.kind.makes_object and e.key == rel)
             if rel in self.origin_keys or running:
-                self.queue.add("delete", rel)
+                self.queue.add(EntryKind.DELETE, rel)
             self._dirty.pop(inode, None)
 
     def remove_remote(self, rel: str) -> None:
         """Delete an object this volume's tree does not show (a writer that never listed the origin)."""
-        self.queue.add("delete", rel)
+        self.queue.add(EntryKind.DELETE, rel)
 
     def move_remote(self, src: str, dst: str, size: int) -> None:
         """Rename an object this volume's tree does not show: copied, then deleted, in order."""
         with self.lock:
-            self.queue.add("copy", dst, src=src, size=size)
-            self.queue.add("delete", src)
+            self.queue.add(EntryKind.COPY, dst, src=src, size=size)
+            self.queue.add(EntryKind.DELETE, src)
 
     def commit(self, rel: str) -> None:
         """Publish the checkpoint directory ``rel``: its name is claimed before any of its objects not yet
         uploaded, and its commit record is written after all of them."""
         with self.lock:
-            first = next(iter(self.queue.pending(lambda e: not e.running and e.kind in ("put", "copy", "delete")
-                                                 and under(e.key, rel))), None)
-            self.queue.add("claim", rel, before=first)
-            self.queue.add("commit", rel)
+            first = next(iter(self.queue.pending(
+                lambda e: not e.running and (e.kind.makes_object or e.kind is EntryKind.DELETE) and under(e.key, rel))),
+                None)
+            self.queue.add(EntryKind.CLAIM, rel, before=first)
+            self.queue.add(EntryKind.COMMIT, rel)
 
-    # -- the uploader's news ------------------------------------------------------------------------------------
-    def _uploaded(self, e: QueueEntry, failed: str) -> None:
+    # -- the uploader's news and questions (UploadOwner) -------------------------------------------------------
+    def origin_etag(self, key: str) -> str:
         with self.lock:
-            if e.kind == "put":
+            return self.origin_keys.get(key, (0, ""))[1]
+
+    def uploaded(self, e: QueueEntry, failed: str) -> None:
+        with self.lock:
+            if e.kind is EntryKind.PUT:
                 if not failed:
                     self._mark_clean(e)
                 self._forget_snapshot(e)
@@ -317,12 +320,12 @@ class WritableVolume:
                     self._background(self.replicator.drop(e.held_by, e.snap))
             if failed:
                 return
-            if e.kind in ("put", "copy"):
+            if e.kind.makes_object:
                 self.origin_keys[e.key] = (e.size, e.etag)
-            elif e.kind == "delete":
+            elif e.kind is EntryKind.DELETE:
                 self.origin_keys.pop(e.key, None)
 
-    def _reupload(self, copy: QueueEntry, etag: str) -> bool:
+    def reupload(self, copy: QueueEntry, etag: str) -> bool:
         """The source of ``copy`` (a rename after the upload) no longer has ``etag``: another writer replaced or
         deleted the object of that name. Queue a put of the tree's own bytes in the copy's place, if the tree's file
         is still the one uploaded as ``etag`` (not a placeholder, not written since), and drop the copy."""
@@ -373,7 +376,7 @@ class WritableVolume:
             return freed
 
     def _forget_snapshot(self, e: QueueEntry) -> None:
-        if e.kind == "put" and e.snap:
+        if e.kind is EntryKind.PUT and e.snap:
             self._snap_inode.pop(e.snap, None)
             try:
                 os.unlink(self.snapshot(e.snap))
@@ -383,12 +386,21 @@ class WritableVolume:
     # -- what it holds ------------------------------------------------------------------------------------------
     def queued_bytes(self) -> int:
         with self.lock:
-            return sum(e.size for e in self.queue.entries if e.kind == "put")
+            return sum(e.size for e in self.queue.entries if e.kind is EntryKind.PUT)
 
     def dirty_bytes(self) -> int:
         """Bytes written to open files since their last close (not in the queue yet)."""
         with self.lock:
             return sum(self._dirty.values())
+
+    def last_progress(self) -> float:
+        return self.uploader.last_progress
+
+    def wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until ``done()``, checked with the lock held whenever the queue changes;
+        whether it is."""
+        with self.lock:
+            return self.queue.changed.wait_for(done, timeout=timeout)
 
     def status(self) -> dict[str, Any]:
         """What ``cachefs status`` shows about this volume (:func:`.report.volume_status`)."""

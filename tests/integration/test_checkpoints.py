@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import fsspec
 import pytest
@@ -164,9 +165,10 @@ def test_a_restart_aborts_the_upload_a_killed_process_began_before_it_heard_the_
     async def restart() -> None:
         queue = UploadQueue(journal)
         done = asyncio.Event()
-        uploader = Uploader(queue, url, lambda snap: str(snapdir / str(snap)), open_object_writes(url, config),
-                            open_origin(url, config), writer="test", part_size=part, concurrency=4, backoff_max=0.2,
-                            on_done=lambda entry, error: done.set())
+        owner = SimpleNamespace(snapshot=lambda snap: str(snapdir / str(snap)), origin_etag=lambda key: "",
+                                uploaded=lambda entry, error: done.set(), reupload=lambda copy, etag: False)
+        uploader = Uploader(queue, url, owner, open_object_writes(url, config), open_origin(url, config),
+                            writer="test", part_size=part, concurrency=4, backoff_max=0.2)
         uploader.start()
         try:
             await done.wait()
