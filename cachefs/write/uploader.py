@@ -102,6 +102,8 @@ class Uploader:
 
     async def stop(self) -> None:
         self._stopping = True
+        if self.queue.on_change == self.wake:
+            self.queue.on_change = None  # (the queue outlives its loop: a later change wakes no one)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
