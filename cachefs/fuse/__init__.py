@@ -9,10 +9,10 @@ daemon it runs, which serves the mount until it is unmounted and can be killed a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sys
-import threading
 
 from cachefs.base.aio import get_loop, run_sync
 from cachefs.base.collector import quiet_collector
@@ -92,31 +92,24 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     try:
         def on_init(s: FuseSession) -> None:
             record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats, opens_skipped=s.opens_skipped)
-            threading.Thread(target=publish_stats, args=(s,), name="cachefs-fuse-stats", daemon=True).start()
+            s.publish_every_second(functools.partial(publish, s))
             if ready is not None:
                 ready(s)
 
-        def publish_stats(s: FuseSession) -> None:  # what `cachefs status` shows about this mount, every second
-            last = None
-            ticks = 0
-            while True:
-                try:
-                    if orders is not None:
-                        orders.tick()
-                    if ticks % 5 == 0:
-                        s.maybe_skip_opens()
-                    if ticks % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
-                        s.fs.sweep()
-                    s.metrics.flush(s.fs.stats)
-                    now = (dict(s.fs.stats), s.opens_skipped, engine.packs.chain.problem(ds.ref.id))
-                    if now != last and record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0],
-                                                    opens_skipped=now[1], mirror_problem=now[2]):
-                        last = now
-                except Exception:
-                    log.exception("mount statistics")
-                if s.stopped.wait(1.0):
-                    break
-                ticks += 1
+        last = None
+
+        def publish(s: FuseSession, tick: int) -> None:
+            nonlocal last
+            if orders is not None:
+                orders.tick()
+            if tick % 5 == 0:
+                s.maybe_skip_opens()
+            if tick % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
+                s.fs.sweep()
+            now = (dict(s.fs.stats), s.opens_skipped, engine.packs.chain.problem(ds.ref.id))
+            if now != last and record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0],
+                                            opens_skipped=now[1], mirror_problem=now[2]):
+                last = now
 
         session.on_init = on_init
         announce_ready(attach)  # the holder stops answering requests itself before we read the first one

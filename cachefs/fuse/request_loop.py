@@ -1,7 +1,10 @@
 """The FUSE request loop both file systems share: worker threads read requests from ``/dev/fuse``, decode the
 header, call the handler for the opcode and write the reply. Errors become errno once, here
-(:mod:`.errno_map`). :class:`~cachefs.fuse.session.FuseSession` (the read-only dataset) and
-:class:`~cachefs.fuse.writable.WritableSession` (checkpoint volumes) add their handlers.
+(:mod:`.errno_map`). INIT (the flags agreed), DESTROY and taking over from a daemon that died (the kernel asked to
+send again what it had read) are answered here too, with hooks for what differs. A handler that would wait answers
+a :class:`Call`, finished once the device is handed to another thread, through the loop's public replies
+(:meth:`RequestLoop.reply`, :meth:`RequestLoop.answered`). :class:`~cachefs.fuse.session.FuseSession` (the
+read-only dataset) and :class:`~cachefs.fuse.writable.WritableSession` (checkpoint volumes) add their handlers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from cachefs.fuse.kernel_abi import Op
 from cachefs.fuse.order_channel import CALLER
 from cachefs.fuse.request_metrics import RequestMetrics
 
-__all__ = ["DEFERRED", "Answer", "Deferred", "Later", "RequestLoop"]
+__all__ = ["DEFERRED", "Answer", "Call", "Deferred", "Later", "RequestLoop"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -39,13 +42,38 @@ DEFERRED: Final = Deferred.DEFERRED
 Answer: TypeAlias = "bytes | bytearray | Literal[Deferred.DEFERRED]"
 #: Set in ``unique`` of requests the kernel sends again after FUSE_NOTIFY_RESEND.
 UNIQUE_RESEND = 1 << 63
+#: The most pages in one request (READ, WRITE) asked for at INIT.
+MAX_PAGES = 256
 
 
 class Later:
     """A request a handler finishes after the device is handed to another thread (see RequestLoop._worker)."""
 
-    def finish(self, session: Any) -> None:
+    def finish(self, loop: RequestLoop) -> None:
         raise NotImplementedError
+
+
+class Call(Later):
+    """A request answered after the device is handed on: ``work()`` may wait (a read from the disk, a download,
+    room for a write, an fsync) while the other threads go on reading requests. It answers the payload, DEFERRED
+    (answered later by a callback of its own), or raises (answered with an errno)."""
+
+    __slots__ = ("nodeid", "opcode", "unique", "work")
+
+    def __init__(self, unique: int, opcode: int, work: Callable[[], Answer], nodeid: int = 0) -> None:
+        self.unique, self.opcode, self.work, self.nodeid = unique, opcode, work, nodeid
+
+    def finish(self, loop: RequestLoop) -> None:
+        started = loop.started_at(self.unique)
+        try:
+            payload = self.work()
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
+            loop.reply(self.unique, to_errno(exc, f"{_op_name(self.opcode)} inode {self.nodeid}"))
+            loop.answered(self.unique, self.opcode, started, ok=False)
+            return
+        if payload is not DEFERRED:
+            loop.reply(self.unique, 0, payload)
+            loop.answered(self.unique, self.opcode, started)
 
 
 class RequestLoop:
@@ -68,7 +96,23 @@ class RequestLoop:
         self._started: dict[int, float] = {}  # READs not answered yet: when they were read
         #: Requests answered, by opcode, and their times (kept here, added to the metrics once a second).
         self.metrics = RequestMetrics()
-        self.ops: dict[int, Callable[[int, int, memoryview], Any]] = {}
+        #: Handlers by opcode (a file system adds its own).
+        self.ops: dict[int, Callable[[int, int, memoryview], Any]] = {Op.INIT: self._init, Op.DESTROY: self._destroy}
+
+    # -- what a file system says (hooks) --------------------------------------------------------------------------
+    def init_wants(self) -> int:
+        """The INIT flags this file system asks the kernel for."""
+        raise NotImplementedError
+
+    def initialized(self, agreed: int) -> int:
+        """INIT agreed on ``agreed`` (flags): set ``mode`` and whatever follows; the stack depth of backing files
+        to announce (0: no passthrough)."""
+        raise NotImplementedError
+
+    def restored(self) -> bool:
+        """A daemon that died is taken over: restore its state; whether it had answered INIT (the kernel does not
+        send INIT again)."""
+        return True
 
     def unhandled_errno(self, opcode: int) -> int:
         """The answer to an opcode without a handler."""
@@ -77,8 +121,61 @@ class RequestLoop:
     def forget(self, nodeid: int, nlookup: int) -> None:
         """The kernel dropped ``nlookup`` references to ``nodeid``."""
 
+    # -- INIT, DESTROY, take-over ---------------------------------------------------------------------------------
+    def _init(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        major, minor, max_readahead, flags = abi.INIT_IN_OLD.unpack_from(body)
+        if major != abi.KERNEL_VERSION:
+            raise OSError(errno.EPROTO, f"kernel FUSE protocol {major}.{minor}, need 7.x")
+        offered = flags
+        if flags & abi.InitFlag.INIT_EXT and len(body) >= abi.INIT_IN.size:
+            offered |= abi.INIT_IN.unpack_from(body)[4] << 32
+        agreed = int(self.init_wants()) & offered
+        stack_depth = self.initialized(agreed)
+        log.info("FUSE %d.%d, flags 0x%x, mode %s", major, minor, agreed, self.mode)
+        return abi.INIT_OUT.pack(abi.KERNEL_VERSION, abi.KERNEL_MINOR_VERSION, max_readahead, agreed & 0xFFFFFFFF,
+                                 64, 48, abi.MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32, stack_depth)
+
+    def _destroy(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        self.stopped.set()
+        return b""
+
     def _resume(self) -> None:
-        """Take over from a daemon that died (see serve)."""
+        """Take over from a daemon that died: its state (:meth:`restored`), then the kernel asked to send again
+        every request the dead daemon had read but not answered."""
+        answered_init = self.restored()
+        try:
+            os.write(self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size, abi.NOTIFY_RESEND, 0))
+        except OSError as exc:  # kernels before 6.9: requests the old daemon had read stay unanswered
+            log.warning("cannot ask the kernel to resend pending requests: %s", exc)
+        log.info("resumed mount (mode %s)", self.mode)
+        if answered_init and self.on_init is not None:
+            self.on_init(self)
+
+    # -- status -----------------------------------------------------------------------------------------------------
+    def publish_every_second(self, publish: Callable[[int], object]) -> threading.Thread:
+        """A thread that adds the request metrics up and calls ``publish(tick)`` (0, 1, ...) every second until
+        the session stops: what ``cachefs status`` shows about the mount. A failure is logged, not fatal."""
+
+        def run() -> None:
+            tick = 0
+            while True:
+                try:
+                    self.metrics.flush(self.stats)
+                    publish(tick)
+                except Exception:
+                    log.exception("mount statistics")
+                if self.stopped.wait(1.0):
+                    return
+                tick += 1
+
+        thread = threading.Thread(target=run, name="cachefs-fuse-stats", daemon=True)
+        thread.start()
+        return thread
+
+    # -- replies (also for requests finished later: Call, callbacks) ----------------------------------------------
+    def started_at(self, unique: int) -> float:
+        """When request ``unique`` was read (READs are timed to their answer), else now."""
+        return self._started.get(unique, time.perf_counter())
 
     # -- loop -----------------------------------------------------------------------------------------------
     def serve(self, *, resume: bool = False) -> None:
@@ -99,7 +196,7 @@ class RequestLoop:
     def _worker(self) -> None:
         """Leader/followers: one thread at a time reads /dev/fuse and answers what is quick itself (lookups,
         opens, reads from the page cache: microseconds of Python). A request that would wait (a large READ,
-        whose copy runs without the GIL, or a read from the disk) comes back as a :class:`_Later`; this thread
+        whose copy runs without the GIL, or a read from the disk) comes back as a :class:`Later`; this thread
         then lets a waiting one read the device and finishes that request meanwhile. Every thread reading at
         once measured half the rate on small files: each request then woke a second thread to fight over the
         GIL (bench/fuse_bench.py)."""
@@ -147,7 +244,7 @@ class RequestLoop:
             self.stats["resent_requests"] = self.stats.get("resent_requests", 0) + 1
         handler = self.ops.get(opcode)
         if handler is None:
-            self._reply(unique, self.unhandled_errno(opcode))
+            self.reply(unique, self.unhandled_errno(opcode))
             self.metrics.answered(opcode, started, ok=False)
             return None
         if opcode == Op.READ:
@@ -156,20 +253,20 @@ class RequestLoop:
             payload = handler(nodeid, unique, body)
         except struct.error:  # a request shorter than its opcode's arguments
             log.warning("malformed %s request (%d bytes)", _op_name(opcode), len(req))
-            self._reply(unique, errno.EINVAL)
-            self._answered(unique, opcode, started, ok=False)
+            self.reply(unique, errno.EINVAL)
+            self.answered(unique, opcode, started, ok=False)
             return None
         except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
-            self._reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
-            self._answered(unique, opcode, started, ok=False)
+            self.reply(unique, to_errno(exc, f"{_op_name(opcode)} inode {nodeid}"))
+            self.answered(unique, opcode, started, ok=False)
             return None
         if payload is DEFERRED:
             return None  # answered when its fetch completes
         if isinstance(payload, Later):
             return payload  # answered once the device is handed on
         if payload is not None:
-            self._reply(unique, 0, payload)
-        self._answered(unique, opcode, started)
+            self.reply(unique, 0, payload)
+        self.answered(unique, opcode, started)
         if opcode == Op.INIT and self.on_init is not None:
             self.on_init(self)
         return None
@@ -182,9 +279,9 @@ class RequestLoop:
             return  # already answered (or never waited)
         fut.cancel()
         self.stats["interrupted"] = self.stats.get("interrupted", 0) + 1
-        self._reply(unique, errno.EINTR)
+        self.reply(unique, errno.EINTR)
 
-    def _reply(self, unique: int, err: int, payload: bytes | bytearray = b"") -> None:
+    def reply(self, unique: int, err: int, payload: bytes | bytearray = b"") -> None:
         try:
             head = abi.OUT_HEADER.pack(abi.OUT_HEADER.size + len(payload), -err, unique)
             if len(payload) > 4096:  # large READ answers: gather, do not copy the payload behind the header
@@ -210,7 +307,7 @@ class RequestLoop:
         else:
             self._interrupt(abi.INTERRUPT_IN.unpack_from(body)[0])
 
-    def _answered(self, unique: int, opcode: int, started: float, ok: bool = True) -> None:
+    def answered(self, unique: int, opcode: int, started: float, ok: bool = True) -> None:
         if opcode == Op.READ:
             self._started.pop(unique, None)
         self.metrics.answered(opcode, started, ok=ok)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import functools
 import logging
 import os
-import time
 from typing import Literal
 
 from cachefs.base.aio import get_loop
@@ -18,15 +18,13 @@ from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.errno_map import to_errno
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.kernel_abi import InitFlag, Op, OpenFlag
-from cachefs.fuse.request_loop import DEFERRED, Answer, Deferred, Later, RequestLoop
+from cachefs.fuse.request_loop import DEFERRED, Answer, Call, Deferred, RequestLoop
 from cachefs.fuse.tree import TreeReplies
 
 __all__ = ["FuseSession"]
 
 log = logging.getLogger("cachefs.fuse")
 
-MAX_WRITE = abi.MAX_WRITE
-MAX_PAGES = 256
 #: READs larger than this are answered while another thread reads the next request (see ``_worker``).
 HANDOVER_READ = 128 * 1024
 
@@ -44,10 +42,8 @@ class FuseSession(RequestLoop):
         self.skip_opens = skip_opens
         self.opens_skipped = False
         self.tree = TreeReplies(fs, timeout)
-        self.ops = {
-            Op.INIT: self._init, Op.OPEN: self._open, Op.READ: self._read, Op.RELEASE: self._release,
-            Op.DESTROY: self._destroy, **self.tree.ops(),
-        }  # FLUSH is not here: answered ENOSYS, the kernel never sends it again (read-only, nothing to flush)
+        self.ops.update({Op.OPEN: self._open, Op.READ: self._read, Op.RELEASE: self._release, **self.tree.ops()})
+        # (FLUSH is not here: answered ENOSYS, the kernel never sends it again: read-only, nothing to flush)
 
     def unhandled_errno(self, opcode: int) -> int:
         return errno.EROFS if opcode in abi.WRITE_OPS else errno.ENOSYS
@@ -55,7 +51,7 @@ class FuseSession(RequestLoop):
     def forget(self, nodeid: int, nlookup: int) -> None:
         self.fs.forget(nodeid, nlookup)
 
-    def _resume(self) -> None:
+    def restored(self) -> bool:
         journal = self.fs.journal
         assert journal is not None, "a resumed session has its mount's journal"
         init = journal.state.init
@@ -67,22 +63,11 @@ class FuseSession(RequestLoop):
             self.fs.restore()
         # Whether a previous daemon refused an OPEN (then the kernel sends none, whatever we decide now).
         self.opens_skipped = journal.state.opens_skipped
-        try:
-            os.write(self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size, abi.NOTIFY_RESEND, 0))
-        except OSError as exc:  # kernels before 6.9: requests the old daemon had read stay unanswered
-            log.warning("cannot ask the kernel to resend pending requests: %s", exc)
-        log.info("resumed mount (daemon generation %d, mode %s)", journal.state.generation, self.mode)
-        if init is not None and self.on_init is not None:
-            self.on_init(self)
+        log.info("taking over the mount (daemon generation %d)", journal.state.generation)
+        return init is not None
 
-    # -- handlers -------------------------------------------------------------------------------------------
-    def _init(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        major, minor, max_readahead, flags = abi.INIT_IN_OLD.unpack_from(body)
-        if major != abi.KERNEL_VERSION:
-            raise OSError(errno.EPROTO, f"kernel FUSE protocol {major}.{minor}, need 7.x")
-        offered = flags
-        if flags & InitFlag.INIT_EXT and len(body) >= abi.INIT_IN.size:
-            offered |= abi.INIT_IN.unpack_from(body)[4] << 32
+    # -- INIT -------------------------------------------------------------------------------------------------
+    def init_wants(self) -> int:
         # Always READDIRPLUS (no _AUTO): attributes come from the frozen manifest at no extra cost, and with
         # _AUTO the kernel uses plain READDIR after a directory's first chunk, so `os.walk` + `stat` of a large
         # directory costs a LOOKUP per entry (bench/manifest_bench.py measured 7.4× a local tree that way).
@@ -90,7 +75,9 @@ class FuseSession(RequestLoop):
                 | InitFlag.DO_READDIRPLUS | InitFlag.INIT_EXT | InitFlag.DIRECT_IO_ALLOW_MMAP)
         if self.want_passthrough and os.geteuid() == 0:
             want |= InitFlag.PASSTHROUGH
-        agreed = int(want) & offered
+        return int(want)
+
+    def initialized(self, agreed: int) -> int:
         passthrough = bool(agreed & InitFlag.PASSTHROUGH)
         self.fs.passthrough = passthrough
         self.fs.backing_open = self._backing_open
@@ -98,10 +85,7 @@ class FuseSession(RequestLoop):
         self.mode = "passthrough" if passthrough else "userspace"
         if self.fs.journal is not None:
             self.fs.journal.init(self.mode, agreed, self.fs.ds.version)
-        log.info("FUSE %d.%d, flags 0x%x, mode %s", major, minor, agreed, self.mode)
-        return abi.INIT_OUT.pack(abi.KERNEL_VERSION, abi.KERNEL_MINOR_VERSION, max_readahead,
-                                  agreed & 0xFFFFFFFF, 64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
-                                  abi.MAX_STACK_DEPTH if passthrough else 0)
+        return abi.MAX_STACK_DEPTH if passthrough else 0
 
     def maybe_skip_opens(self) -> bool:
         """From now on answer OPEN with ENOSYS, so that the kernel stops sending OPEN and RELEASE, if no file
@@ -143,17 +127,20 @@ class FuseSession(RequestLoop):
                 log.warning("the kernel refused FUSE_NOTIFY_STORE (%s): small files are read by READ", exc)
                 self.fs.prefill = False
 
-    def _read(self, nodeid: int, unique: int, body: memoryview) -> Answer | _Later:
+    def _read(self, nodeid: int, unique: int, body: memoryview) -> Answer | Call:
         """Bytes in the page cache are answered at once; large reads and reads from the disk after the device
-        is handed on (:class:`_Later`); a fetch from the origin when it completes, so a slow origin never holds
-        a request thread (and an INTERRUPT can cancel it)."""
+        is handed on (a :class:`~.request_loop.Call`); a fetch from the origin when it completes, so a slow
+        origin never holds a request thread (and an INTERRUPT can cancel it)."""
         fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
         if size > HANDOVER_READ:
-            return _Later(unique, nodeid, fh, offset, size)
+            return self._later(unique, nodeid, fh, offset, size)
         data = self.fs.read_local(nodeid, fh, offset, size, wait=False)
         if data is WOULD_WAIT:
-            return _Later(unique, nodeid, fh, offset, size)
+            return self._later(unique, nodeid, fh, offset, size)
         return self._fetch(unique, nodeid, fh, offset, size) if data is None else data
+
+    def _later(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> Call:
+        return Call(unique, Op.READ, functools.partial(self._read_waiting, unique, nodeid, fh, offset, size), nodeid)
 
     def _read_waiting(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> Answer:
         data = self.fs.read_local(nodeid, fh, offset, size)
@@ -174,22 +161,18 @@ class FuseSession(RequestLoop):
             if self._inflight.pop(unique, None) is None:
                 return  # interrupted: already answered EINTR
         if fut.cancelled():
-            self._reply(unique, errno.EINTR)
+            self.reply(unique, errno.EINTR)
             self.metrics.answered(Op.READ, started, ok=False)
             return
         exc = fut.exception()
         if exc is not None:
-            self._reply(unique, to_errno(exc, f"READ inode {nodeid}"))
+            self.reply(unique, to_errno(exc, f"READ inode {nodeid}"))
         else:
-            self._reply(unique, 0, fut.result())
+            self.reply(unique, 0, fut.result())
         self.metrics.answered(Op.READ, started, ok=exc is None)
 
     def _release(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         self.fs.release(nodeid, abi.RELEASE_IN.unpack_from(body)[0])
-        return b""
-
-    def _destroy(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        self.stopped.set()
         return b""
 
     # -- passthrough ioctls ---------------------------------------------------------------------------------
@@ -200,25 +183,3 @@ class FuseSession(RequestLoop):
     def _backing_close(self, backing_id: int) -> None:
         arg = bytearray(backing_id.to_bytes(4, "little"))
         fcntl.ioctl(self.fd, abi.FUSE_DEV_IOC_BACKING_CLOSE, arg, True)
-
-
-class _Later(Later):
-    """A READ to finish after the device is handed to another thread (see RequestLoop._worker)."""
-
-    __slots__ = ("fh", "nodeid", "offset", "size", "unique")
-
-    def __init__(self, unique: int, nodeid: int, fh: int, offset: int, size: int) -> None:
-        self.unique, self.nodeid, self.fh, self.offset, self.size = unique, nodeid, fh, offset, size
-
-    def finish(self, session: FuseSession) -> None:
-        started = session._started.get(self.unique, time.perf_counter())
-        try:
-            payload = session._read_waiting(self.unique, self.nodeid, self.fh, self.offset, self.size)
-        except BaseException as exc:  # noqa: BLE001 - every failure becomes an errno for the caller
-            session._reply(self.unique, to_errno(exc, f"READ inode {self.nodeid}"))
-            session._answered(self.unique, Op.READ, started, ok=False)
-            return
-        if payload is not DEFERRED:
-            session._reply(self.unique, 0, payload)
-            session._answered(self.unique, Op.READ, started)
-

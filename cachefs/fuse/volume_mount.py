@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 
 from cachefs.base.aio import run_sync
 from cachefs.base.collector import quiet_collector
@@ -53,17 +52,9 @@ def serve_writable_mount(config: Config, url: str, mountpoint: str, *, attach: s
     quiet_collector()
     cache_dir = config.cache.dir
 
-    def publish(s: WritableSession) -> None:  # what `cachefs status` shows about this mount, every second
-        while not s.stopped.wait(1.0):
-            try:
-                s.metrics.flush(s.stats)
-                record_mount(cache_dir, mountpoint, volume.url, s.mode, dict(s.stats))
-            except Exception:
-                log.exception("mount statistics")
-
     def on_init(s: WritableSession) -> None:
         record_mount(cache_dir, mountpoint, volume.url, s.mode, dict(s.stats))
-        threading.Thread(target=publish, args=(s,), name="cachefs-fuse-stats", daemon=True).start()
+        s.publish_every_second(lambda tick: record_mount(cache_dir, mountpoint, volume.url, s.mode, dict(s.stats)))
         if ready is not None:
             ready(s)
 
