@@ -22,14 +22,26 @@ one of ``gpu_classes``, or when its CEL selectors compare ``device.driver`` with
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_hints.dra_types import (
+    ClaimSpec,
+    DeviceClass,
+    ExactRequest,
+    ResourceClaim,
+    ResourceClaimTemplate,
+    ResourceSlice,
+    read,
+)
 from scheduler_hints.pods import field_of
 
 __all__ = ["DraConfig", "DraInventory"]
+
+log = logging.getLogger(__name__)
 
 #: Standard device attribute (Kubernetes) and NVIDIA's DRA driver's clique attribute, mapped to node-label keys.
 DEFAULT_TOPOLOGY_ATTRIBUTES = {
@@ -40,6 +52,9 @@ EXTENDED_GPU = "nvidia.com/gpu"
 #: Watch events that carry an object (the reflector also says "SYNC" after each list).
 _EVENTS = ("ADDED", "MODIFIED", "DELETED")
 _DRIVER_IN_CEL = re.compile(r"device\.driver\s*==\s*['\"]([^'\"]+)['\"]")
+
+#: A device: (driver, pool, device name).
+Ident = tuple[str, str, str]
 
 
 @dataclass(frozen=True)
@@ -59,25 +74,23 @@ class _Device:
     attributes: dict[str, str]
 
 
-def _key(obj: Mapping[str, Any]) -> str:
-    m = field_of(obj, "metadata")
-    return f"{m.get('namespace', 'default')}/{m.get('name', '')}"
+@dataclass
+class _NodeDevices:
+    """One node's devices, the topology its GPUs share, and a version that changes with either."""
+
+    idents: set[Ident] = field(default_factory=set)
+    topology: dict[str, str] = field(default_factory=dict)
+    version: int = 0
 
 
-def _attribute_values(driver: str, attributes: Any) -> dict[str, str]:
-    """A device's attributes by qualified name (an unqualified name belongs to the driver's domain), as strings."""
-    out: dict[str, str] = {}
-    if not isinstance(attributes, Mapping):
-        return out
-    for name, value in attributes.items():
-        if not isinstance(value, Mapping):
-            continue
-        for kind in ("string", "int", "bool", "version"):
-            if kind in value:
-                qualified = str(name) if "/" in str(name) else f"{driver}/{name}"
-                out[qualified] = str(value[kind]).lower() if kind == "bool" else str(value[kind])
-                break
-    return out
+def _allocated(claim: ResourceClaim) -> list[Ident]:
+    allocation = claim.status.allocation
+    return [] if allocation is None else [(r.driver, r.pool, r.device) for r in allocation.devices.results]
+
+
+def _unreadable(kind: str, obj: Any) -> None:
+    name = field_of(field_of(obj, "metadata"), "name") if isinstance(obj, Mapping) else None
+    log.warning("ignored a %s whose fields have the wrong shape (%s)", kind, name or "no name")
 
 
 class DraInventory:
@@ -88,20 +101,16 @@ class DraInventory:
         self.config = config or DraConfig()
         #: (driver, pool) → (generation, {slice name: [(device name, device)]}): only the newest generation counts.
         self._pools: dict[tuple[str, str], tuple[int, dict[str, list[tuple[str, _Device]]]]] = {}
-        self._devices: dict[tuple[str, str, str], _Device] = {}  # (driver, pool, device) → device
-        self._pool_devices: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
-        self._node_devices: dict[str, set[tuple[str, str, str]]] = {}
-        self._node_gpus: dict[str, int] = {}
+        self._devices: dict[Ident, _Device] = {}
+        self._nodes: dict[str, _NodeDevices] = {}
+        self._node_gpus: dict[str, int] = {}  # (read per request: kept apart from _nodes)
         self._allocated_gpus: dict[str, int] = {}  # node → GPUs allocated to claims
-        self._allocated_idents: dict[tuple[str, str, str], int] = {}  # device → how many claims name it
-        self._node_topology: dict[str, dict[str, str]] = {}
-        self._claims: dict[str, Mapping[str, Any]] = {}
-        self._allocated: dict[str, list[tuple[str, str, str]]] = {}  # claim key → its allocated devices
-        self._templates: dict[str, Mapping[str, Any]] = {}
+        self._allocated_idents: dict[Ident, int] = {}  # device → how many claims name it
+        self._claims: dict[str, ResourceClaim] = {}
+        self._templates: dict[str, ResourceClaimTemplate] = {}
         self._gpu_classes: set[str] = set(self.config.gpu_classes) | set(self.config.gpu_drivers)
-        self._claim_users: dict[str, set[str]] = {}  # named claim key → keys of pods that reference it
         self._mapping_classes: set[str] = set()  # classes whose extendedResourceName is nvidia.com/gpu
-        self._node_versions: dict[str, int] = {}
+        self._claim_users: dict[str, set[str]] = {}  # named claim key → keys of pods that reference it
         #: Nodes whose devices changed since the node cache last looked (it re-reads them and clears this).
         self.changed_nodes: set[str] = set()
 
@@ -109,63 +118,60 @@ class DraInventory:
     def on_slice(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind not in _EVENTS:
             return
-        spec = field_of(obj, "spec")
-        driver, name = str(spec.get("driver", "")), str(field_of(obj, "metadata").get("name", ""))
-        pool = field_of(spec, "pool")
-        pool_key = (driver, str(pool.get("name", "")))
-        try:
-            generation = int(pool.get("generation") or 0)
-        except (TypeError, ValueError):
-            generation = 0
-        node = spec.get("nodeName")
+        rs = read(obj, ResourceSlice)
+        if rs is None:
+            return _unreadable("ResourceSlice", obj)
+        spec, name = rs.spec, rs.metadata.name
+        pool_key = (spec.driver, spec.pool.name)
         known = self._pools.get(pool_key)
+        before = self._pool_idents(pool_key)
         if kind == "DELETED":
             if known is not None and name in known[1]:
                 del known[1][name]
-                self._rebuild(pool_key)
+                self._rebuild(pool_key, before)
             return
-        if not isinstance(node, str) or not node:
+        node = spec.node_name
+        if not node:
             return  # devices not local to one node (network-attached): not GPUs of a node
+        generation = spec.pool.generation
         if known is None or generation > known[0]:
             known = (generation, {})
         elif generation < known[0]:
             return  # an older generation: ignored until the driver replaces it
-        gpu_driver = driver in self.config.gpu_drivers
+        gpu_driver = spec.driver in self.config.gpu_drivers
         devices: list[tuple[str, _Device]] = []
-        for d in spec.get("devices") or ():
-            if not isinstance(d, Mapping) or not d.get("name"):
+        for d in spec.devices:
+            if not d.name:
                 continue
-            attributes = _attribute_values(driver, d.get("attributes"))
-            kind_attr = attributes.get(f"{driver}/type", "gpu")
-            devices.append((str(d["name"]), _Device(node, gpu_driver and kind_attr == "gpu", attributes)))
+            attributes = {n if "/" in n else f"{spec.driver}/{n}": text
+                          for n, v in d.attributes.items() if (text := v.text()) is not None}
+            kind_attr = attributes.get(f"{spec.driver}/type", "gpu")
+            devices.append((d.name, _Device(node, gpu_driver and kind_attr == "gpu", attributes)))
         known[1][name] = devices
         self._pools[pool_key] = known
-        self._rebuild(pool_key)
+        self._rebuild(pool_key, before)
 
     def on_claim(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind not in _EVENTS:
             return
-        key = _key(obj)
-        before = self._allocated.pop(key, [])
-        if kind == "DELETED":
-            self._claims.pop(key, None)
-        else:
-            self._claims[key] = obj
-            devices = field_of(field_of(field_of(obj, "status"), "allocation"), "devices")
-            results = devices.get("results")
-            now = [(str(r.get("driver", "")), str(r.get("pool", "")), str(r.get("device", "")))
-                   for r in results or () if isinstance(r, Mapping)]
-            if now:
-                self._allocated[key] = now
+        claim = read(obj, ResourceClaim)
+        if claim is None:
+            return _unreadable("ResourceClaim", obj)
+        key = claim.metadata.key
+        old = self._claims.pop(key, None)
+        before = _allocated(old) if old is not None else []
+        now = [] if kind == "DELETED" else _allocated(claim)
+        if kind != "DELETED":
+            self._claims[key] = claim
         for ident in before:
             left = self._allocated_idents.get(ident, 0) - 1
             if left > 0:
                 self._allocated_idents[ident] = left
             else:
                 self._allocated_idents.pop(ident, None)
-        for ident in self._allocated.get(key, []):
+        for ident in now:
             self._allocated_idents[ident] = self._allocated_idents.get(ident, 0) + 1
-        for ident in {*before, *self._allocated.get(key, [])}:
+        for ident in {*before, *now}:
             dev = self._devices.get(ident)
             if dev is not None:
                 self._recount_allocated(dev.node)
@@ -173,32 +179,35 @@ class DraInventory:
     def on_template(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind not in _EVENTS:
             return
+        template = read(obj, ResourceClaimTemplate)
+        if template is None:
+            return _unreadable("ResourceClaimTemplate", obj)
         if kind == "DELETED":
-            self._templates.pop(_key(obj), None)
+            self._templates.pop(template.metadata.key, None)
         else:
-            self._templates[_key(obj)] = obj
+            self._templates[template.metadata.key] = template
 
     def on_class(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind not in _EVENTS:
             return
-        name = str(field_of(obj, "metadata").get("name", ""))
+        dc = read(obj, DeviceClass)
+        if dc is None:
+            return _unreadable("DeviceClass", obj)
+        name = dc.metadata.name
         if kind == "DELETED":
             if name not in self.config.gpu_classes and name not in self.config.gpu_drivers:
                 self._gpu_classes.discard(name)
             self._mapping_classes.discard(name)
             return
-        mapped = field_of(obj, "spec").get("extendedResourceName")
-        if mapped == EXTENDED_GPU:
+        if dc.spec.extended_resource_name == EXTENDED_GPU:
             # pods asking for nvidia.com/gpu get this class's devices (DRA's extended-resource mapping)
             self._gpu_classes.add(name)
             self._mapping_classes.add(name)
         else:
             self._mapping_classes.discard(name)
-        for sel in field_of(obj, "spec").get("selectors") or ():
-            cel = sel.get("cel") if isinstance(sel, Mapping) else None
-            expression = cel.get("expression") if isinstance(cel, Mapping) else None
-            if isinstance(expression, str) and any(d in self.config.gpu_drivers
-                                                   for d in _DRIVER_IN_CEL.findall(expression)):
+        for sel in dc.spec.selectors:
+            if sel.cel is not None and any(d in self.config.gpu_drivers
+                                           for d in _DRIVER_IN_CEL.findall(sel.cel.expression)):
                 self._gpu_classes.add(name)
 
     def on_pod(self, kind: str, pod: Mapping[str, Any], key: str) -> None:
@@ -212,26 +221,31 @@ class DraInventory:
             if isinstance(ref, Mapping) and isinstance(ref.get("resourceClaimName"), str):
                 self._claim_users.setdefault(f"{namespace}/{ref['resourceClaimName']}", set()).add(key)
 
-    def _rebuild(self, pool_key: tuple[str, str]) -> None:
-        """Re-index the devices of one pool and recount the nodes it touches."""
+    def _pool_idents(self, pool_key: tuple[str, str]) -> set[Ident]:
+        return {(*pool_key, name) for devices in self._pools.get(pool_key, (0, {}))[1].values()
+                for name, _dev in devices}
+
+    def _rebuild(self, pool_key: tuple[str, str], before: set[Ident]) -> None:
+        """Re-index the devices of one pool (``before``: its devices as they were) and recount the nodes it
+        touches."""
         touched = set()
-        for ident in self._pool_devices.pop(pool_key, set()):
-            dev = self._devices.pop(ident)
-            self._node_devices[dev.node].discard(ident)
-            touched.add(dev.node)
-        idents = self._pool_devices[pool_key] = set()
+        for ident in before:
+            dev = self._devices.pop(ident, None)
+            if dev is not None:
+                self._nodes[dev.node].idents.discard(ident)
+                touched.add(dev.node)
         for devices in self._pools.get(pool_key, (0, {}))[1].values():
             for name, dev in devices:
                 ident = (*pool_key, name)
                 self._devices[ident] = dev
-                idents.add(ident)
-                self._node_devices.setdefault(dev.node, set()).add(ident)
+                self._nodes.setdefault(dev.node, _NodeDevices()).idents.add(ident)
                 touched.add(dev.node)
         for node in touched:
             self._recount(node)
 
     def _recount(self, node: str) -> None:
-        gpus = [d for d in map(self._devices.__getitem__, self._node_devices.get(node, ())) if d.gpu]
+        here = self._nodes.setdefault(node, _NodeDevices())
+        gpus = [d for d in map(self._devices.__getitem__, here.idents) if d.gpu]
         if gpus:
             self._node_gpus[node] = len(gpus)
         else:
@@ -241,13 +255,14 @@ class DraInventory:
             values = {d.attributes[attr] for d in gpus if attr in d.attributes}
             if len(values) == 1:  # (a node whose GPUs sit in two cliques is in neither as a whole)
                 topology[label] = values.pop()
-        self._node_topology[node] = topology
-        self._node_versions[node] = self._node_versions.get(node, 0) + 1
+        here.topology = topology
+        here.version += 1
         self.changed_nodes.add(node)
         self._recount_allocated(node)
 
     def _recount_allocated(self, node: str) -> None:
-        count = sum(1 for ident in self._node_devices.get(node, ())
+        here = self._nodes.get(node)
+        count = sum(1 for ident in (here.idents if here is not None else ())
                     if ident in self._allocated_idents and self._devices[ident].gpu)
         if count:
             self._allocated_gpus[node] = count
@@ -270,11 +285,13 @@ class DraInventory:
 
     def node_version(self, node: str) -> int:
         """Changes whenever the node's devices (count, topology) change."""
-        return self._node_versions.get(node, 0)
+        here = self._nodes.get(node)
+        return here.version if here is not None else 0
 
     def node_topology(self, node: str) -> Mapping[str, str]:
         """Node-label keys and values the node's GPU devices carry (:attr:`DraConfig.topology_attributes`)."""
-        return self._node_topology.get(node, {})
+        here = self._nodes.get(node)
+        return here.topology if here is not None else {}
 
     def allocated_by_node(self) -> Mapping[str, int]:
         """GPUs allocated to claims, per node (kept current by the watches; do not change it)."""
@@ -297,49 +314,41 @@ class DraInventory:
         for ref in refs:
             if not isinstance(ref, Mapping):
                 continue
-            claim_spec: Any = None
+            claim_spec: ClaimSpec | None = None
             if isinstance(ref.get("resourceClaimName"), str):
                 claim_key = f"{namespace}/{ref['resourceClaimName']}"
                 users = sorted(self._claim_users.get(claim_key, ()))
-                if claim_key in self._allocated or (users and users[0] != key):
+                claim = self._claims.get(claim_key)
+                if (claim is not None and _allocated(claim)) or (users and users[0] != key):
                     continue  # held where it is allocated, or counted for the first pod that shares it
-                claim_spec = field_of(self._claims.get(claim_key, {}), "spec")
+                claim_spec = claim.spec if claim is not None else None
             elif isinstance(ref.get("resourceClaimTemplateName"), str):
                 made = generated.get(str(ref.get("name")))
                 if isinstance(made, str) and made:
-                    claim_key = f"{namespace}/{made}"
-                    if claim_key in self._allocated:
+                    claim = self._claims.get(f"{namespace}/{made}")
+                    if claim is not None and _allocated(claim):
                         continue
-                    if claim_key in self._claims:
-                        claim_spec = field_of(self._claims[claim_key], "spec")
+                    if claim is not None:
+                        claim_spec = claim.spec
                 if claim_spec is None:
-                    template = self._templates.get(f"{namespace}/{ref['resourceClaimTemplateName']}", {})
-                    claim_spec = field_of(field_of(template, "spec"), "spec")
+                    template = self._templates.get(f"{namespace}/{ref['resourceClaimTemplateName']}")
+                    claim_spec = template.spec.spec if template is not None else None
             total += self._claim_gpus(claim_spec)
         return total
 
-    def _claim_gpus(self, spec: Any) -> int:
-        devices = spec.get("devices") if isinstance(spec, Mapping) else None
-        requests = devices.get("requests") if isinstance(devices, Mapping) else None
+    def _claim_gpus(self, spec: ClaimSpec | None) -> int:
         total = 0
-        for request in requests or ():
-            if not isinstance(request, Mapping):
-                continue
-            exact = request.get("exactly")
-            if isinstance(exact, Mapping):
-                total += self._request_gpus(exact)
-            elif isinstance(request.get("firstAvailable"), list):
+        for request in spec.devices.requests if spec is not None else ():
+            if request.exactly is not None:
+                total += self._request_gpus(request.exactly)
+            elif request.first_available:
                 # the allocator takes the first alternative that fits: count the preferred one
-                first = next((s for s in request["firstAvailable"] if isinstance(s, Mapping)), None)
-                total += self._request_gpus(first) if first is not None else 0
+                total += self._request_gpus(request.first_available[0])
         return total
 
-    def _request_gpus(self, request: Mapping[str, Any]) -> int:
-        if str(request.get("deviceClassName", "")) not in self._gpu_classes:
+    def _request_gpus(self, request: ExactRequest) -> int:
+        if request.device_class_name not in self._gpu_classes:
             return 0
-        if request.get("allocationMode") == "All":
+        if request.allocation_mode == "All":
             return self.largest_node()
-        try:
-            return max(0, min(int(request.get("count") or 1), 1 << 20))
-        except (TypeError, ValueError):
-            return 1
+        return max(0, min(request.count or 1, 1 << 20))

@@ -6,7 +6,8 @@ same bytes (:class:`~scheduler_hints.extender_wire.NodeItems`, :class:`~schedule
 resolved to is kept for that object while the node cache does not change, and only the nodes it updated since
 are looked up again. Lists handed out are never changed in place (a change makes a new list), and a state net of
 held GPUs is the same object while its base and the amount are: callers may keep anything per list or per state
-object (:func:`~scheduler_hints.memo.replaced`).
+object (:func:`~scheduler_hints.memo.replaced`). The verbs' replies for a list are kept here too
+(:meth:`RequestNodes.reply_for`): the view is what they are keyed on.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ class RequestNodes:
         self._last: _Resolved | None = None
         self._net: dict[str, tuple[NodeState, int, NodeState]] = {}
         self._cluster_position: tuple[list[NodeState], dict[str, int]] | None = None
+        self._matching: tuple[list[NodeState], tuple[bool | None, tuple], list[NodeState]] | None = None
+        self._replies: dict[str, tuple[Any, Any]] = {}  # verb → (the list it answered, what it answered)
+
+    # -- replies kept per list ------------------------------------------------------------------------------------
+    def reply_for(self, verb: str, source: Any) -> Any | None:
+        """What ``verb`` kept for the list object ``source`` (None: nothing, or for another list)."""
+        last = self._replies.get(verb)
+        return last[1] if last is not None and last[0] is source else None
+
+    def keep_reply(self, verb: str, source: Any, reply: Any) -> None:
+        self._replies[verb] = (source, reply)
 
     def full(self, items: list) -> list[Mapping[str, Any]]:
         """``Nodes.items`` (``nodeCacheCapable: false``): the Node objects in it, each put in the node cache
@@ -116,6 +128,23 @@ class RequestNodes:
             if i is not None:
                 out[i] = self.net(base[i], held)
         return out
+
+    def cluster_matching(self, held: Mapping[str, int], style: bool | None,
+                         selector: tuple[tuple[str, str], ...]) -> list[NodeState]:
+        """:meth:`cluster` less the nodes a pod cannot use: those its ``selector`` (label pairs) does not match,
+        and the GPU nodes of the other ``style`` (True: nodes a DRA driver publishes only; False: the others
+        only; None: either). The same list while the cluster list and the pod's terms are."""
+        cluster = self.cluster(held)
+        if not selector and style is None:
+            return cluster
+        memo = self._matching
+        if memo is not None and memo[0] is cluster and memo[1] == (style, selector):
+            return memo[2]
+        mine = [n for n in cluster
+                if (style is None or n.gpus_by_dra == style or not n.gpu_allocatable)
+                and all(n.labels.get(k) == v for k, v in selector)]
+        self._matching = (cluster, (style, selector), mine)
+        return mine
 
     def net(self, base: NodeState, held: Mapping[str, int]) -> NodeState:
         """``base`` less the GPUs ``held`` on it: the same object for the same base and amount."""

@@ -84,11 +84,8 @@ class ClusterWatch:
     def __init__(self, client: KubeClient, ext: Extender) -> None:
         self.client, self.ext = client, ext
         self.volumes = WatchedVolumes()
-        ext.volumes = self.volumes
-        if ext.dra is None:
-            ext.dra = DraInventory()
-            ext.node_cache.dra = ext.dra
-        dra = ext.dra
+        ext.state.volumes = self.volumes
+        dra = ext.dra if ext.dra is not None else ext.state.use_dra(DraInventory())
         self.reflectors = [
             Reflector(client, "/api/v1/nodes", self._on_node),
             Reflector(client, "/api/v1/persistentvolumes", self.volumes.on_pv),

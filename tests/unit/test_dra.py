@@ -234,3 +234,20 @@ def test_the_reflectors_sync_marker_is_not_an_object():
     for on in (inv.on_slice, inv.on_claim, inv.on_template, inv.on_class):
         on("SYNC", {})
     assert not inv._claims and not inv._templates and inv.node_gpus("") is None
+
+
+def test_an_object_of_the_wrong_shape_is_ignored_whole_and_numbers_as_strings_are_read():
+    inv = DraInventory()
+    good = gpu_slice("n1", 4)
+    good["spec"]["pool"]["generation"] = "2"  # (a number sent as a string)
+    inv.on_slice("ADDED", good)
+    assert inv.node_gpus("n1") == 4
+    bad = gpu_slice("n2", 8)
+    bad["spec"]["devices"] = {"gpu-0": {}}  # a map where the API has a list
+    inv.on_slice("ADDED", bad)
+    inv.on_slice("ADDED", {"spec": "not an object"})
+    assert inv.node_gpus("n2") is None and inv.node_gpus("n1") == 4
+    inv.on_claim("ADDED", {"metadata": {"name": "c"}, "status": {"allocation": {"devices": {"results": 7}}}})
+    inv.on_class("ADDED", {"metadata": {"name": DRIVER}, "spec": {"selectors": "device.driver == 'x'"}})
+    inv.on_template("ADDED", {"metadata": ["t"]})
+    assert not inv._claims and not inv._templates and inv.allocated_by_node() == {}
