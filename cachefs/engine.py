@@ -31,9 +31,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from cachefs.base import metrics
 from cachefs.base.config import Config, prepare_cache_dir, resolve_size, tier_names
-from cachefs.base.errors import CacheFSError, ConfigError
+from cachefs.base.errors import ConfigError
 from cachefs.base.memory import bound_allocator
 from cachefs.base.types import DatasetRef, Entry, object_key
 from cachefs.cluster.link import GroupLink
@@ -55,6 +54,7 @@ from cachefs.node.space import DiskSpace
 from cachefs.prefetch.orders import OrderBook
 from cachefs.prefetch.prefetcher import Prefetcher
 from cachefs.read import WOULD_WAIT, BlockStrategy, LocalRead, OpenFile, PackStrategy, ReadStrategy, ReadStream
+from cachefs.read.node_figures import NodeFigures
 from cachefs.read.ordered import OrderedLookahead
 from cachefs.sources import Source, open_origin
 from cachefs.store import DiskStore
@@ -113,9 +113,8 @@ class Engine:
                                   self.stats, self.assemblies, self.prefetcher)
         self.ordered = OrderedLookahead(orders, self.prefetcher, self.strategy,
                                         min(e.order_lookahead, e.memory_budget // 8))
-        self._metric_deltas = metrics.Deltas()
-        self.counters = NodeCounters(self.index)
-        self._tiers_counted: dict[str, int] = {}
+        self.figures = NodeFigures(self.stats, self.tier_counts, NodeCounters(self.index), self.space, self.budget,
+                                   orders)
         self._sources: dict[tuple, Source] = {}
         self._first_snapshot: dict[str, asyncio.Lock] = {}
         self._stats_task: asyncio.Task | None = None
@@ -315,53 +314,12 @@ class Engine:
         self.packs.reads.close_unlinked()
         self.objects.close_evicted()
         self.eviction.flush_stats()
-        self._push_metrics()
-        self._count_tiers()
+        self.figures.flush()
         try:
             total, free = self.store.disk_usage()
             self.index.keep_reserve(total, free - self.min_free)
         except OSError as exc:
             log.debug("index reserve: %s", exc)
-
-    def _count_tiers(self) -> None:
-        """Bytes served by tier and corrupt reads since the last flush, into the index (this cache directory's
-        figures, whichever process counted them)."""
-        served = dict(self.stats.served)
-        tiers, _ = self.tier_counts.snapshot()
-        now = {**{f"tier:{k}": n for k, n in tiers.items()},
-               "tier:local": sum(n for (_k, result), n in served.items() if result == "hit"),
-               **{f"corrupt:{k}": n for k, n in dict(self.stats.corrupt).items()}}
-        deltas = {k: n - self._tiers_counted.get(k, 0) for k, n in now.items()}
-        try:
-            self.counters.add(deltas)
-            self._tiers_counted = now
-        except CacheFSError as exc:  # (a full disk: counted at the next flush)
-            log.debug("tier bytes not recorded: %s", exc)
-
-    def _push_metrics(self) -> None:
-        push = self._metric_deltas.push
-        served = dict(self.stats.served)
-        for (kind, result), n in served.items():
-            push(metrics.READ_BYTES, (kind, result), n)
-        for kind, n in dict(self.stats.corrupt).items():
-            push(metrics.CORRUPT_READS, (kind,), n)
-        push(metrics.TIER_BYTES, ("local",), sum(n for (_k, result), n in served.items() if result == "hit"))
-        tiers, fallbacks = self.tier_counts.snapshot()
-        for tier, n in tiers.items():
-            push(metrics.TIER_BYTES, (tier,), n)
-        for (tier, reason), n in fallbacks.items():
-            push(metrics.TIER_FALLBACKS, (tier, reason), n)
-        push(metrics.DISK_REFUSED, (), self.space.refused)
-
-        def gauges() -> None:
-            metrics.MEMORY_RESERVED.set(self.budget.used)
-            metrics.MEMORY_BUDGET.set(self.budget.limit)
-            files, nbytes, seconds = self.ordered.orders.ahead()
-            metrics.ORDER_AHEAD_FILES.set(files)
-            metrics.ORDER_AHEAD_BYTES.set(nbytes)
-            metrics.ORDER_AHEAD_SECONDS.set(seconds)
-
-        metrics.safely(gauges)
 
     async def start_background(self) -> None:
         """Start the periodic statistics flush now (it otherwise starts with the first read that reaches the

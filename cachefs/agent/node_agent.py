@@ -21,6 +21,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from cachefs.agent.peer_listener import PeerListener, raise_fd_limit
 from cachefs.agent.peer_server import make_peer_app
@@ -37,6 +38,9 @@ from cachefs.cluster.membership import GROUP_LABEL, EndpointSliceWatch, MemberTa
 from cachefs.cluster.tls import GroupTLS
 from cachefs.engine import Engine, get_engine
 from cachefs.status.summary import write_heat
+
+if TYPE_CHECKING:
+    from cachefs.kube import KubeClient
 
 __all__ = ["AgentContext", "run_agent"]
 
@@ -132,45 +136,11 @@ async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metri
     await engine.start_background()
     table = MemberTable(node, grace=k.drain_grace)
     tasks: list[asyncio.Task] = []
-    if k.peers:
-        try:
-            table.update(parse_peers(k.peers))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if node not in table.members:
-            raise ConfigError(f"cluster.peers names no member {node!r} (this node: cluster.node_name, NODE_NAME)")
-        synced = asyncio.Event()
-        synced.set()
-        group_datasets = None
-    else:
-        ns, _, svc = k.service.partition("/")
-        assert kube is not None  # (made above: no static member list)
-        watch = EndpointSliceWatch(kube, ns, svc, table, group=k.group)
-        synced = watch.synced
-        group_datasets = watch.group_datasets
-        tasks.append(asyncio.ensure_future(watch.run()))
-    if k.secret_file:
-        verifier: SharedSecret | TokenReviewer = SharedSecret(k.secret_file)
-    else:
-        assert kube is not None  # (made above: no shared secret)
-        verifier = TokenReviewer(kube)
-    serving = GroupServing(engine, k.serve)
+    synced, group_datasets, watching = _membership(config, node, table, kube)
+    if watching is not None:
+        tasks.append(watching)
     heat = HeatTracker(hot_requests=k.hot_requests_per_s, hot_bytes=hot_bytes_per_s(k), replicas=k.hot_replicas)
-    tls = GroupTLS.of(k.tls_cert, k.tls_key, k.tls_ca)
-    st = os.statvfs(config.cache.dir)
-    replicas = ReplicaStore(config.cache.dir, resolve_size(config.checkpoint.staging_limit, st.f_blocks * st.f_frsize,
-                                                           "checkpoint.staging_limit"))
-    app = make_peer_app(serving, table, verifier, weight=float(engine.capacity), ready=synced.is_set, heat=heat,
-                        tls=tls is not None, max_manifest=parse_size(k.max_manifest_push), replicas=replicas)
-    host, port = parse_listen(k.listen, "cluster.listen")
-    limit_logs()
-    raise_fd_limit()
-    listener = PeerListener(app, host, port, max_per_client=k.max_client_connections, idle_timeout=k.idle_timeout,
-                            ssl_context=tls.server() if tls is not None else None)
-    try:
-        await listener.start()
-    except OSError as exc:
-        raise ConfigError(f"cluster.listen {k.listen}: {exc.strerror}") from None
+    listener = await _peer_listener(config, engine, table, synced, heat, kube)
     if metrics_listen:
         from cachefs.status.server import serve_metrics
 
@@ -201,6 +171,55 @@ async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metri
             await kube.aclose()
         await engine.aclose()
     return 0
+
+
+def _membership(config: Config, node: str, table: MemberTable, kube: KubeClient | None
+                ) -> tuple[asyncio.Event, Callable[[], dict] | None, asyncio.Task | None]:
+    """Fill ``table`` with the group's members: from ``cluster.peers`` once, or from the peer Service's
+    EndpointSlices (a watch task). (set once the members are known, the group's datasets or None, the task)."""
+    k = config.cluster
+    if k.peers:
+        try:
+            table.update(parse_peers(k.peers))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if node not in table.members:
+            raise ConfigError(f"cluster.peers names no member {node!r} (this node: cluster.node_name, NODE_NAME)")
+        synced = asyncio.Event()
+        synced.set()
+        return synced, None, None
+    ns, _, svc = k.service.partition("/")
+    assert kube is not None  # (made by the caller: no static member list)
+    watch = EndpointSliceWatch(kube, ns, svc, table, group=k.group)
+    return watch.synced, watch.group_datasets, asyncio.ensure_future(watch.run())
+
+
+async def _peer_listener(config: Config, engine: Engine, table: MemberTable, synced: asyncio.Event,
+                         heat: HeatTracker, kube: KubeClient | None) -> PeerListener:
+    """The peer server, listening: who may ask (a shared secret or TokenReview), TLS, the replicas it keeps."""
+    k = config.cluster
+    if k.secret_file:
+        verifier: SharedSecret | TokenReviewer = SharedSecret(k.secret_file)
+    else:
+        assert kube is not None  # (made by the caller: no shared secret)
+        verifier = TokenReviewer(kube)
+    tls = GroupTLS.of(k.tls_cert, k.tls_key, k.tls_ca)
+    st = os.statvfs(config.cache.dir)
+    replicas = ReplicaStore(config.cache.dir, resolve_size(config.checkpoint.staging_limit, st.f_blocks * st.f_frsize,
+                                                           "checkpoint.staging_limit"))
+    app = make_peer_app(GroupServing(engine, k.serve), table, verifier, weight=float(engine.capacity),
+                        ready=synced.is_set, heat=heat, tls=tls is not None,
+                        max_manifest=parse_size(k.max_manifest_push), replicas=replicas)
+    host, port = parse_listen(k.listen, "cluster.listen")
+    limit_logs()
+    raise_fd_limit()
+    listener = PeerListener(app, host, port, max_per_client=k.max_client_connections, idle_timeout=k.idle_timeout,
+                            ssl_context=tls.server() if tls is not None else None)
+    try:
+        await listener.start()
+    except OSError as exc:
+        raise ConfigError(f"cluster.listen {k.listen}: {exc.strerror}") from None
+    return listener
 
 
 def _start_tasks(ctx: AgentContext) -> list[asyncio.Task]:

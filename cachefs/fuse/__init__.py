@@ -20,7 +20,8 @@ from cachefs.base.config import Config
 from cachefs.base.values import ReadAccess
 from cachefs.engine import get_engine
 from cachefs.fuse.fs import CacheFS
-from cachefs.fuse.holder import MountHolder, announce_failure, announce_ready, receive_fd, socket_path_for
+from cachefs.fuse.handover import announce_failure, announce_ready, receive_fd
+from cachefs.fuse.holder import MountHolder, socket_path_for
 from cachefs.fuse.journal import MountJournal
 from cachefs.fuse.keeper import KEEPER_ENV
 from cachefs.fuse.mount import is_stale_mount, unmount

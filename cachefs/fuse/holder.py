@@ -10,7 +10,7 @@ manifest on the node) must not leave readers waiting forever. Once no daemon has
 ``answer_after`` seconds, the holder answers the kernel itself, every request with EIO (STATFS with
 ENOTCONN), those the dead daemon had read included (it asks the kernel to resend them), while it keeps trying
 to start one with a growing delay; a daemon that comes up asks the holder to
-stop answering before it reads a request (:func:`announce_ready`). The holder's state (starting, serving,
+stop answering before it reads a request (:func:`~.handover.announce_ready`). The holder's state (starting, serving,
 failing and why) is in the mount records (:mod:`cachefs.index.mounts`) for ``cachefs status``.
 
 The socket protocol: a client sends one JSON line, ``{"op": "attach"}`` (answered with the descriptor and
@@ -18,8 +18,7 @@ The socket protocol: a client sends one JSON line, ``{"op": "attach"}`` (answere
 ``{"ok": true}``).
 
 :class:`MountHolder` mounts, serves the hand-over socket and restarts the daemon command it is given;
-:func:`receive_fd` and :func:`announce_ready` are the daemon's side. The CSI node plugin holds its mounts
-the same way.
+:mod:`.handover` is the daemon's side. The CSI node plugin holds its mounts the same way.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from cachefs.fuse.error_responder import ErrorResponder
 from cachefs.fuse.mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
 from cachefs.index.mounts import forget_holder, holder_state, record_holder
 
-__all__ = ["MountHolder", "announce_failure", "announce_ready", "receive_fd", "socket_path_for", "start_holder"]
+__all__ = ["MountHolder", "socket_path_for", "start_holder"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -142,41 +141,6 @@ def _last_error(log_path: str, mountpoint: str) -> str:
         if line.startswith("cachefs: error: "):
             return line[len("cachefs: error: "):]
     return f"mount {mountpoint} failed: {lines[-1] if lines else '(no output)'}"
-
-
-def _ask(socket_path: str, request: dict, timeout: float) -> tuple[bytes, list[int]]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(socket_path)
-            s.sendall(json.dumps(request).encode() + b"\n")
-            msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
-        except OSError as exc:
-            raise CacheFSError(f"no mount holder at {socket_path}: {exc}") from None
-    return msg, fds
-
-
-def receive_fd(socket_path: str, timeout: float = 10.0) -> tuple[int, dict]:
-    """Connect to a holder and receive its ``/dev/fuse`` descriptor and the facts it sends along
-    (``mountpoint``, ``generation``: how many daemons it started before this one)."""
-    msg, fds = _ask(socket_path, {"op": "attach"}, timeout)
-    if not fds:
-        raise CacheFSError(f"mount holder at {socket_path} sent no descriptor")
-    return fds[0], json.loads(msg)
-
-
-def announce_ready(socket_path: str, timeout: float = 30.0) -> None:
-    """Tell the holder this daemon serves the mount from now on; returns once the holder stopped answering
-    requests itself (call before reading the first request)."""
-    _ask(socket_path, {"op": "ready"}, timeout)
-
-
-def announce_failure(socket_path: str, reason: str) -> None:
-    """Tell the holder why this daemon cannot serve (``cachefs status`` shows it); best effort."""
-    try:
-        _ask(socket_path, {"op": "failed", "reason": reason}, 5.0)
-    except CacheFSError:
-        pass
 
 
 class MountHolder:

@@ -10,7 +10,7 @@ from cachefs.base.aio import run_sync
 from cachefs.base.collector import quiet_collector
 from cachefs.base.config import Config
 from cachefs.engine import get_engine
-from cachefs.fuse.holder import announce_failure, announce_ready, receive_fd
+from cachefs.fuse.handover import announce_failure, announce_ready, receive_fd
 from cachefs.fuse.writable import WritableSession
 from cachefs.index.mounts import forget_mount, record_mount
 from cachefs.write.opening import open_volume

@@ -23,7 +23,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -42,7 +41,8 @@ from cachefs.node.open_objects import OpenObject, OpenObjects
 from cachefs.node.read_stats import ReadStats
 from cachefs.prefetch.planners import blocks_ahead, grow_window
 from cachefs.prefetch.prefetcher import Hint, Prefetcher
-from cachefs.read.base import OpenFile, ReadStrategy, ReadStream
+from cachefs.read.base import ReadStrategy, ReadStream
+from cachefs.read.block_file import BlockFile
 from cachefs.store.disk import PIECE
 from cachefs.tiers import Keep, TierChain, Want
 
@@ -93,7 +93,7 @@ class BlockStrategy(ReadStrategy):
                 self._drop_corrupt(ob, exc)
                 return None
             ahead = self.stats.take_blocks_ahead(ob.key, start, end, bs, ob.record.size)
-            self._count(ob, ds.ref.id, stream, hit=len(data) - ahead, miss=ahead)
+            self.count(ob, ds.ref.id, stream, hit=len(data) - ahead, miss=ahead)
             if stream is not None:
                 self._advance(stream, start, end)
                 if stream.window:
@@ -109,7 +109,7 @@ class BlockStrategy(ReadStrategy):
         """``[start, end)`` of an object this reader holds that is whole here (OpenObject.whole): read directly,
         nothing to fetch, verify or read ahead."""
         data = ob.stored.read_verified(start, end)
-        self._count(ob, ds.ref.id, stream, hit=len(data))
+        self.count(ob, ds.ref.id, stream, hit=len(data))
         stream.next_offset = end
         return data
 
@@ -167,7 +167,7 @@ class BlockStrategy(ReadStrategy):
             if last in fetched and end < min((last + 1) * bs, entry.size):
                 # The rest of that block came for this reader too: a miss when it gets there.
                 self.stats.note_block_ahead(ob.key, last)
-            self._count(ob, ds.ref.id, stream, hit=max(0, len(data) - fetched_bytes), miss=min(len(data), fetched_bytes))
+            self.count(ob, ds.ref.id, stream, hit=max(0, len(data) - fetched_bytes), miss=min(len(data), fetched_bytes))
             if stream is not None:
                 self._advance(stream, start, end)
                 self._read_ahead(ds, entry, ob, stream)
@@ -400,7 +400,7 @@ class BlockStrategy(ReadStrategy):
             self.objects.release(ob)
 
     # -- counting -------------------------------------------------------------------------------------------
-    def _count(self, ob: OpenObject, ds_id: str, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:
+    def count(self, ob: OpenObject, ds_id: str, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:
         access = stream is None or not stream.counted
         if access:
             ob.hits += 1
@@ -424,47 +424,3 @@ def _slice(pieces: list[bytes], lo: int, hi: int) -> bytes:
         a, b = lo - i * PIECE, hi - i * PIECE
         return piece if (a, b) == (0, len(piece)) else piece[a:b]
     return b"".join([pieces[i][lo - i * PIECE:], *pieces[i + 1:j], pieces[j][:hi - j * PIECE]])
-
-
-class BlockFile(OpenFile):
-    """A large file, read in blocks. With ``stream`` None (a one-off read) every read is an access of its own
-    and starts no read-ahead."""
-
-    packed = False
-
-    def __init__(self, strategy: BlockStrategy, ds: Dataset, entry: Entry, pin: OpenObject | None,
-                 stream: ReadStream | None) -> None:
-        self.strategy, self.ds, self.entry, self.pin, self.stream = strategy, ds, entry, pin, stream
-        self.okey = pin.key if pin is not None else object_key(ds.ref.id, entry.path, entry.version)
-
-    def read_local(self, start: int, end: int, *, wait: bool = True) -> bytes | None:
-        end = min(end, self.entry.size)
-        if start >= end:
-            return b""
-        ob = self.pin
-        if ob is not None and ob.whole and self.stream is not None:  # the warm read's path: straight to the file
-            return self.strategy.read_whole(ob, self.ds, start, end, self.stream)
-        return self.strategy.read_local(self.ds, self.entry, start, end, self.stream, self.okey)
-
-    async def read(self, start: int, end: int) -> bytes:
-        end = min(end, self.entry.size)
-        if start >= end:
-            return b""
-        return await self.strategy.read(self.ds, self.entry, start, end, self.stream, self.okey)
-
-    def read_by_kernel(self) -> None:
-        ob = self.pin
-        if ob is not None:
-            self.strategy._count(ob, self.ds.ref.id, self.stream, hit=self.entry.size)
-
-    def local_fd(self) -> int | None:
-        """A new descriptor of the pinned, complete cache file (a descriptor, not a path eviction could swap)."""
-        ob = self.pin
-        if ob is None or not self.strategy.objects.complete(ob):
-            return None
-        return os.open(f"/proc/self/fd/{ob.stored.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
-
-    def close(self) -> None:
-        pin, self.pin = self.pin, None
-        if pin is not None:
-            self.strategy.objects.unpin(pin)

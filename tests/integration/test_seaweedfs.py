@@ -19,14 +19,9 @@ import pytest
 
 from cachefs.base.config import load_config
 from cachefs.sources import open_object_writes, open_raw_origin
-from cachefs.testing.conformance import (
-    ObjectWritesConformance,
-    SourceConformance,
-    SourceOrigin,
-    WritesOrigin,
-    s3_object_getter,
-)
+from cachefs.testing.conformance import SourceConformance, SourceOrigin
 from cachefs.testing.seaweed import SeaweedServer, find_weed
+from cachefs.testing.writes_conformance import ObjectWritesConformance, WritesOrigin, s3_object_getter
 from tests.conftest import make_files, put_tree, with_new_bucket
 
 pytestmark = pytest.mark.xdist_group("seaweedfs")  # one server per session, on one worker

@@ -16,13 +16,8 @@ import pytest
 
 from cachefs.base.config import load_config
 from cachefs.sources import open_raw_origin
-from cachefs.testing.conformance import (
-    ObjectWritesConformance,
-    SourceConformance,
-    SourceOrigin,
-    WritesOrigin,
-    s3_object_getter,
-)
+from cachefs.testing.conformance import SourceConformance, SourceOrigin
+from cachefs.testing.writes_conformance import ObjectWritesConformance, WritesOrigin, s3_object_getter
 
 
 class TestS3Source(SourceConformance):
