@@ -258,7 +258,7 @@ class Engine:
         self._start_background()
         await self.strategy(entry).ensure(ds, entry, on_bytes)
         if self.strategy(entry).packed:
-            full = self.packs.pending.full_error or self.assemblies.full_error
+            full = self.packs.refused()
             if full is not None:
                 raise full
 
@@ -270,7 +270,7 @@ class Engine:
         await self.packs.chain.drain()
         await self.assemblies.drain()
         await self.packs.pending.flush()
-        full = self.packs.pending.full_error or self.assemblies.full_error
+        full = self.packs.refused()
         if full is not None:
             raise full
         if self.space.over_limits():

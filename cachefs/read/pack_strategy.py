@@ -23,6 +23,7 @@ from typing import Literal
 
 from cachefs.base.checksum import block_checksum
 from cachefs.base.config import Config
+from cachefs.base.errors import CacheFullError
 from cachefs.base.types import Entry, object_key
 from cachefs.formats.mirror_index import MirrorWindow
 from cachefs.formats.pack_file import WOULD_WAIT, Member, MemberRead
@@ -248,6 +249,11 @@ class PackStrategy(ReadStrategy):
         if data is None:
             return None
         return data, block_checksum(data)
+
+    def refused(self) -> CacheFullError | None:
+        """Why the last small files fetched could not all be kept (the disk was full), from whichever of the two
+        pack writers (pending packs, mirror windows) met it; None once they kept the next."""
+        return self.pending.full_error or self.assemblies.full_error
 
     def stop(self) -> list[asyncio.Future]:
         """Stop starting work; the fetches in flight (for the caller to cancel and await)."""
