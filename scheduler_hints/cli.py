@@ -87,17 +87,21 @@ async def scheduler_extender(args: argparse.Namespace, config: Config) -> int:
 
         metrics_host, metrics_port = parse_listen(args.metrics_listen, "--metrics-listen")
         start_http_server(metrics_port, addr=metrics_host)
+    binder = client = None
+    if not args.standalone:
+        from cachefs.kube import KubeClient, load_kube_config
+        from scheduler_hints.watch import KubeBinder
+
+        client = KubeClient(load_kube_config(args.kubeconfig))
+        binder = KubeBinder(client)
     ext = Extender(weights=cfg.weights, gangs=GangManager(ttl=cfg.gang_ttl, bind_timeout=cfg.bind_timeout),
-                   dra=DraInventory(cfg.dra), topology_wait=cfg.topology_wait, locality_wait=cfg.locality_wait,
-                   locality_slack=cfg.locality_slack)
-    if args.standalone:
+                   dra=DraInventory(cfg.dra), binder=binder, topology_wait=cfg.topology_wait,
+                   locality_wait=cfg.locality_wait, locality_slack=cfg.locality_slack)
+    if client is None:
         await serve(ext, host.strip("[]"), int(port), ssl_context, int(cfg.max_request_bytes))
         return 0
-    from cachefs.kube import KubeClient, load_kube_config
-    from scheduler_hints.watch import ClusterWatch, KubeBinder
+    from scheduler_hints.watch import ClusterWatch
 
-    client = KubeClient(load_kube_config(args.kubeconfig))
-    ext.binder = KubeBinder(client)
     watch = ClusterWatch(client, ext)
     try:
         await watch.start()

@@ -19,6 +19,7 @@ from cachefs.base.collector import quiet_collector
 from cachefs.base.config import Config
 from cachefs.base.values import ReadAccess
 from cachefs.engine import get_engine
+from cachefs.fuse.backing import DeviceBacking
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.handover import announce_failure, announce_ready, receive_fd
 from cachefs.fuse.holder import MountHolder, socket_path_for
@@ -86,33 +87,32 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
         orders = SamplerPublisher(sampler, cache_dir, ds.ref.id, ds.ref.url,
                                   sampler_files((e.path for e in ds.walk_files()), sampler), engine.ordered.orders)
         orders.start()
-    fs = CacheFS(engine, ds, journal=journal, access=access or ReadAccess(os.geteuid(), os.getegid()))
-    fs.prefill = prefill
-    session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens)
+    last = None
+
+    def publish(s: FuseSession, tick: int) -> None:  # what `cachefs status` shows about this mount
+        nonlocal last
+        if orders is not None:
+            orders.tick()
+        if tick % 5 == 0:
+            s.maybe_skip_opens()
+        if tick % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
+            s.fs.sweep()
+        now = (dict(s.fs.stats), s.opens_skipped, engine.packs.chain.problem(ds.ref.id))
+        if now != last and record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0],
+                                        opens_skipped=now[1], mirror_problem=now[2]):
+            last = now
+
+    def on_init(s: FuseSession) -> None:
+        record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats, opens_skipped=s.opens_skipped)
+        s.publish_every_second(functools.partial(publish, s))
+        if ready is not None:
+            ready(s)
+
+    fs = CacheFS(engine, ds, journal=journal, access=access or ReadAccess(os.geteuid(), os.getegid()),
+                 backing=DeviceBacking(fd), prefill=prefill)
+    session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens, on_init=on_init)
     quiet_collector()  # the engine, the manifest and the origin client are built: set them aside
     try:
-        def on_init(s: FuseSession) -> None:
-            record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, s.fs.stats, opens_skipped=s.opens_skipped)
-            s.publish_every_second(functools.partial(publish, s))
-            if ready is not None:
-                ready(s)
-
-        last = None
-
-        def publish(s: FuseSession, tick: int) -> None:
-            nonlocal last
-            if orders is not None:
-                orders.tick()
-            if tick % 5 == 0:
-                s.maybe_skip_opens()
-            if tick % 30 == 29:  # let go of evicted objects the kernel still holds for idle passthrough
-                s.fs.sweep()
-            now = (dict(s.fs.stats), s.opens_skipped, engine.packs.chain.problem(ds.ref.id))
-            if now != last and record_mount(cache_dir, mountpoint, ds.ref.url, s.mode, now[0],
-                                            opens_skipped=now[1], mirror_problem=now[2]):
-                last = now
-
-        session.on_init = on_init
         announce_ready(attach)  # the holder stops answering requests itself before we read the first one
         session.serve(resume=resume)
     finally:

@@ -21,8 +21,8 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from cachefs.base.types import Entry
 from cachefs.base.values import ReadAccess
@@ -43,6 +43,14 @@ def path_ino(path: str) -> int:
     """The inode number a path asks for (a collision moves it to the next free number)."""
     h = int.from_bytes(hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
     return max(h >> 1, ROOT + 1)
+
+
+class BackingFiles(Protocol):
+    """The device's passthrough ioctls: a cache file registered as a backing file (its id), and let go of."""
+
+    def open(self, fd: int) -> int: ...
+
+    def close(self, backing_id: int) -> None: ...
 
 
 @dataclass
@@ -86,7 +94,10 @@ class CacheFS:
     """Read-only view of one dataset (``ds``) through ``engine``; thread-safe."""
 
     def __init__(self, engine: Engine, ds: Dataset, *, access: ReadAccess = _OWNED_BY_ROOT,
-                 journal: MountJournal | None = None) -> None:
+                 journal: MountJournal | None = None, backing: BackingFiles | None = None,
+                 prefill: bool = True) -> None:
+        """``backing``: the device's backing-file ioctls, used once INIT agreed on passthrough; ``prefill``: see
+        :attr:`prefill`."""
         self.engine, self.ds = engine, ds
         self.journal = journal
         self.uid, self.gid = access.uid, access.gid
@@ -101,13 +112,12 @@ class CacheFS:
         # File handles carry the daemon generation, so a restarted daemon never reuses an old handle's number.
         self._next_fh = ((journal.state.generation if journal else 0) << 40) + 1
         self._lock = threading.Lock()
-        #: Set by the session once INIT said passthrough is on; ``backing_open/close`` are its ioctls.
+        #: Set by the session once INIT said passthrough is on.
         self.passthrough = False
-        self.backing_open: Callable[[int], int] | None = None
-        self.backing_close: Callable[[int], None] | None = None
+        self.backing = backing
         #: Whether packed small files are stored into the page cache at their first open (``Handle.prefill``);
         #: the session turns it off if the kernel refuses FUSE_NOTIFY_STORE.
-        self.prefill = True
+        self.prefill = prefill
         self._walked_at = -1  # the dataset's cached bytes when opens_needed last walked the manifest
         self.stats = {"passthrough_opens": 0, "userspace_opens": 0, "page_cache_opens": 0, "userspace_read_bytes": 0,
                       "prefilled_bytes": 0, "disk_waits": 0, "opens_refused": 0}
@@ -270,12 +280,11 @@ class CacheFS:
             return False
         if fd is None:
             return False
-        open_backing = self.backing_open
-        if open_backing is None:
+        if self.backing is None:
             os.close(fd)
             return False
         try:
-            backing = open_backing(fd)
+            backing = self.backing.open(fd)
         except OSError:
             self.passthrough = False  # e.g. EPERM without CAP_SYS_ADMIN: userspace from now on
             return False
@@ -374,11 +383,10 @@ class CacheFS:
                 self.journal.backing_closed(n.ino)
 
     def _backing_close_quietly(self, backing_id: int) -> None:
-        close = self.backing_close
-        if close is None:
+        if self.backing is None:
             return
         try:
-            close(backing_id)
+            self.backing.close(backing_id)
         except OSError:
             pass
 

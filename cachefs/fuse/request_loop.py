@@ -80,14 +80,14 @@ class RequestLoop:
     """Serves the mounted ``/dev/fuse`` descriptor ``fd`` with ``workers`` threads; ``ops`` maps opcodes to
     handlers ``(nodeid, unique, body) -> payload | DEFERRED | Later | None``."""
 
-    def __init__(self, fd: int, *, workers: int, timeout: float) -> None:
+    def __init__(self, fd: int, *, workers: int, timeout: float, on_init: Callable[[Any], None] | None = None) -> None:
         self.fd = fd
         self.workers = max(1, workers)
         self.timeout = timeout
         self.mode = "starting"
         self.stopped = threading.Event()
         #: Called with the session once INIT is answered (the mount is usable, ``mode`` is known).
-        self.on_init: Callable[[Any], None] | None = None
+        self.on_init = on_init
         #: Counters `cachefs status` shows (the file system's own, shared).
         self.stats: dict[str, int] = {}
         self._lock = threading.Lock()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Literal
 
 from cachefs.base.aio import get_loop
@@ -33,8 +33,9 @@ class FuseSession(RequestLoop):
     """Serves ``fs`` on the mounted ``/dev/fuse`` descriptor ``fd`` with ``workers`` threads."""
 
     def __init__(self, fs: CacheFS, fd: int, *, workers: int = 2, timeout: float = 3600.0,
-                 passthrough: bool = True, skip_opens: bool = True) -> None:
-        super().__init__(fd, workers=workers, timeout=timeout)
+                 passthrough: bool = True, skip_opens: bool = True,
+                 on_init: Callable[[FuseSession], None] | None = None) -> None:
+        super().__init__(fd, workers=workers, timeout=timeout, on_init=on_init)
         self.fs = fs
         self.stats = fs.stats
         self.want_passthrough = passthrough
@@ -55,8 +56,6 @@ class FuseSession(RequestLoop):
         journal = self.fs.journal
         assert journal is not None, "a resumed session has its mount's journal"
         init = journal.state.init
-        self.fs.backing_open = self._backing_open
-        self.fs.backing_close = self._backing_close
         if init is not None:  # the previous daemon answered INIT; the kernel will not send it again
             self.fs.passthrough = init["mode"] == "passthrough"
             self.mode = init["mode"]
@@ -80,8 +79,6 @@ class FuseSession(RequestLoop):
     def initialized(self, agreed: int) -> int:
         passthrough = bool(agreed & InitFlag.PASSTHROUGH)
         self.fs.passthrough = passthrough
-        self.fs.backing_open = self._backing_open
-        self.fs.backing_close = self._backing_close
         self.mode = "passthrough" if passthrough else "userspace"
         if self.fs.journal is not None:
             self.fs.journal.init(self.mode, agreed, self.fs.ds.version)
@@ -174,12 +171,3 @@ class FuseSession(RequestLoop):
     def _release(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         self.fs.release(nodeid, abi.RELEASE_IN.unpack_from(body)[0])
         return b""
-
-    # -- passthrough ioctls ---------------------------------------------------------------------------------
-    def _backing_open(self, fd: int) -> int:
-        arg = bytearray(abi.BACKING_MAP.pack(fd, 0, 0))
-        return fcntl.ioctl(self.fd, abi.FUSE_DEV_IOC_BACKING_OPEN, arg, True)
-
-    def _backing_close(self, backing_id: int) -> None:
-        arg = bytearray(backing_id.to_bytes(4, "little"))
-        fcntl.ioctl(self.fd, abi.FUSE_DEV_IOC_BACKING_CLOSE, arg, True)

@@ -48,8 +48,6 @@ def serve_writable_mount(config: Config, url: str, mountpoint: str, *, attach: s
         os.close(fd)
         raise
     generation = int(info.get("generation", 0))
-    session = WritableSession(volume, fd, workers=workers, generation=generation)
-    quiet_collector()
     cache_dir = config.cache.dir
 
     def on_init(s: WritableSession) -> None:
@@ -58,7 +56,8 @@ def serve_writable_mount(config: Config, url: str, mountpoint: str, *, attach: s
         if ready is not None:
             ready(s)
 
-    session.on_init = on_init
+    session = WritableSession(volume, fd, workers=workers, generation=generation, on_init=on_init)
+    quiet_collector()
     try:
         announce_ready(attach)
         session.serve(resume=generation > 0)

@@ -69,8 +69,9 @@ def _attr_change(valid: int, size: int, mode: int, uid: int, gid: int, atime: in
 class WritableSession(RequestLoop):
     """Serves ``volume`` on the mounted ``/dev/fuse`` descriptor ``fd``."""
 
-    def __init__(self, volume: WritableVolume, fd: int, *, workers: int = 4, generation: int = 0) -> None:
-        super().__init__(fd, workers=workers, timeout=VALID)
+    def __init__(self, volume: WritableVolume, fd: int, *, workers: int = 4, generation: int = 0,
+                 on_init: Callable[[WritableSession], None] | None = None) -> None:
+        super().__init__(fd, workers=workers, timeout=VALID, on_init=on_init)
         self.volume = volume
         self.fs = VolumeFS(volume, generation=generation)
         self.ops.update({

@@ -63,7 +63,7 @@ class PackStrategy(ReadStrategy):
         self.threshold, self.pack_size = c.pack_threshold, c.pack_size
         self.store, self.index, self.chain, self.funnel, self.disk, self.stats = store, index, chain, funnel, disk, stats
         self.assemblies, self.prefetcher, self.admission = assemblies, prefetcher, admission
-        self.pending = PendingPacks(c.pack_size, store, index, admission, stats, disk)
+        self.pending = PendingPacks(c.pack_size, store, index, admission, stats, disk, on_dropped=self._dropped)
         self.directories = DirectoryAhead(config.engine.dir_readahead)
         # Small files the group's peers sent and this node does not store (cluster.keep_guest off): kept in
         # memory for a while, as a directory's read-ahead brings them before their readers ask.
@@ -75,7 +75,6 @@ class PackStrategy(ReadStrategy):
         # The files fetched last (by readers or ahead): never read ahead again while remembered, so one the disk
         # did not keep (it was full) costs no second fetch.
         self._fetched: OrderedDict[bytes, None] = OrderedDict()
-        self.pending.on_dropped = self._dropped
         self._fetches = SingleFlight()  # object key → bytes
         self.closing = False
         removed = self.store.clean(index.has_pack)

@@ -42,7 +42,7 @@ def _pack_bytes(members: list[Member]) -> int:
 
 class PendingPacks:
     def __init__(self, pack_size: int, store: PackStore, index: Index, admission: Admission, stats: ReadStats,
-                 disk: DiskJobs) -> None:
+                 disk: DiskJobs, on_dropped: Callable[[list[Member]], None] | None = None) -> None:
         self.pack_size, self.store, self.index, self.admission, self.disk = pack_size, store, index, admission, disk
         self.stats, self.space = stats, admission.space
         self._lock = threading.Lock()  # read from FUSE threads too
@@ -58,7 +58,7 @@ class PendingPacks:
         #: Set while pack writes fail for lack of space (cleared by the next one that succeeds).
         self.full_error: CacheFullError | None = None
         #: Called (on a disk thread) with the members the disk had no room for, while they are still readable.
-        self.on_dropped: Callable[[list[Member]], None] | None = None
+        self.on_dropped = on_dropped
 
     @property
     def unwritten(self) -> int:
