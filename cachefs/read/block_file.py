@@ -4,17 +4,30 @@ complete cache file is read directly."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cachefs.base.types import Entry, object_key
 from cachefs.manifest.dataset import Dataset
-from cachefs.node.open_objects import OpenObject
+from cachefs.node.open_objects import OpenObject, OpenObjects
 from cachefs.read.base import OpenFile, ReadStream
 
-if TYPE_CHECKING:
-    from cachefs.read.block_strategy import BlockStrategy
+__all__ = ["BlockFile", "BlockReads"]
 
-__all__ = ["BlockFile"]
+
+class BlockReads(Protocol):
+    """What a block file asks of its strategy (:class:`~.block_strategy.BlockStrategy`)."""
+
+    objects: OpenObjects
+
+    def read_whole(self, ob: OpenObject, ds: Dataset, start: int, end: int, stream: ReadStream) -> bytes: ...
+
+    def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None,
+                   okey: bytes | None = None) -> bytes | None: ...
+
+    async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None,
+                   okey: bytes | None = None) -> bytes: ...
+
+    def count(self, ob: OpenObject, ds_id: str, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None: ...
 
 
 class BlockFile(OpenFile):
@@ -23,7 +36,7 @@ class BlockFile(OpenFile):
 
     packed = False
 
-    def __init__(self, strategy: BlockStrategy, ds: Dataset, entry: Entry, pin: OpenObject | None,
+    def __init__(self, strategy: BlockReads, ds: Dataset, entry: Entry, pin: OpenObject | None,
                  stream: ReadStream | None) -> None:
         self.strategy, self.ds, self.entry, self.pin, self.stream = strategy, ds, entry, pin, stream
         self.okey = pin.key if pin is not None else object_key(ds.ref.id, entry.path, entry.version)
