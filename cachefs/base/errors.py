@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 __all__ = [
     "AccessDeniedError",
+    "BucketNotFoundError",
     "CacheFSError",
     "CacheFullError",
     "CommitConflictError",
@@ -29,6 +30,7 @@ __all__ = [
     "ThrottledError",
     "TransientOriginError",
     "TruncatedBodyError",
+    "bucket_of",
     "translate_origin_error",
 ]
 
@@ -53,6 +55,10 @@ class CacheFSError(OSError):
 
 class ObjectNotFoundError(CacheFSError, FileNotFoundError):
     default_errno = errno.ENOENT
+
+
+class BucketNotFoundError(ObjectNotFoundError):
+    """The bucket itself does not exist (not only the object or prefix asked for)."""
 
 
 class AccessDeniedError(CacheFSError, PermissionError):
@@ -132,7 +138,7 @@ class ReadOnlyError(CacheFSError):
 # (S3 error code or HTTP status) -> our class. Codes are the ones S3 documents in its error responses.
 _S3_CODES: dict[str, type[CacheFSError]] = {
     "NoSuchKey": ObjectNotFoundError,
-    "NoSuchBucket": ObjectNotFoundError,
+    "NoSuchBucket": BucketNotFoundError,
     "NotFound": ObjectNotFoundError,
     "404": ObjectNotFoundError,
     "AccessDenied": AccessDeniedError,
@@ -161,6 +167,12 @@ _S3_CODES: dict[str, type[CacheFSError]] = {
     "RequestTimeout": TransientOriginError,
     "RequestTimeTooSkewed": CredentialsError,
 }
+
+
+def bucket_of(url: str) -> str:
+    """The bucket (host part) of an object URL, as said in messages."""
+    rest = url.split("://", 1)[-1]
+    return rest.split("/", 1)[0] or url
 
 
 def _client_error_codes(exc: BaseException) -> list[str]:
@@ -198,6 +210,8 @@ def translate_origin_error(exc: BaseException, what: str) -> CacheFSError:
                 cls = TransientOriginError
             if cls is StaleObjectError:
                 return cls(f"{what}: changed at the origin since the manifest was taken ({codes[0]})")
+            if cls is BucketNotFoundError:
+                return cls(f"{what}: bucket {bucket_of(what)} does not exist ({codes[0]})")
             if cls is not None:
                 return cls(f"{what}: {codes[0]}")
         return OriginError(f"{what}: origin error {codes[0]}")

@@ -22,6 +22,10 @@ _UNITS = {
 }
 
 
+#: The largest size taken (2^63 - 1: what a file offset, and every counter of bytes here, can hold).
+MAX_SIZE = (1 << 63) - 1
+
+
 def parse_size(value: Any, name: str = "size") -> int:
     """Parse ``4MiB`` / ``10 GB`` / ``123`` into bytes."""
     if isinstance(value, bool):
@@ -29,11 +33,16 @@ def parse_size(value: Any, name: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{name}: must not be negative")
+        if value > MAX_SIZE:
+            raise ConfigError(f"{name}: {value} is more than any disk or memory holds (at most 8 EiB)")
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"{name}: cannot read {value!r} as a size (examples: 4MiB, 10GB, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size > MAX_SIZE:
+        raise ConfigError(f"{name}: {value!r} is more than any disk or memory holds (at most 8 EiB)")
+    return size
 
 
 def parse_listen(value: str, flag: str) -> tuple[str, int]:

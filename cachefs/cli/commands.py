@@ -6,14 +6,14 @@ import argparse
 import sys
 
 from cachefs.base.config import Config
-from cachefs.base.errors import CacheFSError, ConfigError
+from cachefs.base.errors import CacheFSError, ConfigError, ObjectNotFoundError
 from cachefs.base.types import DatasetRef
 from cachefs.base.values import ReadAccess, parse_group, parse_read_mode
 from cachefs.cli.mount_setup import check_mountpoint, mount_log_path, mount_options
 from cachefs.cli.output import print_json
 from cachefs.cli.progress import ProgressPrinter, human_bytes
 from cachefs.engine import Engine
-from cachefs.jobs import warm
+from cachefs.jobs import select_files, warm
 from cachefs.prefetch.publish import publish_order
 from cachefs.status.summary import NodeSummary, status_report
 
@@ -28,6 +28,12 @@ async def prefetch(args: argparse.Namespace, config: Config) -> int:
         if args.refresh:
             await engine.refresh(args.url)
         ds = await engine.open_dataset(args.url, manifest_version=args.manifest_version)
+        if (args.include or args.exclude) and next(select_files(ds.walk_files(), args.include, args.exclude),
+                                                   None) is None:
+            said = " ".join([*(f"--include {g}" for g in args.include or ()),
+                             *(f"--exclude {g}" for g in args.exclude or ())])
+            raise ObjectNotFoundError(f"{ds.ref.url}: nothing matched {said} (paths are relative to the dataset, "
+                                      "e.g. train/*.jpg)")
         printer = ProgressPrinter(quiet=args.quiet or args.json)
         prog = await warm(engine, ds, include=args.include, exclude=args.exclude, workers=args.workers,
                           on_progress=printer)
@@ -57,7 +63,9 @@ async def status(args: argparse.Namespace, config: Config) -> int:
         print_json(rep)
         return 0
     print(f"cache dir  {rep['cache_dir']}")
-    print(f"used       {human_bytes(rep['used_bytes'])} of {human_bytes(rep['capacity_bytes'])} "
+    limited = (f" (capacity {human_bytes(rep['capacity_bytes'])}: the disk runs out first)"
+               if rep["usable_bytes"] < rep["capacity_bytes"] else "")
+    print(f"used       {human_bytes(rep['used_bytes'])} of {human_bytes(rep['usable_bytes'])} usable{limited} "
           f"in {rep['objects']} objects; disk free {human_bytes(rep['disk_free_bytes'])}")
     for m in rep["mounts"]:
         if m.get("state") == "failing":
@@ -115,6 +123,9 @@ async def evict(args: argparse.Namespace, config: Config) -> int:
             freed = engine.purge_sync()
         else:
             ref = DatasetRef.from_url(args.url)
+            if engine.dataset_record(ref.id) is None and not args.group:
+                raise ObjectNotFoundError(f"{ref.url}: not in this cache (nothing of it was cached in "
+                                          f"{config.cache.dir}; cachefs status lists what is)")
             freed = engine.purge_sync(ref.id)
         total = NodeSummary(config).report()["used_bytes"]
         members = await engine.group.evict_everywhere(ref) if args.group else {}
@@ -135,6 +146,8 @@ async def evict(args: argparse.Namespace, config: Config) -> int:
 
 
 async def order(args: argparse.Namespace, config: Config) -> int:
+    if args.epoch is not None and args.epoch < 0:
+        raise ConfigError(f"--epoch {args.epoch}: epochs count from 0")
     if args.sampler:
         return await _sampler_orders(args, config)
     try:
@@ -148,8 +161,38 @@ async def order(args: argparse.Namespace, config: Config) -> int:
             raise ConfigError(f"{args.file}: not UTF-8 text (one path a line)") from None
     written = publish_order(args.dataset, paths, epoch=args.epoch, cache_dir=config.cache.dir,
                             publisher=args.publisher)
-    print(f"published an order of {len(paths)} files ({written})")
+    unknown = await _unknown_paths(config, args.dataset, paths) if "://" in args.dataset else None
+    said = "" if unknown is None or not unknown[0] else \
+        f"; {unknown[0]} of them are not files of the dataset's manifest v{unknown[1]} (first: {unknown[2]}): never fetched"
+    print(f"published an order of {len(paths)} files ({written}){said}")
     return 0
+
+
+async def _unknown_paths(config: Config, url: str, paths: list[str]) -> tuple[int, int, str] | None:
+    """How many of ``paths`` the dataset's newest manifest on this node lacks, its version and the first of them;
+    None when this cache does not know the dataset (nothing to check against)."""
+    import os
+
+    from cachefs.prefetch.orders import relative_paths
+
+    if not os.path.isdir(config.cache.dir):
+        return None
+    engine = Engine(config)
+    try:
+        ref = DatasetRef.from_url(url)
+        rec = engine.dataset_record(ref.id)
+        if rec is None or not rec.manifests:
+            return None
+        version = max(m.version for m in rec.manifests)
+        missing = []
+        for path in relative_paths(paths, [ref.url]):
+            try:
+                engine.lookup(ref.id, version, path)
+            except ObjectNotFoundError:
+                missing.append(path)
+        return (len(missing), version, missing[0]) if missing else (0, version, "")
+    finally:
+        await engine.aclose()
 
 
 async def _sampler_orders(args: argparse.Namespace, config: Config) -> int:
@@ -302,6 +345,8 @@ async def umount(args: argparse.Namespace, config: Config) -> int:
     if not args.no_sync:
         from cachefs.cli.volumes import drain_mount
 
+        if args.timeout < 0:
+            raise ConfigError(f"--timeout {args.timeout:g}: must not be negative")
         await drain_mount(config, mnt, args.timeout)
     unmount(mnt)
     return 0

@@ -104,6 +104,8 @@ async def _drain(config: Config, vdir: str, info: dict[str, Any], deadline: floa
 
 
 async def sync(args: argparse.Namespace, config: Config) -> int:
+    if args.timeout is not None and args.timeout < 0:
+        raise ConfigError(f"--timeout {args.timeout:g}: must not be negative")
     volumes = _volumes_for(config, args.target)
     if args.commit:
         if args.target is None or "://" in args.target or not os.path.isdir(args.target):

@@ -7,7 +7,7 @@ import fcntl
 import logging
 import os
 
-from cachefs.base.errors import ObjectNotFoundError
+from cachefs.base.errors import BucketNotFoundError, ObjectNotFoundError, bucket_of
 from cachefs.base.types import DatasetRef
 from cachefs.index import DatasetRecord, Index, ManifestInfo
 from cachefs.index.mounts import pinned_versions
@@ -61,6 +61,9 @@ async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: Da
     try:
         async for batch in source.list_tree(ds.url):
             writer.add(batch)
+    except BucketNotFoundError:
+        store.drop(ds.id, version)
+        raise BucketNotFoundError(f"{ds.url}: bucket {bucket_of(ds.url)} does not exist at the origin") from None
     except ObjectNotFoundError:
         store.drop(ds.id, version)
         raise ObjectNotFoundError(f"{ds.url}: dataset not found at the origin") from None

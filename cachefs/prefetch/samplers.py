@@ -71,17 +71,25 @@ def parse_sampler(text: str) -> SamplerSpec:
         if not eq or not value:
             raise ConfigError(f"sampler option {item!r}: write key=value")
         values[key.strip()] = value.strip()
+
+    def whole(key: str, default: str) -> int:
+        raw = values.pop(key, default)
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"sampler {text!r}: {key} must be a whole number, not {raw!r}") from None
+
     try:
         spec = SamplerSpec(
             kind=kind,
-            seed=int(values.pop("seed", "0")),
-            world_size=int(values.pop("world-size", "1")),
+            seed=whole("seed", "0"),
+            world_size=whole("world-size", "1"),
             ranks=_ranks(values.pop("ranks", values.pop("rank", "0"))),
             shuffle=_flag(values.pop("shuffle", "true")),
             drop_last=_flag(values.pop("drop-last", "false")),
             under=values.pop("under", "").strip("/"),
             match=values.pop("match", "*"),
-            start_epoch=int(values.pop("start-epoch", "0")),
+            start_epoch=whole("start-epoch", "0"),
         )
     except ValueError as exc:
         raise ConfigError(f"sampler {text!r}: {exc}") from None

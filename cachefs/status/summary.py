@@ -108,14 +108,19 @@ class NodeSummary:
                 # Read orders jobs published for it (cachefs order): each publisher's epoch and length.
                 "orders": _orders(c.dir, rec.id),
             })
+        capacity, min_free = (resolve_size(c.capacity, disk_total, "cache.capacity"),
+                              resolve_size(c.min_free, disk_total, "cache.min_free"))
         return {
             "cache_dir": c.dir,
-            "capacity_bytes": resolve_size(c.capacity, disk_total, "cache.capacity"),
+            "capacity_bytes": capacity,
+            # What the cache can really hold now: its capacity, or less when the disk's free space (less the floor
+            # kept free) runs out first (other tenants of the disk).
+            "usable_bytes": min(capacity, total + max(0, disk_free - min_free)),
             "used_bytes": total,
             "objects": objects,
             "disk_total_bytes": disk_total,
             "disk_free_bytes": disk_free,
-            "min_free_bytes": resolve_size(c.min_free, disk_total, "cache.min_free"),
+            "min_free_bytes": min_free,
             "datasets": datasets,
             # Directories read most lately (access counts that halve every engine.hot_dir_half_life seconds).
             "hot_directories": [{**d, "url": urls.get(d["dataset"], "")} for d in

@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from cachefs.base.errors import CommitConflictError, ObjectNotFoundError
+from cachefs.base.errors import BucketNotFoundError, CommitConflictError, ObjectNotFoundError
 from cachefs.sources import Source
 from cachefs.sources.writes import ObjectWrites
 
@@ -102,6 +102,8 @@ async def list_commits(source: Source, url: str) -> list[dict[str, Any]]:
                     record = await _read_json(source, f"{prefix}/{e.path}")
                     if record.get("files") is not None:
                         records.append(record)
+    except BucketNotFoundError:
+        raise
     except ObjectNotFoundError:
         return []
     return sorted(records, key=lambda r: r.get("committed", 0))
