@@ -9,11 +9,15 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+## Editable installs put the project's directory on sys.path (compat mode), not an import hook that comes after
+## it: with the hook, a directory named cachefs in the working directory (a clone's own name) shadowed the package.
+EDITABLE := --config-settings editable_mode=compat
+
 setup: $(BIN)/python
-	$(BIN)/pip install -q -e '.[server]'
+	$(BIN)/pip install -q -e '.[server]' $(EDITABLE)
 
 setup-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' $(EDITABLE)
 
 ## Start a local S3 server with a sample dataset, prefetch it through cachefs, read it back, print what happened.
 demo: setup
