@@ -37,6 +37,7 @@ from cachefs.base.memory import bound_allocator
 from cachefs.base.types import DatasetRef, Entry, object_key
 from cachefs.cluster.link import GroupLink
 from cachefs.index import DatasetRecord, Index
+from cachefs.index.caches import note_cache
 from cachefs.index.counters import NodeCounters
 from cachefs.index.hints import HintStore
 from cachefs.manifest import ManifestStore, take_snapshot
@@ -76,6 +77,7 @@ class Engine:
         prepare_cache_dir(c.dir)
         self.block_size = c.block_size
         self.index = Index(c.dir)
+        note_cache(c.dir)  # (commands given no --cache-dir find it: cachefs.cli.which_cache)
         self.store = DiskStore(c.dir, c.block_size)
         self.manifests = ManifestStore(self.index)
         disk_total, disk_free = self.store.disk_usage()

@@ -96,6 +96,9 @@ def pytest_configure(config):
     os.environ.setdefault("CACHEFS_TEST", "1")
     # The metrics files of the cachefs processes tests start (mounts, CSI) go here, not into /run.
     os.environ.setdefault("CACHEFS_METRICS_DIR", tempfile.mkdtemp(prefix="cachefs-test-metrics-"))
+    # Which caches this user has (cachefs.index.caches) is noted under XDG_STATE_HOME: the tests' own, not the
+    # user's, so that a command given no --cache-dir finds only caches the tests made.
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="cachefs-test-state-")
 
 
 #: Test files that drop or measure the kernel's page cache: run one after another on one worker (under

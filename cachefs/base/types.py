@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from cachefs.base.errors import InvalidURLError
 
-__all__ = ["DatasetRef", "Entry", "canonical_url", "dataset_id", "object_key"]
+__all__ = ["DatasetRef", "Entry", "canonical_url", "dataset_id", "object_key", "within"]
 
 #: Schemes whose URLs name a bucket-like root; anything fsspec knows is accepted, these are just common.
 _OBJECT_STORE_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "r2", "oss"}
@@ -65,6 +65,11 @@ def canonical_url(url: str) -> str:
     if any(seg in (".", "..") for seg in parts.path.split("/")):
         raise InvalidURLError(f"{url!r}: '.' and '..' are not allowed in dataset URLs")
     return f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+def within(inner: str, outer: str) -> bool:
+    """Whether the path or URL ``inner`` is ``outer`` or below it (never below an empty ``outer``)."""
+    return bool(outer) and (inner == outer or inner.startswith(outer.rstrip("/") + "/"))
 
 
 def dataset_id(url: str) -> str:

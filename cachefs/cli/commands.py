@@ -58,11 +58,16 @@ async def prefetch(args: argparse.Namespace, config: Config) -> int:
 
 
 async def status(args: argparse.Namespace, config: Config) -> int:
+    from cachefs.cli.which_cache import other_caches, told
+
     rep = status_report(config)
+    others = [] if told(args.cache_dir, config) else other_caches(config)
     if args.json:
-        print_json(rep)
+        print_json({**rep, "other_caches": others})
         return 0
     print(f"cache dir  {rep['cache_dir']}")
+    if others:
+        print(f"           other caches on this node: {', '.join(others)} (cachefs status --cache-dir DIR)")
     limited = (f" (capacity {human_bytes(rep['capacity_bytes'])}: the disk runs out first)"
                if rep["usable_bytes"] < rep["capacity_bytes"] else "")
     print(f"used       {human_bytes(rep['used_bytes'])} of {human_bytes(rep['usable_bytes'])} usable{limited} "
@@ -79,6 +84,10 @@ async def status(args: argparse.Namespace, config: Config) -> int:
             print(f"           its packed mirror cannot be used ({m['mirror_problem']}): small files are read one "
                   "GET each; `cachefs pack` writes it again")
     for v in rep.get("volumes", []):
+        if v.get("done"):
+            print(f"volume     {v.get('mountpoint') or v['url']}  {v['url']}  done: everything closed there is on "
+                  "the origin")
+            continue
         print(f"volume     {v.get('mountpoint') or v['url']}  {v['url']}  "
               + (f"owner pid {v.get('pid')}" if v["owner_alive"] else "NO OWNER: cachefs sync resumes its uploads"))
         print(f"           staged {human_bytes(v.get('staged_bytes', 0))} in {v.get('staged_files', 0)} closed files "

@@ -27,6 +27,7 @@ from cachefs.base.errors import (
     ObjectNotFoundError,
     OriginUnavailableError,
 )
+from cachefs.cli.which_cache import TARGETS, cache_for, told
 
 __all__ = ["EXIT_CODES", "main"]
 
@@ -114,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     st = sub.add_parser("status", parents=[base, cache], help="capacity, usage and per-dataset cached fraction")
+    st.add_argument("target", nargs="?",
+                    help="a mount point or a dataset or volume URL: the status of the cache that serves it (without "
+                         "--cache-dir)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
 
     ev = sub.add_parser("evict", parents=[base, cache], help="remove cached data (objects in use are kept)")
@@ -274,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         config = _config(args)
+        command = args.run.partition(":")[2]
+        config = cache_for(command, getattr(args, TARGETS.get(command, ""), None), config,
+                           explicit=told(getattr(args, "cache_dir", None), config))
     except (CacheFSError, OSError) as exc:
         return _fail(exc)
     if getattr(args, "node_process", False):

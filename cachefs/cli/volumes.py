@@ -13,7 +13,7 @@ from typing import Any
 
 from cachefs.base.config import Config
 from cachefs.base.errors import CacheFSError, ConfigError
-from cachefs.base.types import canonical_url
+from cachefs.base.types import canonical_url, within
 from cachefs.index.volumes import journal_last_seq, owner_alive, read_status, volume_dirs, wait_for_owner
 
 __all__ = ["checkpoints", "drain_mount", "mount_writable", "sync"]
@@ -62,19 +62,20 @@ async def _check_volume_url(config: Config, url: str) -> None:
 
 # -- sync ---------------------------------------------------------------------------------------------------------
 def _volumes_for(config: Config, target: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """The volumes ``target`` names: a writable mount point (or a directory in one), or a URL at or under a
+    volume's root (or above several: all of them). An empty list for a URL no volume holds now."""
     vols = volume_dirs(config.cache.dir)
     if target is None:
         return vols
     if "://" in target:
         url = canonical_url(target).rstrip("/")
-        found = [(d, i) for d, i in vols if i.get("url") == url]
-    else:
-        path = os.path.abspath(target)
-        found = [(d, i) for d, i in vols if i.get("mountpoint")
-                 and (path == i["mountpoint"] or path.startswith(i["mountpoint"] + "/"))]
+        return [(d, i) for d, i in vols if within(url, i.get("url", "")) or within(i.get("url", ""), url)]
+    path = os.path.abspath(target)
+    found = [(d, i) for d, i in vols if within(path, i.get("mountpoint", ""))]
     if not found:
         raise ConfigError(f"{target}: no writable volume of this node's cache ({config.cache.dir}) is there")
     return found
+
 
 
 async def _drain(config: Config, vdir: str, info: dict[str, Any], deadline: float | None) -> tuple[bool, list[str]]:
@@ -107,6 +108,10 @@ async def sync(args: argparse.Namespace, config: Config) -> int:
     if args.timeout is not None and args.timeout < 0:
         raise ConfigError(f"--timeout {args.timeout:g}: must not be negative")
     volumes = _volumes_for(config, args.target)
+    if not volumes:
+        print(f"nothing pending: no writable volume of this node's cache ({config.cache.dir}) holds "
+              f"{args.target or 'anything'}")
+        return 0
     if args.commit:
         if args.target is None or "://" in args.target or not os.path.isdir(args.target):
             raise ConfigError("--commit takes a directory in a writable mount")

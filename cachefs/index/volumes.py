@@ -11,10 +11,15 @@ import fcntl
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["journal_last_seq", "list_volumes", "owner_alive", "read_status", "volume_dirs", "volumes_root", "wait_for_owner",
-           "wait_uploaded"]
+__all__ = ["ENTRY_KINDS", "JournalState", "journal_last_seq", "list_volumes", "owner_alive", "read_status",
+           "replay_journal", "volume_dirs", "volumes_root", "wait_for_owner", "wait_uploaded"]
+
+#: The journal's entry records (``t``): upload a closed file's snapshot, copy or delete an object, claim a
+#: checkpoint's name, write its commit record (cachefs.write.queue.EntryKind).
+ENTRY_KINDS = frozenset({"put", "copy", "delete", "claim", "commit"})
 
 
 def volumes_root(cache_dir: str) -> str:
@@ -75,12 +80,80 @@ def journal_last_seq(vdir: str) -> int:
     return last
 
 
+@dataclass
+class JournalState:
+    """A volume's queue as its journal has it: the live entries in order (each a dict: ``t``, ``seq``, ``key``,
+    ``size``, ``src``, ``snap``, ``added``, ``begun``, ``held_by``), entries failed for good, the next number."""
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    next_seq: int = 1
+
+
+def replay_journal(path: str) -> JournalState:
+    """Read a volume's journal (cachefs.write.queue keeps it); a line cut by a crash mid-write is skipped (it was
+    never acknowledged). Reads only."""
+    state = JournalState()
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return state
+    by_seq: dict[int, dict[str, Any]] = {}
+    entries = state.entries
+    for line in lines:
+        try:
+            r = json.loads(line)
+            t, seq = r.get("t"), int(r.get("seq", 0))
+        except (ValueError, AttributeError, TypeError):
+            continue
+        state.next_seq = max(state.next_seq, seq + 1)
+        if t in ENTRY_KINDS:
+            e = {"t": t, "seq": seq, "key": r["key"], "size": int(r.get("size", 0)), "src": r.get("src", ""),
+                 "snap": int(r.get("snap", 0)), "added": float(r.get("added", 0)), "begun": [], "held_by": []}
+            by_seq[seq] = e
+            before = r.get("before")
+            at = next((i for i, x in enumerate(entries) if x["seq"] == before), None) if before else None
+            entries.insert(len(entries) if at is None else at, e)
+        elif t == "move" and seq in by_seq:
+            e = by_seq.pop(seq)
+            entries.remove(e)
+            e["seq"], e["key"] = int(r["to"]), r["key"]
+            by_seq[e["seq"]] = e
+            entries.append(e)
+            state.next_seq = max(state.next_seq, e["seq"] + 1)
+        elif t == "held" and seq in by_seq:
+            by_seq[seq]["held_by"] = [str(m) for m in r.get("by", [])]
+        elif t == "mpu-begin" and seq in by_seq and r["key"] not in by_seq[seq]["begun"]:
+            by_seq[seq]["begun"].append(str(r["key"]))
+        elif t in ("done", "drop", "failed"):
+            gone = by_seq.pop(seq, None)
+            if gone is not None:
+                entries.remove(gone)
+            if t == "failed":
+                state.failed[seq] = r.get("error", "")
+    return state
+
+
 def list_volumes(cache_dir: str) -> list[dict[str, Any]]:
-    """What ``cachefs status`` shows per volume: its record, its last status, and whether its owner lives."""
+    """What ``cachefs status`` shows per volume: its record, its last status, and whether its owner lives. A volume
+    without a live owner is shown as its journal has it (what its owner last wrote may be older): what is queued
+    and not uploaded yet, and ``done`` when nothing is."""
     out = []
     for vdir, info in volume_dirs(cache_dir):
         st = read_status(vdir)
-        out.append({**info, **st, "dir": vdir, "owner_alive": owner_alive(vdir)})
+        alive = owner_alive(vdir)
+        if not alive:
+            journal = replay_journal(os.path.join(vdir, "journal"))
+            puts = [e for e in journal.entries if e["t"] == "put"]
+            st = {**st, "staged_bytes": sum(e["size"] for e in puts), "staged_files": len(puts),
+                  "queued_entries": len(journal.entries), "below_promise_bytes": 0,
+                  "oldest_staged_age": time.time() - min(e["added"] for e in journal.entries) if journal.entries
+                  else 0.0,
+                  "pending": [f"{e['t']} {e['key']}" for e in journal.entries[:20]],
+                  "failed": {str(k): v for k, v in journal.failed.items()}}
+        out.append({**info, **st, "dir": vdir, "owner_alive": alive,
+                    "done": not alive and not st.get("queued_entries")})
     return out
 
 

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cachefs.index.volumes import replay_journal
+
 __all__ = ["EntryKind", "QueueEntry", "UploadQueue", "fsync_dir", "under"]
 
 
@@ -39,7 +41,6 @@ class EntryKind(enum.StrEnum):
         return self in (EntryKind.PUT, EntryKind.COPY)
 
 
-_KINDS = frozenset(k.value for k in EntryKind)
 
 
 @dataclass
@@ -91,43 +92,12 @@ class UploadQueue:
 
     # -- journal ------------------------------------------------------------------------------------------------
     def _replay(self) -> None:
-        try:
-            with open(self.path) as f:
-                lines = f.readlines()
-        except FileNotFoundError:
-            return
-        by_seq: dict[int, QueueEntry] = {}
-        for line in lines:
-            try:
-                r = json.loads(line)
-            except ValueError:  # a line cut by a crash mid-write: it was never acknowledged
-                continue
-            t, seq = r.get("t"), int(r.get("seq", 0))
-            self.next_seq = max(self.next_seq, seq + 1)
-            if t in _KINDS:
-                e = QueueEntry(seq, EntryKind(t), r["key"], int(r.get("size", 0)), r.get("src", ""), int(r.get("snap", 0)),
-                               float(r.get("added", 0)))
-                by_seq[seq] = e
-                before = r.get("before")
-                at = next((i for i, x in enumerate(self.entries) if x.seq == before), None) if before else None
-                self.entries.insert(len(self.entries) if at is None else at, e)
-            elif t == "move" and seq in by_seq:
-                e = by_seq.pop(seq)
-                self.entries.remove(e)
-                e.seq, e.key = int(r["to"]), r["key"]
-                by_seq[e.seq] = e
-                self.entries.append(e)
-                self.next_seq = max(self.next_seq, e.seq + 1)
-            elif t == "held" and seq in by_seq:
-                by_seq[seq].held_by = [str(m) for m in r.get("by", [])]
-            elif t == "mpu-begin" and seq in by_seq and r["key"] not in by_seq[seq].begun:
-                by_seq[seq].begun.append(str(r["key"]))
-            elif t in ("done", "drop", "failed"):
-                gone = by_seq.pop(seq, None)
-                if gone is not None:
-                    self.entries.remove(gone)
-                if t == "failed":
-                    self.failed[seq] = r.get("error", "")
+        state = replay_journal(self.path)
+        self.next_seq, self.failed = state.next_seq, state.failed
+        for r in state.entries:
+            e = QueueEntry(r["seq"], EntryKind(r["t"]), r["key"], r["size"], r["src"], r["snap"], r["added"])
+            e.begun, e.held_by = r["begun"], r["held_by"]
+            self.entries.append(e)
         self._compact()
 
     def _compact(self) -> None:

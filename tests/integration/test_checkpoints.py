@@ -99,10 +99,45 @@ def test_cachefs_sync_finishes_the_uploads_of_a_process_that_died(s3, cache_dir)
     assert set(got) == {".cachefs/claims/step-1"}
 
 
-def test_sync_of_nothing_known_is_a_clear_error(s3, cache_dir):
+def test_sync_of_a_url_nothing_is_pending_for_succeeds_saying_so(s3, cache_dir):
     r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "sync", "s3://nobody/here", "--cache-dir",
                         cache_dir], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "no writable volume" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 0 and "nothing pending" in r.stdout and not r.stderr, r.stderr
+
+
+def test_a_killed_writers_volume_shows_what_waits_syncs_by_any_url_under_it_and_is_done_after(s3, cache_dir):
+    """No --cache-dir after the write: the volume's URL names its cache (the writer's engine noted it)."""
+    _server, client, bucket = s3
+    data = random.Random(3).randbytes(3 * MiB)
+    run(f"""
+        import os, random, fsspec
+        fs = fsspec.filesystem("cachefs", writable=True, origin_endpoint_url="http://127.0.0.1:9",
+                               origin_max_attempts=1)
+        with fs.open("{bucket}/checkpoints/py-1/w.bin", "wb") as f:
+            f.write(random.Random(3).randbytes({len(data)}))
+        os._exit(0)  # killed before its exit drain
+    """, cache_dir)
+
+    def status() -> tuple[dict, str]:
+        js = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--json", "--cache-dir", cache_dir],
+                            capture_output=True, text=True, timeout=60)
+        text = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--cache-dir", cache_dir],
+                              capture_output=True, text=True, timeout=60)
+        [vol] = json.loads(js.stdout)["volumes"]
+        return vol, text.stdout
+
+    vol, text = status()
+    assert not vol["owner_alive"] and not vol["done"]
+    assert (vol["staged_bytes"], vol["staged_files"]) == (len(data), 1) and vol["pending"] == ["put checkpoints/py-1/w.bin"]
+    assert "staged 3.0 MiB in 1 closed files" in text and "NO OWNER" in text, text
+    sync = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "sync", f"s3://{bucket}/checkpoints/py-1",
+                           "--timeout", "60"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CACHEFS_CACHE_MIN_FREE": "0"})
+    assert sync.returncode == 0, sync.stderr
+    assert objects(client, bucket, "checkpoints/") == {"py-1/w.bin": data}
+    vol, text = status()
+    assert vol["done"] and vol["staged_bytes"] == 0
+    assert "done: everything closed there is on the origin" in text and "NO OWNER" not in text, text
 
 
 @pytest.mark.root

@@ -80,3 +80,22 @@ def test_messages_name_what_is_wrong(small, tmp_path):
     # (a capacity of the whole disk: the disk's free space, not the capacity, bounds what the cache can use)
     r = cli("status", "--cache-dir", cache, env={"CACHEFS_CACHE_CAPACITY": "100%", "CACHEFS_CACHE_MIN_FREE": "0"})
     assert r.returncode == 0 and "usable (capacity" in r.stdout and "the disk runs out first" in r.stdout, r.stdout
+
+
+def test_status_without_cache_dir_shows_the_cache_just_used_or_names_the_others(small, tmp_path):
+    from cachefs.base.config import default_cache_dir
+    from cachefs.index.caches import is_cache
+
+    state = {"XDG_STATE_HOME": str(tmp_path / "state")}  # (only the caches this test makes are known)
+    used = str(tmp_path / "used")
+    assert cli("prefetch", f"s3://{small}/data", "--cache-dir", used, env=state).returncode == 0
+    r = cli("status", env=state)
+    assert r.returncode == 0, r.stderr
+    if is_cache(default_cache_dir()):  # (the default holds a cache too: it is shown, and the other one named)
+        assert f"other caches on this node: {used}" in r.stdout, r.stdout
+    else:
+        assert f"cache dir  {used}" in r.stdout and f"s3://{small}/data" in r.stdout, r.stdout
+    second = str(tmp_path / "second")
+    assert cli("prefetch", f"s3://{small}/data", "--cache-dir", second, env=state).returncode == 0
+    r = cli("status", f"s3://{small}/data", env=state)  # (in two caches now: which one is meant?)
+    assert r.returncode == 2 and "in 2 caches on this node" in _one_line(r) and used in r.stderr and second in r.stderr

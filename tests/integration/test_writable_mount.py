@@ -355,3 +355,30 @@ def test_files_made_in_a_group_volume_belong_to_the_group_whoever_makes_them(s3,
     finally:
         m.close()
         os.rmdir(mnt)
+
+
+def test_a_mount_point_names_its_cache_for_sync_status_and_umount(s3, cache_dir, tmp_path):
+    """Made with --cache-dir; then sync, status and umount are given the mount point only (issue 48, items 1, 9)."""
+    _, client, bucket = s3
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mounted(cache_dir, f"s3://{bucket}/ck", str(mnt), "--writable", env=ENV)
+
+    def plain(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cachefs.cli.main", *args], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **ENV})
+
+    try:
+        first, second = os.urandom(300_000), os.urandom(200_000)
+        write(m.path("a.bin"), first)
+        r = plain("sync", m.mountpoint, "--timeout", "60")
+        assert r.returncode == 0, r.stderr
+        assert objects(client, bucket) == {"a.bin": first}
+        r = plain("status", m.mountpoint)
+        assert r.returncode == 0 and f"cache dir  {cache_dir}" in r.stdout and m.mountpoint in r.stdout, r.stdout
+        write(m.path("b.bin"), second)
+        r = plain("umount", m.mountpoint)  # (its uploads are waited for first, in the mount's own cache)
+        assert r.returncode == 0, r.stderr
+        assert objects(client, bucket) == {"a.bin": first, "b.bin": second}
+    finally:
+        m.close()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from cachefs.write.queue import UploadQueue, under
+from cachefs.index.volumes import ENTRY_KINDS
+from cachefs.write.queue import EntryKind, UploadQueue, under
 
 
 def test_entries_come_back_in_order_after_a_crash_with_moves_drops_and_insertions(tmp_path):
@@ -73,3 +74,7 @@ def test_a_lost_commit_race_is_kept_as_failed(tmp_path):
 
 def test_under():
     assert under("a/b", "a") and under("a", "a") and not under("ab", "a") and under("x", "")
+
+
+def test_the_journal_reader_below_the_write_path_knows_every_entry_kind():
+    assert {k.value for k in EntryKind} == ENTRY_KINDS
