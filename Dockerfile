@@ -8,9 +8,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends fuse3 util-linu
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY cachefs ./cachefs
-COPY csi ./csi
-COPY scheduler_hints ./scheduler_hints
+COPY src ./src
 RUN pip install --no-cache-dir . && rm -rf /src
 WORKDIR /
 ENTRYPOINT ["cachefs"]

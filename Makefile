@@ -9,15 +9,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-## Editable installs put the project's directory on sys.path (compat mode), not an import hook that comes after
-## it: with the hook, a directory named cachefs in the working directory (a clone's own name) shadowed the package.
-EDITABLE := --config-settings editable_mode=compat
-
 setup: $(BIN)/python
-	$(BIN)/pip install -q -e '.[server]' $(EDITABLE)
+	$(BIN)/pip install -q -e '.[server]'
 
 setup-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]' $(EDITABLE)
+	$(BIN)/pip install -q -e '.[dev]'
 
 ## Start a local S3 server with a sample dataset, prefetch it through cachefs, read it back, print what happened.
 demo: setup
@@ -27,7 +23,7 @@ demo: setup
 ## The checks first (lint, import layers, types), then what the tests need from outside Python (tests/prepare.sh),
 ## then the tests on two workers, each test file on one of them; the ten slowest tests are listed at the end.
 test: setup-test
-	$(BIN)/ruff check cachefs csi scheduler_hints tests bench
+	$(BIN)/ruff check src tests bench
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 	tests/prepare.sh

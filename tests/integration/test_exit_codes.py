@@ -42,7 +42,7 @@ def small(s3):
 # (argv, README's kind of failure, what the line must say)
 CASES = [
     (["checkpoints", "s3://no-such-bucket-cfs/x"], "not found", "bucket"),
-    (["prefetch", "s3://no-such-bucket-cfs/data"], "not found", "bucket no-such-bucket-cfs does not exist"),
+    (["prefetch", "s3://no-such-bucket-cfs/data"], "not found", "bucket no-such-bucket-cfs not found: it does not exist"),
     (["evict", "s3://{bucket}/never-seen"], "not found", "not in this cache"),
     (["prefetch", "s3://{bucket}/data", "--include", "nomatch/*"], "not found", "nothing matched"),
     (["prefetch", "s3://{bucket}/nope"], "not found", "no objects under this prefix"),

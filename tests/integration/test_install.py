@@ -1,5 +1,5 @@
 """How cachefs is installed: a directory named ``cachefs`` in the working directory (the name a clone gets) does not
-shadow the installed package (README's and the Makefile's editable installs put the project on sys.path)."""
+shadow the installed package (the src layout: an editable install puts src/ on sys.path)."""
 
 from __future__ import annotations
 

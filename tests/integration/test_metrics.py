@@ -245,7 +245,7 @@ def test_docs_list_every_metric():
         for obj in vars(module).values():
             if isinstance(obj, MetricWrapperBase):
                 expect.add(obj._name + "_total" if obj._type == "counter" else obj._name)
-    node = (ROOT / "cachefs" / "status" / "collector.py").read_text()
+    node = (ROOT / "src" / "cachefs" / "status" / "collector.py").read_text()
     expect |= {n + "_total" for n in re.findall(r'CounterMetricFamily\(\s*"(cachefs_\w+)"', node)}
     expect |= set(re.findall(r'GaugeMetricFamily\(\s*"(cachefs_\w+)"', node))
     expect |= set(re.findall(r'\("(cachefs_cache_\w+)", "', node))  # the node's gauges, named in one tuple

@@ -97,7 +97,7 @@ step "Debian base image ready" "$t"
 
 # The cachefs image, rebuilt when anything it copies changes.
 t=$(date +%s)
-key="$(cd "$repo" && find Dockerfile .dockerignore pyproject.toml README.md cachefs csi scheduler_hints -type f \
+key="$(cd "$repo" && find Dockerfile .dockerignore pyproject.toml README.md src -type f \
         ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)"
 tar="$out/images/localhost_cachefs_0.1.0.tar"
 if [ "$(cat "$tar.key" 2>/dev/null)" != "$key" ] || [ ! -s "$tar" ]; then

@@ -36,7 +36,8 @@ def test_a_spec_reads_every_option_and_defaults_the_rest():
 @pytest.mark.parametrize("text, words", [
     ("numpy-shuffle", "known samplers"), ("torch-distributed:seed", "key=value"),
     ("torch-distributed:seeds=1", "unknown option"), ("torch-distributed:world-size=0", "at least 1"),
-    ("torch-distributed:world-size=2,ranks=2", "below world-size"), ("torch-distributed:seed=x", "invalid literal"),
+    ("torch-distributed:world-size=2,ranks=2", "below world-size"),
+    ("torch-distributed:seed=x", "seed must be a whole number, not 'x'"),
     ("torch-distributed:shuffle=maybe", "true or false"),
 ])
 def test_bad_specs_are_clear_errors(text, words):

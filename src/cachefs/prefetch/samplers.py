@@ -91,6 +91,8 @@ def parse_sampler(text: str) -> SamplerSpec:
             match=values.pop("match", "*"),
             start_epoch=whole("start-epoch", "0"),
         )
+    except ConfigError:
+        raise
     except ValueError as exc:
         raise ConfigError(f"sampler {text!r}: {exc}") from None
     if values:

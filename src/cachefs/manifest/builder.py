@@ -63,7 +63,8 @@ async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: Da
             writer.add(batch)
     except BucketNotFoundError:
         store.drop(ds.id, version)
-        raise BucketNotFoundError(f"{ds.url}: bucket {bucket_of(ds.url)} does not exist at the origin") from None
+        raise BucketNotFoundError(f"{ds.url}: bucket {bucket_of(ds.url)} not found: it does not exist at the "
+                                  "origin") from None
     except ObjectNotFoundError:
         store.drop(ds.id, version)
         raise ObjectNotFoundError(f"{ds.url}: dataset not found at the origin") from None

@@ -19,6 +19,9 @@ __all__ = ["cache_for", "caches_holding", "other_caches"]
 
 #: The commands that look for their cache, and the argument naming what they are about.
 TARGETS = {"sync": "target", "status": "target", "order": "dataset", "umount": "mountpoint", "evict": "url"}
+#: Those that go on with the default cache when theirs is not found (umount needs a cache only to drain a writable
+#: mount's uploads, and a mount of another user's is not among this user's caches).
+LENIENT = {"umount"}
 
 
 def told(args_cache_dir: str | None, config: Config) -> bool:
@@ -39,7 +42,7 @@ def cache_for(command: str, target: str | None, config: Config, *, explicit: boo
         if len(found) > 1:
             raise ConfigError(f"{target} is in {len(found)} caches on this node ({', '.join(found)}): say which with "
                               "--cache-dir")
-    if is_cache(default) or not caches:
+    if is_cache(default) or not caches or command in LENIENT:
         return config
     if len(caches) == 1:
         return _with_dir(config, caches[0])

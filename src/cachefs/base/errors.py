@@ -211,7 +211,7 @@ def translate_origin_error(exc: BaseException, what: str) -> CacheFSError:
             if cls is StaleObjectError:
                 return cls(f"{what}: changed at the origin since the manifest was taken ({codes[0]})")
             if cls is BucketNotFoundError:
-                return cls(f"{what}: bucket {bucket_of(what)} does not exist ({codes[0]})")
+                return cls(f"{what}: bucket {bucket_of(what)} not found: it does not exist ({codes[0]})")
             if cls is not None:
                 return cls(f"{what}: {codes[0]}")
         return OriginError(f"{what}: origin error {codes[0]}")
