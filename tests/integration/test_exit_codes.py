@@ -95,6 +95,10 @@ def test_status_without_cache_dir_shows_the_cache_just_used_or_names_the_others(
         assert f"other caches on this node: {used}" in r.stdout, r.stdout
     else:
         assert f"cache dir  {used}" in r.stdout and f"s3://{small}/data" in r.stdout, r.stdout
+    r = cli("refresh", f"s3://{small}/data", env=state)  # (in the cache that holds it: its second manifest)
+    assert r.returncode == 0 and "manifest v2" in r.stdout, r.stdout + r.stderr
+    r = cli("prefetch", f"s3://{small}/data", env=state)  # (the same cache again: nothing left to fetch)
+    assert r.returncode == 0 and "(0 B fetched" in r.stdout, r.stdout + r.stderr
     second = str(tmp_path / "second")
     assert cli("prefetch", f"s3://{small}/data", "--cache-dir", second, env=state).returncode == 0
     r = cli("status", f"s3://{small}/data", env=state)  # (in two caches now: which one is meant?)
