@@ -3,6 +3,7 @@ code README gives for its kind of failure, with one line saying what is wrong (a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -103,3 +104,23 @@ def test_status_without_cache_dir_shows_the_cache_just_used_or_names_the_others(
     assert cli("prefetch", f"s3://{small}/data", "--cache-dir", second, env=state).returncode == 0
     r = cli("status", f"s3://{small}/data", env=state)  # (in two caches now: which one is meant?)
     assert r.returncode == 2 and "in 2 caches on this node" in _one_line(r) and used in r.stderr and second in r.stderr
+
+
+def test_status_after_a_refresh_counts_only_the_current_manifests_bytes(s3, tmp_path):
+    """A changed object's old version stays cached for readers of the old manifest; status shows it apart (issue 48,
+    item 6: CACHED was above 100 %, cached_bytes above total_bytes)."""
+    _, client, bucket = s3
+    put_tree(client, bucket, "ds", {"a.bin": os.urandom(300_000), "small.txt": os.urandom(3_000),
+                                    "b.bin": os.urandom(200_000)})
+    cache = str(tmp_path / "cache")
+    assert cli("prefetch", f"s3://{bucket}/ds", "--cache-dir", cache).returncode == 0
+    put_tree(client, bucket, "ds", {"a.bin": os.urandom(250_000), "small.txt": os.urandom(2_000)})  # both changed
+    assert cli("refresh", f"s3://{bucket}/ds", "--cache-dir", cache).returncode == 0
+    assert cli("prefetch", f"s3://{bucket}/ds", "--cache-dir", cache).returncode == 0
+    r = cli("status", "--json", "--cache-dir", cache)
+    [ds] = json.loads(r.stdout)["datasets"]
+    assert ds["total_bytes"] == 250_000 + 2_000 + 200_000
+    assert ds["cached_bytes"] == ds["total_bytes"] and ds["cached_fraction"] == 1.0, ds
+    assert ds["old_version_bytes"] == 300_000 + 3_000, ds
+    text = cli("status", "--cache-dir", cache).stdout
+    assert "100.0%" in text and "of earlier manifests" in text, text

@@ -117,6 +117,10 @@ async def status(args: argparse.Namespace, config: Config) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for d in rep["datasets"]:
+        if d.get("old_version_bytes"):
+            print(f"{d['url']}: {human_bytes(d['old_version_bytes'])} more cached of earlier manifests (versions changed "
+                  "or deleted at the origin since; readers that started before the refresh still read them)")
     return 0
 
 

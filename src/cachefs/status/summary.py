@@ -14,12 +14,14 @@ import time
 from cachefs.base.config import Config, resolve_size
 from cachefs.base.errors import ObjectNotFoundError
 from cachefs.base.files import atomic_write
+from cachefs.base.types import object_key
 from cachefs.index import Index
 from cachefs.index.counters import NodeCounters
 from cachefs.index.hints import HintStore, ScanRecord
 from cachefs.index.mounts import list_mounts
 from cachefs.index.orders import list_orders, read_order
 from cachefs.index.volumes import list_volumes
+from cachefs.manifest import ManifestStore
 
 __all__ = ["HEAT_STALE_AFTER", "NodeSummary", "cluster_report", "heat_path", "status_report", "write_heat"]
 
@@ -57,6 +59,10 @@ def cluster_report(cache_dir: str) -> dict | None:
         return None
 
 
+#: Seconds a long-lived summary keeps a dataset's bytes of earlier manifests before walking them again.
+OLD_BYTES_TTL = 60.0
+
+
 class NodeSummary:
     """A read-only view of one cache directory's index."""
 
@@ -66,11 +72,53 @@ class NodeSummary:
         if not os.path.isfile(os.path.join(d, "index", "data.mdb")):
             raise ObjectNotFoundError(f"no cache at {d} (nothing was cached there; is --cache-dir right?)")
         self.index = Index(d)
+        self._old_bytes: dict[str, tuple[tuple[int, ...], float, int]] = {}  # dataset id → (versions, when, bytes)
 
     def disk(self) -> tuple[int, int]:
         """(total, free) bytes of the cache's file system."""
         st = os.statvfs(self.config.cache.dir)
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+    def _old_version_bytes(self, rec) -> int:
+        """Cached bytes of files of ``rec``'s earlier manifests whose version its current manifest does not name.
+        Walks the earlier manifests (only a refreshed dataset has any): a lookup in the current one per file; a
+        long-lived summary (the metrics collector, the label publisher) walks them again only every
+        :data:`OLD_BYTES_TTL` seconds or when the manifests change."""
+        if len(rec.manifests) < 2:
+            return 0
+        versions = tuple(m.version for m in rec.manifests)
+        known = self._old_bytes.get(rec.id)
+        if known is not None and known[0] == versions and time.monotonic() - known[1] < OLD_BYTES_TTL:
+            return known[2]
+        total = self._walk_old_versions(rec)
+        self._old_bytes[rec.id] = (versions, time.monotonic(), total)
+        return total
+
+    def _walk_old_versions(self, rec) -> int:
+        store = ManifestStore(self.index)
+        seen: set[bytes] = set()
+        total = 0
+        for m in rec.manifests:
+            if m.version == rec.current:
+                continue
+            for e in store.walk_files(rec.id, m.version):
+                try:
+                    if store.lookup(rec.id, rec.current, e.path).version == e.version:
+                        continue
+                except ObjectNotFoundError:
+                    pass  # (deleted at the origin since)
+                okey = object_key(rec.id, e.path, e.version)
+                if okey not in seen:
+                    seen.add(okey)
+                    total += self._cached_bytes_of(okey)
+        return total
+
+    def _cached_bytes_of(self, okey: bytes) -> int:
+        obj = self.index.object(okey)
+        if obj is not None:
+            return obj.cached_bytes
+        packed = self.index.packed(okey)
+        return packed[2] if packed is not None else 0
 
     def report(self) -> dict:
         """What ``cachefs status --json`` prints."""
@@ -85,6 +133,8 @@ class NodeSummary:
             urls[rec.id] = rec.url
             m = rec.manifest()
             st = self.index.dataset_stats(rec.id)
+            old = self._old_version_bytes(rec)
+            cached = max(0, st.cached_bytes - old)
             size = m.bytes if m else 0
             served = st.hit_bytes + st.miss_bytes
             datasets.append({
@@ -95,16 +145,19 @@ class NodeSummary:
                 "files": m.files if m else 0,
                 "skipped_names": m.skipped if m else 0,
                 "total_bytes": size,
-                "cached_bytes": st.cached_bytes,
+                "cached_bytes": cached,
+                # Bytes of versions the current manifest no longer names (changed or deleted at the origin), still
+                # cached for readers of an earlier manifest (a mount serves the version it started with).
+                "old_version_bytes": old,
                 # Of which guest data: copies of what other members of the node's cache group own (evicted first).
-                "guest_bytes": min(st.cached_bytes, guests.get(rec.id, 0)),
-                "cached_fraction": round(min(1.0, st.cached_bytes / size), 4) if size else 1.0,
+                "guest_bytes": min(cached, guests.get(rec.id, 0)),
+                "cached_fraction": round(min(1.0, cached / size), 4) if size else 1.0,
                 # Hits: bytes read that were on this node before the read asked for them (an earlier read or
                 # a prefetch brought them). Misses: bytes fetched for a read, read-ahead for it included.
                 "hit_bytes": st.hit_bytes,
                 "miss_bytes": st.miss_bytes,
                 "hit_ratio": round(st.hit_bytes / served, 4) if served else None,
-                **_epoch_figures(scans.get(rec.id), st.cached_bytes),
+                **_epoch_figures(scans.get(rec.id), cached),
                 # Read orders jobs published for it (cachefs order): each publisher's epoch and length.
                 "orders": _orders(c.dir, rec.id),
             })
