@@ -174,38 +174,36 @@ async def order(args: argparse.Namespace, config: Config) -> int:
             raise ConfigError(f"{args.file}: not UTF-8 text (one path a line)") from None
     written = publish_order(args.dataset, paths, epoch=args.epoch, cache_dir=config.cache.dir,
                             publisher=args.publisher)
-    unknown = await _unknown_paths(config, args.dataset, paths) if "://" in args.dataset else None
+    unknown = _unknown_paths(config, args.dataset, paths) if "://" in args.dataset else None
     said = "" if unknown is None or not unknown[0] else \
         f"; {unknown[0]} of them are not files of the dataset's manifest v{unknown[1]} (first: {unknown[2]}): never fetched"
     print(f"published an order of {len(paths)} files ({written}){said}")
     return 0
 
 
-async def _unknown_paths(config: Config, url: str, paths: list[str]) -> tuple[int, int, str] | None:
+def _unknown_paths(config: Config, url: str, paths: list[str]) -> tuple[int, int, str] | None:
     """How many of ``paths`` the dataset's newest manifest on this node lacks, its version and the first of them;
-    None when this cache does not know the dataset (nothing to check against)."""
-    import os
-
+    None when this cache does not know the dataset (nothing to check against). Reads the index only."""
+    from cachefs.index import Index
+    from cachefs.index.caches import is_cache
+    from cachefs.manifest import ManifestStore
     from cachefs.prefetch.orders import relative_paths
 
-    if not os.path.isdir(config.cache.dir):
+    if not is_cache(config.cache.dir):
         return None
-    engine = Engine(config)
-    try:
-        ref = DatasetRef.from_url(url)
-        rec = engine.dataset_record(ref.id)
-        if rec is None or not rec.manifests:
-            return None
-        version = max(m.version for m in rec.manifests)
-        missing = []
-        for path in relative_paths(paths, [ref.url]):
-            try:
-                engine.lookup(ref.id, version, path)
-            except ObjectNotFoundError:
-                missing.append(path)
-        return (len(missing), version, missing[0]) if missing else (0, version, "")
-    finally:
-        await engine.aclose()
+    index = Index(config.cache.dir)
+    ref = DatasetRef.from_url(url)
+    rec = index.dataset(ref.id)
+    if rec is None or not rec.manifests:
+        return None
+    store, version = ManifestStore(index), max(m.version for m in rec.manifests)
+    missing = []
+    for path in relative_paths(paths, [ref.url]):
+        try:
+            store.lookup(ref.id, version, path)
+        except ObjectNotFoundError:
+            missing.append(path)
+    return len(missing), version, missing[0] if missing else ""
 
 
 async def _sampler_orders(args: argparse.Namespace, config: Config) -> int:

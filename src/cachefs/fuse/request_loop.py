@@ -26,7 +26,7 @@ from cachefs.fuse.kernel_abi import Op
 from cachefs.fuse.order_channel import CALLER
 from cachefs.fuse.request_metrics import RequestMetrics
 
-__all__ = ["DEFERRED", "Answer", "Call", "Deferred", "Later", "RequestLoop"]
+__all__ = ["DEFERRED", "Answer", "Call", "Deferred", "RequestLoop"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -46,17 +46,10 @@ UNIQUE_RESEND = 1 << 63
 MAX_PAGES = 256
 
 
-class Later:
-    """A request a handler finishes after the device is handed to another thread (see RequestLoop._worker)."""
-
-    def finish(self, loop: RequestLoop) -> None:
-        raise NotImplementedError
-
-
-class Call(Later):
-    """A request answered after the device is handed on: ``work()`` may wait (a read from the disk, a download,
-    room for a write, an fsync) while the other threads go on reading requests. It answers the payload, DEFERRED
-    (answered later by a callback of its own), or raises (answered with an errno)."""
+class Call:
+    """A request answered after the device is handed to another thread (see RequestLoop._worker): ``work()`` may
+    wait (a read from the disk, a download, room for a write, an fsync) while the other threads go on reading
+    requests. It answers the payload, DEFERRED (answered later by a callback of its own), or raises (an errno)."""
 
     __slots__ = ("nodeid", "opcode", "unique", "work")
 
@@ -78,7 +71,7 @@ class Call(Later):
 
 class RequestLoop:
     """Serves the mounted ``/dev/fuse`` descriptor ``fd`` with ``workers`` threads; ``ops`` maps opcodes to
-    handlers ``(nodeid, unique, body) -> payload | DEFERRED | Later | None``."""
+    handlers ``(nodeid, unique, body) -> payload | DEFERRED | Call | None``."""
 
     def __init__(self, fd: int, *, workers: int, timeout: float, on_init: Callable[[Any], None] | None = None) -> None:
         self.fd = fd
@@ -196,7 +189,7 @@ class RequestLoop:
     def _worker(self) -> None:
         """Leader/followers: one thread at a time reads /dev/fuse and answers what is quick itself (lookups,
         opens, reads from the page cache: microseconds of Python). A request that would wait (a large READ,
-        whose copy runs without the GIL, or a read from the disk) comes back as a :class:`Later`; this thread
+        whose copy runs without the GIL, or a read from the disk) comes back as a :class:`Call`; this thread
         then lets a waiting one read the device and finishes that request meanwhile. Every thread reading at
         once measured half the rate on small files: each request then woke a second thread to fight over the
         GIL (bench/fuse_bench.py)."""
@@ -229,7 +222,7 @@ class RequestLoop:
                 return n
         return 0
 
-    def _handle(self, req: memoryview) -> Later | None:
+    def _handle(self, req: memoryview) -> Call | None:
         started = time.perf_counter()
         length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
         CALLER.set((uid, gid, pid))
@@ -262,7 +255,7 @@ class RequestLoop:
             return None
         if payload is DEFERRED:
             return None  # answered when its fetch completes
-        if isinstance(payload, Later):
+        if isinstance(payload, Call):
             return payload  # answered once the device is handed on
         if payload is not None:
             self.reply(unique, 0, payload)

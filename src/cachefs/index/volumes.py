@@ -11,11 +11,12 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ENTRY_KINDS", "JournalState", "journal_last_seq", "list_volumes", "owner_alive", "read_status",
-           "replay_journal", "volume_dirs", "volumes_root", "wait_for_owner", "wait_uploaded"]
+__all__ = ["ENTRY_KINDS", "JournalState", "journal_last_seq", "list_volumes", "owner_alive", "queue_figures",
+           "read_status", "replay_journal", "volume_dirs", "volumes_root", "wait_for_owner", "wait_uploaded"]
 
 #: The journal's entry records (``t``): upload a closed file's snapshot, copy or delete an object, claim a
 #: checkpoint's name, write its commit record (cachefs.write.queue.EntryKind).
@@ -135,6 +136,16 @@ def replay_journal(path: str) -> JournalState:
     return state
 
 
+def queue_figures(entries: Sequence[tuple[str, str, int, float]], dirty: int = 0) -> dict[str, Any]:
+    """What status shows of a volume's queue: ``entries`` as (kind, key, size, when added), in queue order;
+    ``dirty``: bytes written to open files, not queued yet."""
+    puts = [e for e in entries if e[0] == "put"]
+    return {"staged_bytes": sum(e[2] for e in puts) + dirty, "staged_files": len(puts),
+            "queued_entries": len(entries),
+            "oldest_staged_age": (time.time() - min(e[3] for e in entries)) if entries else 0.0,
+            "pending": [f"{kind} {key}" for kind, key, _size, _added in entries[:20]]}
+
+
 def list_volumes(cache_dir: str) -> list[dict[str, Any]]:
     """What ``cachefs status`` shows per volume: its record, its last status, and whether its owner lives. A volume
     without a live owner is shown as its journal has it (what its owner last wrote may be older): what is queued
@@ -145,13 +156,8 @@ def list_volumes(cache_dir: str) -> list[dict[str, Any]]:
         alive = owner_alive(vdir)
         if not alive:
             journal = replay_journal(os.path.join(vdir, "journal"))
-            puts = [e for e in journal.entries if e["t"] == "put"]
-            st = {**st, "staged_bytes": sum(e["size"] for e in puts), "staged_files": len(puts),
-                  "queued_entries": len(journal.entries), "below_promise_bytes": 0,
-                  "oldest_staged_age": time.time() - min(e["added"] for e in journal.entries) if journal.entries
-                  else 0.0,
-                  "pending": [f"{e['t']} {e['key']}" for e in journal.entries[:20]],
-                  "failed": {str(k): v for k, v in journal.failed.items()}}
+            st = {**st, **queue_figures([(e["t"], e["key"], e["size"], e["added"]) for e in journal.entries]),
+                  "below_promise_bytes": 0, "failed": {str(k): v for k, v in journal.failed.items()}}
         out.append({**info, **st, "dir": vdir, "owner_alive": alive,
                     "done": not alive and not st.get("queued_entries")})
     return out

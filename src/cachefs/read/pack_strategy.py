@@ -163,9 +163,7 @@ class PackStrategy(ReadStrategy):
     async def _window_ahead(self, ds: Dataset, ref: BatchRef, reader: bool, held: Reservation | None) -> None:
         """Read a batch ahead (the prefetcher runs this with memory ``held`` for it)."""
         if self.closing or self._window_here(ds.ref.id, ref):
-            if held is not None:
-                await held.release()
-            return
+            return  # (the prefetcher gives back the memory held for it)
         window = await self.chain.fetch_batch(ds, ref, held)
         if not self.assemblies.accepted(ds.ref.id, ref.pack, ref.window):
             self._install(ds, window, [], None, reader=reader)

@@ -13,6 +13,7 @@ from cachefs.base.metrics import (
     CHECKPOINT_STAGED_FILES,
     safely,
 )
+from cachefs.index.volumes import queue_figures
 from cachefs.write.queue import EntryKind, UploadQueue
 from cachefs.write.uploader import Uploader
 
@@ -34,15 +35,13 @@ def volume_status(queue: UploadQueue, uploader: Uploader, *, dirty: int, wanted:
     return {
         **ident, "pid": os.getpid(), "time": time.time(),
         "durability": durability(wanted),
-        "staged_bytes": queued + dirty, "staged_files": len(puts), "queued_entries": len(entries),
+        **queue_figures([(e.kind, e.key, e.size, e.added) for e in entries], dirty),
         "below_promise_bytes": dirty + sum(e.size for e in puts if len(e.held_by) < wanted),
         "staging_limit": staging_limit, "writers_waiting": writers_waiting,
-        "oldest_staged_age": (time.time() - min(e.added for e in entries)) if entries else 0.0,
         "uploaded_bytes": queue.uploaded_bytes, "upload_rate": rate,
         "upload_lag": queued / rate if rate > 0 else (0.0 if not queued else None),
         "failures": uploader.failures, "last_error": uploader.last_error,
         "failed": {str(k): e for k, e in failed.items()},
-        "pending": [f"{e.kind} {e.key}" for e in entries[:20]],
         "last_seq": last, "done_through": (min(e.seq for e in entries) - 1) if entries else last,
     }
 
