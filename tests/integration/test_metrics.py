@@ -160,7 +160,8 @@ def test_a_mount_and_the_node_endpoint_count_what_a_known_workload_did(s3, tmp_p
         # (a file read to its end takes one or two READs: wait for the opens too, which count files)
         cold = _wait_for(endpoint, lambda s: value(s, "cachefs_read_bytes_total", kind="small", result="miss")
                          >= total and value(s, "cachefs_fuse_requests_total", op="read", result="ok") >= n
-                         and value(s, "cachefs_fuse_opens_total", mode="userspace") >= n)
+                         and value(s, "cachefs_fuse_opens_total", mode="userspace") >= n
+                         and value(s, "cachefs_dataset_read_bytes_total", dataset=url, result="miss") >= total)
         assert value(cold, "cachefs_origin_requests_total", kind="get", result="ok") - gets0 == n
         assert value(cold, "cachefs_read_bytes_total", kind="small", result="miss") == total
         assert value(cold, "cachefs_read_bytes_total", kind="small", result="hit") == 0
@@ -176,9 +177,12 @@ def test_a_mount_and_the_node_endpoint_count_what_a_known_workload_did(s3, tmp_p
         for rel, data in files.items():  # warm: N hits, no GET
             with open(m.path(rel), "rb") as f:
                 assert f.read() == data
-        # (the files' pack is written within a second of their fetch: the cache's used bytes follow it)
+        # (the files' pack is written within a second of their fetch: the cache's used bytes follow it; the
+        # per-dataset figures come from the index, flushed every half second, after the live counters)
         warm = _wait_for(endpoint, lambda s: value(s, "cachefs_read_bytes_total", kind="small", result="hit") >= total
-                         and value(s, "cachefs_cache_used_bytes") >= total)
+                         and value(s, "cachefs_cache_used_bytes") >= total
+                         and value(s, "cachefs_dataset_read_bytes_total", dataset=url, result="hit") >= total
+                         and value(s, "cachefs_dataset_cached_bytes", dataset=url) >= total)
         assert value(warm, "cachefs_read_bytes_total", kind="small", result="hit") == total
         assert value(warm, "cachefs_origin_requests_total", kind="get", result="ok") - gets0 == n
         assert value(warm, "cachefs_dataset_read_bytes_total", dataset=url, result="hit") == total
