@@ -10,12 +10,15 @@ next user opens the object's new file.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from cachefs.base.errors import CacheFullError
 from cachefs.base.types import Entry, object_key
 from cachefs.index import Index
 from cachefs.index.records import ObjectRecord
@@ -78,6 +81,15 @@ class OpenObjects:
             ob.refs += 1
             return ob
 
+    @contextlib.contextmanager
+    def using(self, ds_id: str, entry: Entry, okey: bytes | None = None) -> Iterator[OpenObject]:
+        """:meth:`acquire` for the ``with`` block, :meth:`release` after it."""
+        ob = self.acquire(ds_id, entry, okey)
+        try:
+            yield ob
+        finally:
+            self.release(ob)
+
     def retain(self, ob: OpenObject) -> None:
         """One more user of ``ob`` (a background fetch into it); :meth:`release` when done."""
         with self._lock:
@@ -107,6 +119,35 @@ class OpenObjects:
             ob.present[idx] = got
             return True
         return False
+
+    def write_block(self, ob: OpenObject, idx: int, data: bytes | bytearray, checksum: int, *, guest: bool) -> bool:
+        """Write block ``idx`` into ``ob``'s file and record it in the index (a disk thread runs this, once the
+        disk has room); False if the file was evicted meanwhile (its next reader opens the new one). CacheFullError
+        when the index cannot take the record: the block's space is given back."""
+        if not self.hold(ob):
+            return False
+        try:
+            ob.stored.write_block(idx, data)
+            try:
+                self.index.put_block(ob.key, idx, checksum, len(data), ob.record, guest=guest)
+            except CacheFullError:
+                ob.stored.drop_block(idx)
+                raise
+        finally:
+            self.unhold(ob)
+        return True
+
+    def note_present(self, ob: OpenObject, idx: int, checksum: int, length: int) -> None:
+        """Block ``idx`` is recorded: this process reads it from ``ob``'s file from now on."""
+        ob.present[idx] = (checksum, length)
+
+    def drop_corrupt(self, ob: OpenObject, idx: int) -> None:
+        """Block ``idx`` failed its checksum: forget it here and in the index, so that it is fetched again."""
+        ob.present.pop(idx, None)
+        ob.whole = False
+        ob.stored.forget_verified(idx)
+        if ob.stored.linked():  # (an evicted file's record is gone already, or names another file's block)
+            self.index.drop_block(ob.key, idx)
 
     def complete(self, ob: OpenObject) -> bool:
         return all(self.has(ob, i) for i in range(ob.nblocks)) and not ob.stale and ob.stored.linked()

@@ -1,20 +1,15 @@
 """Large objects, read in blocks: the object's bytes in one sparse local file, block ``i`` at ``i × block_size``.
 
 A read is split into blocks. Blocks the index lists as present are read from the local file and verified
-against their xxh3 (once per block per process). Missing blocks are fetched through the tier chain, at most once
-at a time per block in this process (single-flight: a hundred readers of one cold block cause one GET and share
-its bytes), written, and only then recorded in the index. Other processes see the record and read the file;
-they may occasionally fetch the same block too (harmless: same version, same bytes, same offset).
+against their xxh3 (once per block per process). Missing blocks are fetched (:mod:`cachefs.read.block_fetches`:
+single-flight, through the tier chain), written, and only then recorded in the index. Other processes see the
+record and read the file; they may occasionally fetch the same block too (harmless: same version, same bytes,
+same offset).
 
 A sequential reader gets read-ahead (:func:`~cachefs.prefetch.planners.grow_window`): the window's missing blocks
 are handed to the prefetcher (:mod:`cachefs.prefetch.prefetcher`), which fetches them with spare memory only, so
 read-ahead never starves demand reads. Sync callers (fsspec files, FUSE threads) read present blocks from their
 own thread (:meth:`BlockStrategy.read_local`) and hand the prefetcher the window from there.
-
-A block the disk has no room for (:class:`~cachefs.node.space.DiskSpace`) is served all the same and kept in memory
-for its readers (least recently used out, within :attr:`BlockStrategy.unstored_limit`): the kernel reads a 4 MiB
-block in 1 MiB pieces, and read-ahead runs ahead of the reader, so a reader streaming past a full disk gets
-the origin's speed.
 """
 
 from __future__ import annotations
@@ -28,23 +23,22 @@ from collections.abc import Callable
 
 from cachefs.base.checksum import block_checksum
 from cachefs.base.config import Config
-from cachefs.base.errors import CacheFullError, CorruptBlockError
+from cachefs.base.errors import CorruptBlockError
 from cachefs.base.types import Entry, object_key
 from cachefs.manifest.dataset import Dataset
 from cachefs.node.admission import Admission
 from cachefs.node.budget import Reservation
-from cachefs.node.bytes_lru import BytesLRU
 from cachefs.node.disk_jobs import DiskJobs
-from cachefs.node.flight import SingleFlight
 from cachefs.node.funnel import OriginFunnel
 from cachefs.node.open_objects import OpenObject, OpenObjects
 from cachefs.node.read_stats import ReadStats
 from cachefs.prefetch.planners import blocks_ahead, grow_window
 from cachefs.prefetch.prefetcher import Hint, Prefetcher
 from cachefs.read.base import ReadStrategy, ReadStream
+from cachefs.read.block_fetches import BlockFetches
 from cachefs.read.block_file import BlockFile
 from cachefs.store.disk import PIECE
-from cachefs.tiers import Keep, TierChain, Want
+from cachefs.tiers import TierChain
 
 __all__ = ["BlockFile", "BlockStrategy"]
 
@@ -58,15 +52,9 @@ class BlockStrategy(ReadStrategy):
                  admission: Admission, disk: DiskJobs, stats: ReadStats, prefetcher: Prefetcher) -> None:
         self.block_size = config.cache.block_size
         self.max_window = config.engine.readahead_max // self.block_size
-        self.objects, self.chain, self.funnel, self.admission, self.disk, self.stats = (
-            objects, chain, funnel, admission, disk, stats)
+        self.objects, self.chain, self.admission, self.stats = objects, chain, admission, stats
         self.prefetcher = prefetcher
-        self.space = admission.space
-        self._fetches = SingleFlight()  # (object key, block) → (bytes, stored, guest)
-        #: Blocks a full disk could not take, kept for their readers (see the module docstring).
-        self.unstored_limit = min(config.engine.readahead_max, config.engine.memory_budget // 4)
-        self._unstored = BytesLRU(self.unstored_limit)  # (object key, block) → bytes
-        self.closing = False
+        self.fetches = BlockFetches(config, objects, chain, funnel, admission, disk, stats)
 
     def open(self, ds: Dataset, entry: Entry, *, pin: bool = True) -> BlockFile:
         """A reader opens ``entry``: with ``pin``, eviction by any process skips it until it is closed."""
@@ -78,8 +66,7 @@ class BlockStrategy(ReadStrategy):
     # -- local reads (any thread) ---------------------------------------------------------------------------
     def read_local(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None,
                    okey: bytes | None = None) -> bytes | None:
-        ob = self.objects.acquire(ds.ref.id, entry, okey)
-        try:
+        with self.objects.using(ds.ref.id, entry, okey) as ob:
             bs = self.block_size
             first, last = start // bs, (end - 1) // bs
             if not all(self.objects.has(ob, i) for i in range(first, last + 1)):
@@ -102,8 +89,6 @@ class BlockStrategy(ReadStrategy):
                     and ob.stored.all_verified(ob.nblocks)):
                 ob.whole = True
             return data
-        finally:
-            self.objects.release(ob)
 
     def read_whole(self, ob: OpenObject, ds: Dataset, start: int, end: int, stream: ReadStream) -> bytes:
         """``[start, end)`` of an object this reader holds that is whole here (OpenObject.whole): read directly,
@@ -137,23 +122,22 @@ class BlockStrategy(ReadStrategy):
             return
         lo, stream.ahead_to = max(ahead.start, stream.ahead_to), ahead.stop
         missing = [i for i in range(lo, ahead.stop) if i not in ob.present]
-        if missing and not self.closing:
+        if missing and not self.fetches.closing:
             self.prefetcher.offer_threadsafe([self._hint(ds, entry, ob.key, i) for i in missing])
 
     # -- reads that may fetch (event loop) ------------------------------------------------------------------
     async def read(self, ds: Dataset, entry: Entry, start: int, end: int, stream: ReadStream | None,
                    okey: bytes | None = None) -> bytes:
-        ob = self.objects.acquire(ds.ref.id, entry, okey)
-        try:
+        with self.objects.using(ds.ref.id, entry, okey) as ob:
             bs = self.block_size
             first, last = start // bs, (end - 1) // bs
             for _attempt in range(3):
                 missing = [i for i in range(first, last + 1) if not self.objects.has(ob, i)]
                 fetched: dict[int, bytes] = {}
                 if missing:
-                    fetched = self._kept_unstored(ob.key, missing)
+                    fetched = self.fetches.kept(ob.key, missing)
                     missing = [i for i in missing if i not in fetched]
-                    got = await asyncio.gather(*(self._block(ds, entry, ob, i) for i in missing))
+                    got = await asyncio.gather(*(self.fetches.bring(ds, entry, ob, i) for i in missing))
                     fetched.update((i, b) for i, b in zip(missing, got, strict=True) if b is not None)
                 try:
                     data = self._assemble(ob, start, end, fetched)
@@ -172,22 +156,17 @@ class BlockStrategy(ReadStrategy):
                 self._advance(stream, start, end)
                 self._read_ahead(ds, entry, ob, stream)
             return data
-        finally:
-            self.objects.release(ob)
 
     async def ensure(self, ds: Dataset, entry: Entry, on_bytes: Callable[[int], None] | None = None) -> None:
         """Make every block present (prefetch); CacheFullError when the disk cannot take them. ``on_bytes(n)``
         as each block lands."""
-        ob = self.objects.acquire(ds.ref.id, entry)
-        try:
+        with self.objects.using(ds.ref.id, entry) as ob:
             async def block(i: int) -> None:
-                await self._block(ds, entry, ob, i, strict=True)
+                await self.fetches.bring(ds, entry, ob, i, strict=True)
                 if on_bytes is not None:
                     on_bytes(min(self.block_size, entry.size - i * self.block_size))
 
             await asyncio.gather(*(block(i) for i in range(ob.nblocks) if not self.objects.has(ob, i)))
-        finally:
-            self.objects.release(ob)
 
     def _assemble(self, ob: OpenObject, start: int, end: int, fetched: dict[int, bytes]) -> bytes:
         if not fetched:
@@ -204,17 +183,11 @@ class BlockStrategy(ReadStrategy):
         return b"".join(parts)
 
     def _drop_corrupt(self, ob: OpenObject, exc: CorruptBlockError) -> None:
-        idx = exc.block
         self.stats.note_corrupt("block")
         log.warning("dataset %s, %s: block %s failed its checksum on this node's disk (%s); dropped, fetched again",
-                    ob.record.dataset, ob.record.path, idx, ob.stored.path)
-        if idx is None:
-            return
-        ob.present.pop(idx, None)
-        ob.whole = False
-        ob.stored.forget_verified(idx)
-        if ob.stored.linked():  # (an evicted file's record is gone already, or names another file's block)
-            self.objects.index.drop_block(ob.key, idx)
+                    ob.record.dataset, ob.record.path, exc.block, ob.stored.path)
+        if exc.block is not None:
+            self.objects.drop_corrupt(ob, exc.block)
 
     def _advance(self, stream: ReadStream, start: int, end: int) -> None:
         stream.window = grow_window(stream.window, start == stream.next_offset, self.max_window)
@@ -222,12 +195,12 @@ class BlockStrategy(ReadStrategy):
 
     # -- read-ahead -----------------------------------------------------------------------------------------
     def _read_ahead(self, ds: Dataset, entry: Entry, ob: OpenObject, stream: ReadStream) -> None:
-        if stream.window == 0 or self.closing:
+        if stream.window == 0 or self.fetches.closing:
             return
         hints = []
         for i in blocks_ahead(stream.next_offset, stream.window, self.block_size, ob.nblocks):
             key = (ob.key, i)
-            if self.objects.has(ob, i) or key in self._fetches or key in self._unstored or key in self.prefetcher:
+            if self.objects.has(ob, i) or self.fetches.under_way(*key) or key in self.prefetcher:
                 continue
             hints.append(self._hint(ds, entry, ob.key, i))
         if hints:
@@ -239,102 +212,15 @@ class BlockStrategy(ReadStrategy):
 
     async def _fetch_ahead(self, ds: Dataset, entry: Entry, okey: bytes, idx: int, held: Reservation | None) -> None:
         """Read block ``idx`` ahead (the prefetcher runs this with memory ``held`` for it)."""
-        ob = self.objects.acquire(ds.ref.id, entry, okey)
-        try:
-            if self.closing or self.objects.has(ob, idx) or (okey, idx) in self._fetches:
+        with self.objects.using(ds.ref.id, entry, okey) as ob:
+            if self.fetches.closing or self.objects.has(ob, idx) or self.fetches.fetching(okey, idx):
                 return
             self.stats.note_block_ahead(okey, idx)  # before its bytes are visible: a reader then counts a miss
             try:
-                await self._block(ds, entry, ob, idx, held=held)
+                await self.fetches.bring(ds, entry, ob, idx, held=held)
             except BaseException:
                 self.stats.forget_block_ahead(okey, idx)
                 raise
-        finally:
-            self.objects.release(ob)
-
-    # -- fetching -------------------------------------------------------------------------------------------
-    async def _block(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, *, held: Reservation | None = None,
-                     strict: bool = False) -> bytes | None:
-        """Make block ``idx`` present; its bytes if this call fetched them (single-flight). ``held``: memory
-        reserved for it already (read-ahead), handed to the fetch or given back."""
-        key = (ob.key, idx)
-        fut = self._fetches.get(key)
-        if fut is None:
-            if self.objects.has(ob, idx):
-                if held is not None:
-                    await held.release()
-                return None
-            fut = self._fetches.start(key, self._fetch(ds, entry, ob, idx, held))
-        elif held is not None:
-            await held.release()
-        data, stored, guest = await asyncio.shield(fut)
-        if strict and not stored and not guest:
-            raise CacheFullError(f"cache disk full: cannot store {entry.path} (capacity {self.space.capacity} B)")
-        if not stored:
-            self._unstored.put(key, data)
-        return data
-
-    async def _fetch(self, ds: Dataset, entry: Entry, ob: OpenObject, idx: int, held: Reservation | None
-                     ) -> tuple[bytes | bytearray, bool, bool]:
-        """(the block, whether it was stored here, whether it is a guest: kept by the group member owning it,
-        stored here too or not)."""
-        start = idx * self.block_size
-        length = min(self.block_size, entry.size - start)
-        async with held or await self.funnel.hold(length):
-            served = await self.chain.fetch(Want(ds, entry, ob.key, start, length))
-            data, guest = served.data, served.keep is not Keep.OWN
-            if served.keep is Keep.NONE:
-                return data, False, True
-            if guest and self.objects.has(ob, idx):
-                return data, True, True  # (this node's agent owns it and stored it as it answered)
-            checksum = block_checksum(data)
-            stored = await self._store(ob, idx, data, checksum, guest=guest)
-            if not stored and ob.stale and not self.closing:
-                # Its file was evicted or rewritten (guest blocks out) while the block was on its way: the block
-                # goes into the object's file as it is now, not into the memory of one process.
-                fresh = self.objects.acquire(ds.ref.id, entry, ob.key)
-                try:
-                    stored = await self._store(fresh, idx, data, checksum, guest=guest)
-                finally:
-                    self.objects.release(fresh)
-        return data, stored, guest  # (a guest a full disk could not take is no error: its owner keeps it)
-
-    async def _store(self, ob: OpenObject, idx: int, data: bytes | bytearray, checksum: int, *,
-                     guest: bool = False) -> bool:
-        """Write block ``idx`` and record it (as guest data: evicted first), if the disk has room; whether it did."""
-        if self.closing or ob.stale:
-            return False
-
-        def write() -> bool:
-            if not self.objects.hold(ob):
-                return False  # evicted meanwhile: its next reader opens the new file
-            try:
-                ob.stored.write_block(idx, data)
-                try:
-                    self.objects.index.put_block(ob.key, idx, checksum, len(data), ob.record, guest=guest)
-                except CacheFullError:
-                    ob.stored.drop_block(idx)
-                    raise
-            finally:
-                self.objects.unhold(ob)
-            return True
-
-        if guest:
-            stored = await self.disk.run(self.admission.store_guest, len(data), write)
-        else:
-            dataset = ob.record.dataset
-            small = len(data) < 256 * 1024 and not self.admission.scanning(dataset)  # (a scan is admitted otherwise)
-            decided, stored = self.space.try_store(len(data), write) if small else (False, None)
-            if not decided:
-                # (a block read ahead may take the room of files the readers of declared orders have passed)
-                ahead = self.stats.block_ahead(ob.key, idx)
-                stored = await self.disk.run(functools.partial(self.admission.store, ahead=ahead), len(data), write,
-                                             dataset)
-        if not stored:
-            return False
-        ob.present[idx] = (checksum, len(data))
-        self.admission.note_stored(len(data))
-        return True
 
     # -- serving peers ----------------------------------------------------------------------------------------
     async def serve(self, ds: Dataset, entry: Entry, idx: int | None, *, fetch: bool) -> tuple[bytes, int] | None:
@@ -345,8 +231,7 @@ class BlockStrategy(ReadStrategy):
             return None
         bs = self.block_size
         length = min(bs, entry.size - idx * bs)
-        ob = self.objects.acquire(ds.ref.id, entry)
-        try:
+        with self.objects.using(ds.ref.id, entry) as ob:
             for _ in range(2):
                 if self.objects.has(ob, idx):
                     try:
@@ -357,30 +242,18 @@ class BlockStrategy(ReadStrategy):
                     return data, ob.present[idx][0]
                 if not fetch:
                     return None
-                got = await self._block(ds, entry, ob, idx)
+                got = await self.fetches.bring(ds, entry, ob, idx)
                 if got is not None:
                     return bytes(got), block_checksum(got)
             return None
-        finally:
-            self.objects.release(ob)
-
-    # -- blocks kept in memory ------------------------------------------------------------------------------
-    def _kept_unstored(self, okey: bytes, blocks: list[int]) -> dict[int, bytes]:
-        if not self._unstored:
-            return {}
-        got = {i: self._unstored.get((okey, i)) for i in blocks}
-        return {i: data for i, data in got.items() if data is not None}
 
     def ahead_hints(self, ds: Dataset, entry: Entry) -> list[Hint]:
         if self.admission.ahead_refusing(ds.ref.id):
             return []
         okey = object_key(ds.ref.id, entry.path, entry.version)
-        ob = self.objects.acquire(ds.ref.id, entry, okey)
-        try:
+        with self.objects.using(ds.ref.id, entry, okey) as ob:
             missing = [i for i in range(ob.nblocks) if not self.objects.has(ob, i)
-                       and (okey, i) not in self._fetches and (okey, i) not in self._unstored]
-        finally:
-            self.objects.release(ob)
+                       and not self.fetches.under_way(okey, i)]
         return [dataclasses.replace(self._hint(ds, entry, okey, i), kind="order") for i in missing]
 
     # -- what is here ---------------------------------------------------------------------------------------
@@ -393,11 +266,8 @@ class BlockStrategy(ReadStrategy):
 
     def local_path(self, ds: Dataset, entry: Entry) -> str | None:
         """Path of the complete local file of ``entry``, or None if some block is missing (or it is evicted)."""
-        ob = self.objects.acquire(ds.ref.id, entry)
-        try:
+        with self.objects.using(ds.ref.id, entry) as ob:
             return ob.stored.path if self.objects.complete(ob) else None
-        finally:
-            self.objects.release(ob)
 
     # -- counting -------------------------------------------------------------------------------------------
     def count(self, ob: OpenObject, ds_id: str, stream: ReadStream | None, hit: int = 0, miss: int = 0) -> None:
@@ -411,8 +281,7 @@ class BlockStrategy(ReadStrategy):
 
     def stop(self) -> list[asyncio.Future]:
         """Stop starting work; the fetches and read-ahead in flight (for the caller to cancel and await)."""
-        self.closing = True
-        return [*self._fetches.runs(), *self.chain.stop()]
+        return self.fetches.stop()
 
 
 def _slice(pieces: list[bytes], lo: int, hi: int) -> bytes:
