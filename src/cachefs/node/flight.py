@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
 
+from cachefs.node import speculation
+
 __all__ = ["SingleFlight"]
 
 
@@ -19,6 +21,7 @@ class SingleFlight:
 
     def __init__(self) -> None:
         self._runs: dict[Hashable, asyncio.Future] = {}
+        self._speculations: dict[Hashable, speculation.Speculation] = {}  # runs started by read-ahead
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._runs
@@ -27,19 +30,36 @@ class SingleFlight:
         return len(self._runs)
 
     def get(self, key: Hashable) -> asyncio.Future | None:
-        return self._runs.get(key)
+        """The key's run, to share it: a reader that shares a run read-ahead started promotes it (the funnel then
+        serves it as the reader's, :mod:`cachefs.node.speculation`)."""
+        fut = self._runs.get(key)
+        if fut is not None and speculation.current() is None:
+            s = self._speculations.get(key)
+            if s is not None:
+                s.promote()
+        return fut
 
     def start(self, key: Hashable, coro: Coroutine[Any, Any, Any]) -> asyncio.Future:
         """Run ``coro`` as the key's run (the caller knows there is none)."""
         fut = asyncio.ensure_future(coro)
         self._runs[key] = fut
-        fut.add_done_callback(lambda f: (self._runs.pop(key, None) if self._runs.get(key) is f else None,
-                                         f.cancelled() or f.exception()))
+        s = speculation.current()
+        if s is not None:
+            self._speculations[key] = s
+
+        def done(f: asyncio.Future) -> None:
+            if self._runs.get(key) is f:
+                del self._runs[key]
+                self._speculations.pop(key, None)
+            if not f.cancelled():
+                f.exception()  # (marked seen)
+
+        fut.add_done_callback(done)
         return fut
 
     def join(self, key: Hashable, make: Callable[[], Coroutine[Any, Any, Any]]) -> tuple[asyncio.Future, bool]:
         """The key's run, started with ``make()`` if there is none; (its future, whether this call started it)."""
-        fut = self._runs.get(key)
+        fut = self.get(key)
         if fut is not None:
             return fut, False
         return self.start(key, make()), True

@@ -10,7 +10,9 @@ prefetcher keeps them in arrival order, at most ``max_queued``, and
 * **uses spare memory only**: a hint runs once its bytes fit in the memory budget with no reader waiting for room
   (:meth:`~cachefs.node.budget.MemoryBudget.try_take`); until then it waits in the queue, and the queue waits for
   memory to come back;
-* **runs at most** ``max_running`` at a time: the origin's parallelism, not more.
+* **runs at most** ``max_running`` at a time: the origin's parallelism, not more;
+* **comes after readers**: it runs each hint as read-ahead (:mod:`cachefs.node.speculation`), so the origin funnel
+  gives a reader's GET the next slot and holds small read-ahead GETs to what the origin takes without slowing.
 
 Jobs (``cachefs prefetch``) use :meth:`Prefetcher.run_job` instead: every hint runs, at the job's concurrency,
 taking memory as demand reads do, and the job hears how each one ended. Both are counted per kind
@@ -29,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
+from cachefs.node import speculation
 from cachefs.node.budget import MemoryBudget, Reservation
 
 __all__ = ["Hint", "PrefetchCounts", "Prefetcher"]
@@ -155,7 +158,8 @@ class Prefetcher:
     @staticmethod
     async def _fetch(fetch: Callable[[Reservation | None], Awaitable[object]], held: Reservation | None) -> object:
         try:
-            return await fetch(held)
+            with speculation.speculating():  # (the origin funnel serves readers before it)
+                return await fetch(held)
         finally:
             if held is not None:
                 await held.release()  # (a no-op if the fetch released it or handed it on and it was released)
