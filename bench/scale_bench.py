@@ -1,0 +1,203 @@
+"""Datasets of 10^5–10^7 objects through the mount (root: FUSE), against a synthetic S3 endpoint that computes
+its objects instead of storing them (:mod:`cachefs.testing.synthetic_s3`: directories of 1,000 objects of
+1–64 KiB), and rclone's mount of the same endpoint, in one run.
+
+Printed per size N, for cachefs and rclone alike where it applies:
+
+* **mount ready**: from starting the mount command until ``ls`` of the root answers;
+* **first byte**: then, reading one byte of a file never looked up;
+* **walk cold / warm**: ``os.walk`` plus a ``stat`` of every file (what torchvision's ImageFolder does), twice;
+* **stat without listing**: ``stat`` of random paths on a fresh mount of a cache that holds the manifest;
+* **memory**: resident memory of the mount's processes (the daemon and its holder) after the walk, and per object;
+* **manifest on disk** (cachefs): the index's bytes per object, and the listing's keys/s (``cachefs refresh``).
+
+Every byte read is checked against the key's content. Same-run yardstick: ``os.walk`` + ``stat`` of a local tree
+of the same shape (empty files) where N ≤ ``--local-max``.
+
+    python -m bench.scale_bench                       # N = 10^5 and 10^6
+    python -m bench.scale_bench --sizes 10000000      # 10^7 (minutes; memory as it grows)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.fuse_bench import Mount
+
+CLI = [sys.executable, "-m", "cachefs.cli.main"]
+CREDS = {"AWS_ACCESS_KEY_ID": "synthetic", "AWS_SECRET_ACCESS_KEY": "synthetic", "AWS_REGION": "us-east-1"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="100000,1000000")
+    p.add_argument("--stats", type=int, default=2000, help="paths stat'ed without a listing")
+    p.add_argument("--local-max", type=int, default=1_000_000)
+    p.add_argument("--systems", default="cachefs,rclone")
+    p.add_argument("--rclone-max", type=int, default=200_000, help="the largest N rclone is measured at (its cold "
+                   "walk lists each directory on the way: minutes at 10^6)")
+    args = p.parse_args()
+    systems = [s for s in args.systems.split(",") if s != "rclone" or shutil.which("rclone")]
+    for n in (int(x) for x in args.sizes.split(",")):
+        run_size(n, args, systems)
+
+
+class SyntheticServer:
+    def __init__(self, objects: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.testing.synthetic_s3", "--objects", str(objects)],
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError("the synthetic S3 server did not start")
+        self.endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and every process under it."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d))
+            except OSError:
+                continue
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        stack.extend(children.get(p, ()))
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+def walk(root: str) -> int:
+    n = 0
+    for d, _, files in os.walk(root):
+        for name in files:
+            os.stat(os.path.join(d, name))
+            n += 1
+    return n
+
+
+def check(path: str, key: str) -> None:
+    from cachefs.testing.synthetic_s3 import SyntheticBucket, content
+
+    number = SyntheticBucket(1 << 62).number(key)
+    with open(path, "rb") as f:
+        data = f.read()
+    assert number is not None and data == content(number, 0, SyntheticBucket.size(number)), key
+
+
+def run_size(n: int, args, systems: list[str]) -> None:
+    from cachefs.testing.synthetic_s3 import SyntheticBucket
+
+    bucket = SyntheticBucket(n)
+    rng = random.Random(n)
+    server = SyntheticServer(n)
+    work = tempfile.mkdtemp(prefix="cachefs-scale-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
+    os.environ.update({"AWS_ENDPOINT_URL": server.endpoint, **CREDS})
+    print(f"# N = {n:,} objects in {bucket.dirs:,} directories of {bucket.per_dir}; synthetic S3 on loopback; "
+          f"{os.cpu_count()} CPUs")
+    try:
+        if n <= args.local_max:
+            local = os.path.join(work, "local")
+            for d in range(bucket.dirs):
+                os.makedirs(os.path.join(local, f"d{d:06d}"))
+            for i in range(n):
+                open(os.path.join(local, bucket.key(i)), "wb").close()
+            t = time.perf_counter()
+            assert walk(local) == n
+            secs = time.perf_counter() - t
+            print(f"  local tree: walk + stat {secs:6.2f} s ({n / secs:,.0f} files/s)")
+            shutil.rmtree(local)
+        for system in systems:
+            if system == "rclone" and n > args.rclone_max:
+                print(f"   rclone: not measured above --rclone-max {args.rclone_max:,}")
+                continue
+            measure(system, n, bucket, rng, server, work, args)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _mount(system: str, server: SyntheticServer, mnt: str, cache: str) -> tuple[Mount, str]:
+    os.makedirs(mnt, exist_ok=True)
+    if system == "cachefs":
+        return Mount([*CLI, "mount", "s3://synthetic", mnt, "--foreground", "--cache-dir", cache], mnt), mnt
+    env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+    env |= {"RCLONE_CONFIG_B_TYPE": "s3", "RCLONE_CONFIG_B_PROVIDER": "Other",
+            "RCLONE_CONFIG_B_ACCESS_KEY_ID": CREDS["AWS_ACCESS_KEY_ID"],
+            "RCLONE_CONFIG_B_SECRET_ACCESS_KEY": CREDS["AWS_SECRET_ACCESS_KEY"],
+            "RCLONE_CONFIG_B_ENDPOINT": server.endpoint, "RCLONE_CONFIG_B_REGION": CREDS["AWS_REGION"]}
+    return Mount(["rclone", "mount", "b:synthetic", mnt, "--vfs-cache-mode", "full", "--cache-dir", cache,
+                  "--read-only", "--config", "/dev/null"], mnt, env), mnt
+
+
+def measure(system: str, n: int, bucket, rng: random.Random, server: SyntheticServer, work: str, args) -> None:
+    mnt, cache = os.path.join(work, f"mnt-{system}"), os.path.join(work, f"cache-{system}")
+    t = time.perf_counter()
+    mount, root = _mount(system, server, mnt, cache)
+    try:
+        os.listdir(root)
+        ready = time.perf_counter() - t
+        key = bucket.key(rng.randrange(n))
+        t = time.perf_counter()
+        with open(os.path.join(root, key), "rb") as f:
+            f.read(1)
+        first = time.perf_counter() - t
+        check(os.path.join(root, key), key)
+        t = time.perf_counter()
+        walked = walk(root)
+        cold = time.perf_counter() - t
+        t = time.perf_counter()
+        walk(root)
+        warm = time.perf_counter() - t
+        rss = tree_rss(mount.proc.pid)
+    finally:
+        mount.close()
+    assert walked == n, (walked, n)
+    print(f"  {system:>7}: mount ready {ready:6.2f} s, first byte {first * 1000:6.1f} ms, walk + stat cold {cold:6.1f} s "
+          f"({n / cold:,.0f} files/s), warm {warm:6.1f} s; memory after the walk {rss / 2**20:,.0f} MiB "
+          f"({rss / n:,.0f} B per object)")
+    mount, root = _mount(system, server, mnt, cache)  # the cache holds the listing now
+    try:
+        os.listdir(root)
+        keys = [bucket.key(rng.randrange(n)) for _ in range(args.stats)]
+        t = time.perf_counter()
+        for k in keys:
+            os.stat(os.path.join(root, k))
+        secs = time.perf_counter() - t
+        for k in keys[:20]:
+            check(os.path.join(root, k), k)
+    finally:
+        mount.close()
+    print(f"  {system:>7}: stat of {args.stats} paths never listed, fresh mount: {args.stats / secs:,.0f} stats/s")
+    if system == "cachefs":
+        t = time.perf_counter()
+        subprocess.run([*CLI, "refresh", "s3://synthetic", "--cache-dir", cache], check=True,
+                       stdout=subprocess.DEVNULL)
+        secs = time.perf_counter() - t
+        index = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache) for f in fs
+                    if f.endswith(".mdb"))
+        print(f"  {system:>7}: listing (cachefs refresh) {secs:6.1f} s = {n / secs:,.0f} keys/s; index on disk "
+              f"{index / 2**20:,.0f} MiB for two manifest versions ({index / n / 2:,.0f} B per object per version)")
+
+
+if __name__ == "__main__":
+    main()
