@@ -319,7 +319,8 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     # is one line and an exit code, never a mount that hangs.
     engine = Engine(config)
     try:
-        ds = await engine.open_dataset(args.url)
+        # (with no manifest here yet: one listing of the root, as the daemon will serve the tree while it lists)
+        ds = await engine.open_dataset(args.url, lazy=sampler is None)
         if sampler is not None:  # (one line now, rather than a daemon that cannot start)
             from cachefs.prefetch.samplers import sampler_files
 

@@ -29,6 +29,7 @@ from cachefs.fuse.mount import is_stale_mount, unmount
 from cachefs.fuse.session import FuseSession
 from cachefs.fuse.volume_mount import serve_writable_mount
 from cachefs.index.mounts import forget_mount, mount_file, record_mount, record_pin
+from cachefs.manifest.lazy import is_provisional
 from cachefs.prefetch.samplers import SamplerPublisher, SamplerSpec, sampler_files
 
 __all__ = ["CacheFS", "FuseSession", "hold_mount", "is_stale_mount", "serve_mount", "serve_writable_mount", "unmount"]
@@ -70,8 +71,12 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     journal = MountJournal.resume(journal_path) if resume else MountJournal.start(journal_path)
     engine = get_engine(config)
     init = journal.state.init
+    version = init["manifest_version"] if init else None
+    if version is not None and is_provisional(version):
+        version = None  # (the previous daemon served the tree while its first manifest was taken: open it again)
     try:
-        ds = run_sync(engine.open_dataset(url, manifest_version=init["manifest_version"] if init else None))
+        # Lazily unless readers declared a sampler: its orders need every file's path at once.
+        ds = run_sync(engine.open_dataset(url, manifest_version=version, lazy=sampler is None))
     except (OSError, ValueError) as exc:
         announce_failure(attach, str(exc))
         journal.close()
@@ -87,6 +92,13 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
         orders = SamplerPublisher(sampler, cache_dir, ds.ref.id, ds.ref.url,
                                   sampler_files((e.path for e in ds.walk_files()), sampler), engine.ordered.orders)
         orders.start()
+    if ds.provisional:  # once the first manifest is taken, a refresh must keep it and a next daemon open it
+        async def pin_when_settled() -> None:
+            await ds.settled.wait()
+            record_pin(cache_dir, mountpoint, ds.ref.url, ds.version, os.getppid())
+            journal.serves(ds.version)
+
+        asyncio.run_coroutine_threadsafe(pin_when_settled(), get_loop())
     last = None
 
     def publish(s: FuseSession, tick: int) -> None:  # what `cachefs status` shows about this mount

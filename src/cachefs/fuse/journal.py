@@ -84,6 +84,13 @@ class MountJournal:
         self.state.init = {"mode": mode, "flags": flags, "manifest_version": manifest_version}
         self._append(_line(["init", self.state.init]))
 
+    def serves(self, manifest_version: int) -> None:
+        """The mount serves ``manifest_version`` from now on (its first manifest was taken while it served): a
+        restarted daemon opens that one."""
+        init = self.state.init
+        if init is not None and init["manifest_version"] != manifest_version:
+            self.init(init["mode"], init["flags"], manifest_version)
+
     def skip_opens(self) -> None:
         self.state.opens_skipped = True
         self._append(_line(["noopen"]))

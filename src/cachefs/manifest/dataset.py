@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from cachefs.base.types import DatasetRef, Entry
 from cachefs.index import DatasetRecord
-from cachefs.manifest import ManifestStore
+from cachefs.manifest.lazy import is_provisional
 from cachefs.sources import Source
 
-__all__ = ["Dataset"]
+__all__ = ["Dataset", "ManifestReader"]
+
+
+class ManifestReader(Protocol):
+    """A dataset's tree at one version: the committed manifests (ManifestStore), or a provisional tree listed as
+    it is read (ProvisionalTree)."""
+
+    def lookup(self, ds_id: str, version: int, path: str) -> Entry: ...
+
+    def listdir(self, ds_id: str, version: int, path: str) -> Iterator[Entry]: ...
+
+    def walk_files(self, ds_id: str, version: int, path: str = "") -> Iterator[Entry]: ...
 
 
 @dataclass
@@ -20,8 +33,21 @@ class Dataset:
     ref: DatasetRef
     version: int
     source: Source
-    manifests: ManifestStore
+    manifests: ManifestReader
     record: DatasetRecord
+    #: Set once a provisional dataset settled on its first manifest (:meth:`settle`).
+    settled: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+
+    @property
+    def provisional(self) -> bool:
+        """Whether the first manifest is still being taken (directories are listed as they are read)."""
+        return is_provisional(self.version)
+
+    def settle(self, record: DatasetRecord, manifests: ManifestReader) -> None:
+        """The first manifest is committed: read it from now on (readers holding entries keep them: the bytes
+        of an entry are keyed by its version)."""
+        self.manifests, self.record, self.version = manifests, record, record.current
+        self.settled.set()
 
     def stat(self, path: str) -> Entry:
         return self.manifests.lookup(self.ref.id, self.version, _norm(path))

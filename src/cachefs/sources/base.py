@@ -32,6 +32,9 @@ class Source(abc.ABC):
 
     #: True when :meth:`read` itself detects a changed object (S3 If-Match, local mtime check).
     verifies_version: bool = True
+    #: True when :meth:`list_directory` lists one directory (a mount may then answer before the whole tree is
+    #: listed).
+    lists_directories: bool = False
 
     @abc.abstractmethod
     def list_tree(self, root_url: str) -> AsyncIterator[list[Entry]]:
@@ -43,6 +46,11 @@ class Source(abc.ABC):
     @abc.abstractmethod
     async def stat(self, url: str) -> Entry:
         """The current entry of one object (``path`` is the full URL)."""
+
+    async def list_directory(self, root_url: str, path: str) -> tuple[list[Entry], list[str]]:
+        """One directory of the tree under ``root_url``: its files (paths relative to the root) and the names of
+        its subdirectories, every page of the listing. Only where :attr:`lists_directories`."""
+        raise NotImplementedError(f"{type(self).__name__} lists whole trees only")
 
     @abc.abstractmethod
     async def read(self, url: str, version: str, start: int, end: int) -> bytes | bytearray:
@@ -128,6 +136,13 @@ class RetryingSource(Source):
 
     def list_tree(self, root_url: str) -> AsyncIterator[list[Entry]]:
         return self.inner.list_tree(root_url)
+
+    @property
+    def lists_directories(self) -> bool:  # type: ignore[override]
+        return self.inner.lists_directories
+
+    async def list_directory(self, root_url: str, path: str) -> tuple[list[Entry], list[str]]:
+        return await self.inner.list_directory(root_url, path)
 
     async def stat(self, url: str) -> Entry:
         return await with_retries(lambda: self.inner.stat(url), what=url, policy=self.policy, timeout=self.timeout,

@@ -78,6 +78,23 @@ class SourceConformance:
             assert got[path].version, path
             assert not got[path].is_dir
 
+    def test_lists_one_directory_where_it_can(self, populated):
+        if not populated.source.lists_directories:
+            pytest.skip("this source lists whole trees only")
+
+        async def scenario(src):
+            return [await src.list_directory(populated.root, d) for d in ("", "dir", "dir/sub", "nothing")]
+
+        (root_files, root_dirs), (files, dirs), (sub_files, sub_dirs), (none_files, none_dirs) = _run(
+            self._retrying(populated), scenario)
+        listed = {e.path: e for e in root_files + files + sub_files}
+        assert sorted(e.path for e in root_files) == ["a.txt", "empty.bin"] and root_dirs == ["dir"]
+        assert [e.path for e in files] == ["dir/b.bin"] and dirs == ["sub"]
+        assert [e.path for e in sub_files] == ["dir/sub/c d ü.txt"] and sub_dirs == []
+        assert (none_files, none_dirs) == ([], [])
+        for path, data in self.FILES.items():
+            assert listed[path].size == len(data) and listed[path].version, path
+
     def test_reads_exact_ranges(self, populated):
         data = self.FILES["dir/b.bin"]
         url = f"{populated.root}/dir/b.bin"

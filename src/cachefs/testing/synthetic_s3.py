@@ -8,7 +8,8 @@ directory ``flat/`` of N more objects numbered after the others.
 Answers ListObjectsV2 and V1 (prefix, delimiter ``/``, continuation-token, start-after or marker, max-keys up to
 1000), GetObject
 (whole or one ``bytes=`` range), HeadObject and HeadBucket, unsigned (it checks no signature: loopback only). It
-counts what it answered at ``GET /_synthetic/requests``.
+counts what it answered at ``GET /_synthetic/requests``; with ``--hold-prefix P`` listings under ``P`` wait until
+``POST /_synthetic/release`` (a first listing held from finishing, for tests).
 
     python -m cachefs.testing.synthetic_s3 --objects 10000000 --port 0   # prints PORT <n>
 """
@@ -51,7 +52,7 @@ class SyntheticBucket:
 
     def number(self, key: str) -> int | None:
         """The object ``key`` names, or None."""
-        d, _, name = key.partition("/")
+        name = key.partition("/")[2]
         if not (name.startswith("f") and name.endswith(".bin") and len(name) == 15 and name[1:11].isdigit()):
             return None
         i = int(name[1:11])
@@ -127,10 +128,15 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return web.Response(status=status, body=body.encode(), content_type="application/xml")
 
 
-def make_app(bucket: SyntheticBucket) -> web.Application:
-    counts = {"list": 0, "get": 0, "head": 0}
+def make_app(bucket: SyntheticBucket, hold_prefix: str | None = None) -> web.Application:
+    counts = {"list": 0, "get": 0, "head": 0, "held": 0}
+    released = asyncio.Event()
 
     async def requests(request: web.Request) -> web.Response:
+        return web.json_response(counts)
+
+    async def release(request: web.Request) -> web.Response:
+        released.set()
         return web.json_response(counts)
 
     async def on_bucket(request: web.Request) -> web.Response:
@@ -142,6 +148,9 @@ def make_app(bucket: SyntheticBucket) -> web.Application:
         v2 = q.get("list-type") == "2"
         counts["list"] += 1
         prefix, delimiter = q.get("prefix", ""), q.get("delimiter", "")
+        if hold_prefix is not None and prefix.startswith(hold_prefix) and not released.is_set():
+            counts["held"] += 1
+            await released.wait()
         max_keys = max(1, min(1000, int(q.get("max-keys", "1000"))))
         after = (q.get("continuation-token") or q.get("start-after") or "") if v2 else q.get("marker", "")
         contents, prefixes, next_token = bucket.list(prefix, delimiter, after, max_keys)
@@ -175,6 +184,7 @@ def make_app(bucket: SyntheticBucket) -> web.Application:
 
     app = web.Application()
     app.router.add_get("/_synthetic/requests", requests)
+    app.router.add_post("/_synthetic/release", release)
     app.router.add_route("*", "/{bucket}", on_bucket)
     app.router.add_route("*", "/{bucket}/", on_bucket)
     app.router.add_route("*", "/{bucket}/{key:.+}", on_object)
@@ -188,10 +198,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--flat", type=int, default=0, help="objects in one more directory, flat/")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--hold-prefix", help="listings of keys under this prefix wait until POST /_synthetic/release "
+                   "(a listing that cannot finish, for tests)")
     args = p.parse_args(argv)
 
     async def serve() -> None:
-        runner = web.AppRunner(make_app(SyntheticBucket(args.objects, args.per_dir, args.flat)), access_log=None)
+        app = make_app(SyntheticBucket(args.objects, args.per_dir, args.flat), args.hold_prefix)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()

@@ -1,0 +1,171 @@
+"""A dataset's tree while its first manifest is still being taken: a mount answers at once, at any size.
+
+Each directory is listed from the origin the first time a reader asks for it (one listing of that directory, every
+page of it), written into the index under a *provisional* manifest version of this process, and answered from
+there from then on; a path looked up in a directory not listed yet costs a HEAD (a file) or the listing of its
+directory (a subdirectory, or a name that is not there). Meanwhile the full manifest is taken in the background as
+always; once it is committed the dataset reads it instead (:meth:`~cachefs.manifest.dataset.Dataset.settle`) and
+the provisional entries are dropped. docs/SEMANTICS.md says what a reader sees in between.
+
+The origin is asked from the thread that wants the answer (a FUSE request thread), never from the event loop,
+whose work must not wait on a listing: there, a directory not listed yet reads as empty (read-ahead plans with
+what is known) and a path in one as not found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Iterator
+from typing import TYPE_CHECKING
+
+from cachefs.base.errors import BucketNotFoundError, ObjectNotFoundError, bucket_of
+from cachefs.base.types import DatasetRef, Entry
+from cachefs.index import DatasetRecord, Index
+from cachefs.manifest.store import ManifestStore, ManifestWriter
+from cachefs.sources import Source
+
+if TYPE_CHECKING:
+    from cachefs.manifest.dataset import Dataset, ManifestReader
+
+__all__ = ["PROVISIONAL", "ProvisionalTree", "is_provisional", "settle_when_listed"]
+
+log = logging.getLogger(__name__)
+
+#: Provisional manifest versions are this bit plus the process id: apart from committed versions (which count up
+#: from 1) and from other processes' provisional trees.
+PROVISIONAL = 0x8000_0000
+
+
+def is_provisional(version: int) -> bool:
+    return version >= PROVISIONAL
+
+
+class ProvisionalTree:
+    """Reads like a :class:`~cachefs.manifest.store.ManifestStore` (``lookup``, ``listdir``, ``walk_files`` of
+    ``(dataset id, version, path)``), listing directories from ``source`` as they are asked for."""
+
+    def __init__(self, index: Index, source: Source, ref: DatasetRef, loop: asyncio.AbstractEventLoop) -> None:
+        self.store = ManifestStore(index)
+        self.source, self.ref, self.loop = source, ref, loop
+        self.version = PROVISIONAL | (os.getpid() & 0x7FFF_FFFF)
+        self.store.drop(ref.id, self.version)  # an earlier process with this pid may have left some
+        self._writer = ManifestWriter(index, ref.id, self.version)
+        self._listed: set[str] = set()
+        self._listing: dict[str, asyncio.Future] = {}  # directory → its listing under way
+        #: Directories listed and HEADs sent (what ``cachefs status`` and the tests read).
+        self.lists = self.heads = 0
+
+    async def probe(self) -> None:
+        """List the root: the dataset exists and is readable (credentials, bucket, a prefix with objects)."""
+        await self._list_now("")
+        if not any(True for _ in self.store.listdir(self.ref.id, self.version, "")):
+            raise ObjectNotFoundError(f"{self.ref.url}: no objects under this prefix (is the URL right?)")
+
+    # -- what a reader asks ---------------------------------------------------------------------------------
+    def lookup(self, ds_id: str, version: int, path: str) -> Entry:
+        if path == "":
+            return Entry("", 0, "", 0.0, True)
+        parent = path.rpartition("/")[0]
+        if parent in self._listed:
+            return self.store.lookup(ds_id, version, path)
+        if self._on_loop():
+            raise ObjectNotFoundError(f"{path}: its directory is not listed yet")
+        return self._wait(self._lookup(path))
+
+    def listdir(self, ds_id: str, version: int, path: str) -> Iterator[Entry]:
+        if path not in self._listed:
+            if self._on_loop():
+                return iter(())
+            if path and not self.lookup(ds_id, version, path).is_dir:
+                raise NotADirectoryError(20, f"{path}: not a directory")
+            self._wait(self._list(path))
+        return self.store.listdir(ds_id, version, path)
+
+    def walk_files(self, ds_id: str, version: int, path: str = "") -> Iterator[Entry]:
+        stack = [path]
+        while stack:
+            d = stack.pop()
+            subdirs = []
+            for e in self.listdir(ds_id, version, d):
+                if e.is_dir:
+                    subdirs.append(e.path)
+                else:
+                    yield e
+            stack.extend(reversed(subdirs))
+
+    def drop(self) -> None:
+        """Forget the provisional entries (the full manifest replaced them)."""
+        self.store.drop(self.ref.id, self.version)
+
+    # -- asking the origin ----------------------------------------------------------------------------------
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def _wait(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _lookup(self, path: str) -> Entry:
+        parent = path.rpartition("/")[0]
+        if parent not in self._listed:
+            self.heads += 1
+            try:
+                got = await self.source.stat(self.ref.object_url(path))
+                return Entry(path, got.size, got.version, got.mtime)
+            except ObjectNotFoundError:
+                pass  # a directory, or nothing: the directory's listing says which
+        await self._list(parent)
+        return self.store.lookup(self.ref.id, self.version, path)
+
+    async def _list(self, path: str) -> None:
+        """List directory ``path`` once, however many ask at the same time (on the loop: no lock needed)."""
+        if path in self._listed:
+            return
+        task = self._listing.get(path)
+        if task is None:
+            task = self._listing[path] = asyncio.ensure_future(self._list_now(path))
+            task.add_done_callback(lambda _: self._listing.pop(path, None))
+        await asyncio.shield(task)
+
+    async def _list_now(self, path: str) -> None:
+        self.lists += 1
+        try:
+            files, dirs = await self.source.list_directory(self.ref.url, path)
+        except BucketNotFoundError:
+            raise BucketNotFoundError(f"{self.ref.url}: bucket {bucket_of(self.ref.url)} not found: it does not "
+                                      "exist at the origin") from None
+        base = path + "/" if path else ""
+        # Subdirectories as directory markers (the writer makes them directories), the directory itself too.
+        batch = [*files, *(Entry(base + d + "/", 0, "", 0.0) for d in dirs if d)]
+        if path:
+            batch.append(Entry(path + "/", 0, "", 0.0))
+        self._writer.add(batch)
+        self._listed.add(path)
+
+
+#: Seconds the provisional entries stay after the dataset settled: a lookup that began before reads them still.
+SETTLE_GRACE = 5.0
+
+
+async def settle_when_listed(ds: Dataset, tree: ProvisionalTree, listing: Awaitable[DatasetRecord],
+                             manifests: ManifestReader) -> None:
+    """Wait for ``listing`` (the first manifest of ``ds``), then let ``ds`` read it and drop ``tree``'s entries.
+    A listing that fails leaves ``ds`` on its provisional tree (logged)."""
+    try:
+        record = await listing
+    except asyncio.CancelledError:
+        tree.drop()
+        raise
+    except Exception as exc:  # noqa: BLE001 - the mount serves on from its provisional tree
+        log.error("%s: the first listing failed (%s); directories are listed as they are read until the dataset "
+                  "is opened again", ds.ref.url, exc)
+        return
+    ds.settle(record, manifests)
+    log.info("%s: manifest v%d taken; %d directories were listed on demand meanwhile", ds.ref.url, ds.version,
+             tree.lists)
+    await asyncio.sleep(SETTLE_GRACE)
+    tree.drop()
