@@ -42,7 +42,7 @@ from cachefs.index.counters import NodeCounters
 from cachefs.index.hints import HintStore
 from cachefs.manifest import ManifestStore, take_snapshot
 from cachefs.manifest.dataset import Dataset
-from cachefs.manifest.lazy import ProvisionalTree, settle_when_listed
+from cachefs.manifest.first import FirstManifests
 from cachefs.manifest.shipping import ReceivedListing
 from cachefs.node.admission import Admission
 from cachefs.node.disk_jobs import DiskJobs
@@ -119,8 +119,8 @@ class Engine:
         self.figures = NodeFigures(self.stats, self.tier_counts, NodeCounters(self.index), self.space, self.budget,
                                    orders)
         self._sources: dict[tuple, Source] = {}
-        self._first_snapshot: dict[str, asyncio.Lock] = {}
-        self._first_listings: set[asyncio.Future] = set()  # of provisional datasets (open_dataset's ``lazy``)
+        self.first_manifests = FirstManifests(self.index, self.manifests, self.group.manifest,
+                                              lambda url, options: open_origin(url, self.config, options))
         self._stats_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._exited = False
@@ -173,8 +173,8 @@ class Engine:
         rec = self.index.dataset(ref.id)
         if rec is None or not rec.manifests:
             if lazy and manifest_version is None and src.lists_directories:
-                return await self._open_provisional(ref, src)
-            rec = await self._first_manifest(ref, src)
+                return await self.first_manifests.provisional(ref, src, storage_options, apart=source is None)
+            rec = await self.first_manifests.take(ref, src)
         version = rec.current if manifest_version is None else int(manifest_version)
         if rec.manifest(version) is None:
             have = ", ".join(str(m.version) for m in rec.manifests) or "none"
@@ -183,25 +183,6 @@ class Engine:
         if m is not None and m.bytes > self.space.capacity * self.config.cache.high_watermark:
             self.stats.presume_scan(ref.id)  # larger than the cache: admitted as a scan until its reads say not
         return Dataset(ref, version, src, self.manifests, rec)
-
-    async def _first_manifest(self, ref: DatasetRef, src: Source) -> DatasetRecord:
-        async with self._first_snapshot.setdefault(ref.id, asyncio.Lock()):  # one listing per process
-            shipped = await self.group.manifest(ref)  # listed once per group, not once per node
-            listing = ReceivedListing(shipped) if shipped else src
-            return await take_snapshot(self.index, listing, ref, only_if_missing=True)
-
-    async def _open_provisional(self, ref: DatasetRef, src: Source) -> Dataset:
-        tree = ProvisionalTree(self.index, src, ref, asyncio.get_running_loop())
-        try:
-            await tree.probe()
-        except BaseException:
-            tree.drop()
-            raise
-        ds = Dataset(ref, tree.version, src, tree, DatasetRecord(ref.id, ref.url))
-        task = asyncio.ensure_future(settle_when_listed(ds, tree, self._first_manifest(ref, src), self.manifests))
-        self._first_listings.add(task)
-        task.add_done_callback(self._first_listings.discard)
-        return ds
 
     async def refresh(self, url: str, *, storage_options: dict[str, Any] | None = None,
                       source: Source | None = None) -> DatasetRecord:
@@ -392,7 +373,7 @@ class Engine:
         await asyncio.gather(*fetches, return_exceptions=True)
         await self.assemblies.drain()
         await self.packs.pending.flush()
-        for job in (self._stats_task, self.eviction.trimming(), *self._first_listings):
+        for job in (self._stats_task, self.eviction.trimming(), *self.first_manifests.background()):
             if job is not None and not job.done():
                 job.cancel()
                 await asyncio.gather(job, return_exceptions=True)

@@ -174,7 +174,10 @@ def test_df_shows_the_dataset_as_used_and_the_cache_room_as_available(s3, tmp_pa
     os.mkdir(mnt)
     m = Mounted(cache, f"s3://{bucket}/df", mnt)
     try:
-        st = os.statvfs(mnt)
+        deadline = time.monotonic() + 60  # (the mount answers while its first listing runs: df counts once it is done)
+        while (st := os.statvfs(mnt)).f_blocks == st.f_bfree:
+            assert time.monotonic() < deadline, "the dataset's first listing never finished"
+            time.sleep(0.1)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         assert 4_000_000 <= used < 4_000_000 + 2 * st.f_frsize
         assert st.f_bavail == st.f_bfree and st.f_bavail * st.f_frsize > 100_000_000  # the cache's room, not 0

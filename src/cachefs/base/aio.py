@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["get_loop", "run_sync", "single_flight"]
+__all__ = ["get_loop", "run_apart", "run_sync", "single_flight"]
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -57,6 +58,48 @@ def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return fut.result(timeout)
     except BaseException:
         fut.cancel()
+        raise
+
+
+async def run_apart(make: Callable[[], Coroutine[Any, Any, T]], name: str = "cachefs-apart") -> T:
+    """Run ``make()`` on an event loop of its own in a daemon thread, and await its result here. CPU-heavy async
+    work (a long listing: pages parsed, entries written) then interleaves with this loop's requests at the GIL's
+    pace rather than in whole callbacks that every request queues behind. Cancelling the caller cancels it; at
+    interpreter exit it is left (a daemon thread)."""
+    caller = asyncio.get_running_loop()
+    done: asyncio.Future = caller.create_future()
+    started = threading.Event()
+    own: dict[str, Any] = {}
+
+    def report(outcome: BaseException | None, value: Any = None) -> None:
+        if done.done():
+            return
+        if outcome is None:
+            done.set_result(value)
+        else:
+            done.set_exception(outcome)
+
+    def main() -> None:
+        loop = asyncio.new_event_loop()
+        own["task"] = task = loop.create_task(make())
+        own["loop"] = loop
+        started.set()
+        try:
+            value = loop.run_until_complete(task)
+            caller.call_soon_threadsafe(report, None, value)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            if not caller.is_closed():
+                caller.call_soon_threadsafe(report, exc)
+        finally:
+            loop.close()
+
+    threading.Thread(target=main, name=name, daemon=True).start()
+    try:
+        return await done
+    except asyncio.CancelledError:
+        started.wait()  # (set as the thread starts: at most a moment)
+        with contextlib.suppress(RuntimeError):  # (its loop is closed: it had ended)
+            own["loop"].call_soon_threadsafe(own["task"].cancel)
         raise
 
 

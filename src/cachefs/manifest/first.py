@@ -1,0 +1,74 @@
+"""A dataset's first manifest on this node: from the cache group's member that has it, or one listing of the origin
+per process; for a mount, a provisional tree at once (:mod:`cachefs.manifest.lazy`) and the manifest in the
+background."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from cachefs.base import aio
+from cachefs.base.types import DatasetRef, Entry
+from cachefs.index import DatasetRecord, Index
+from cachefs.manifest.builder import take_snapshot
+from cachefs.manifest.dataset import Dataset
+from cachefs.manifest.lazy import ProvisionalTree, settle_when_listed
+from cachefs.manifest.shipping import ReceivedListing
+from cachefs.manifest.store import ManifestStore
+from cachefs.sources import Source
+
+__all__ = ["FirstManifests"]
+
+
+class FirstManifests:
+    """``shipped(ref)``: the group's manifest of ``ref``, or None; ``origin(url, storage_options)``: a new client of
+    the origin (for a listing run on a loop of its own). Call from the event loop."""
+
+    def __init__(self, index: Index, manifests: ManifestStore,
+                 shipped: Callable[[DatasetRef], Awaitable[list[Entry] | None]],
+                 origin: Callable[[str, dict[str, Any] | None], Source]) -> None:
+        self.index, self.manifests, self._shipped, self._origin = index, manifests, shipped, origin
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._background: set[asyncio.Future] = set()  # listings behind provisional datasets
+
+    async def take(self, ref: DatasetRef, src: Source, storage_options: dict[str, Any] | None = None, *,
+                   apart: bool = False) -> DatasetRecord:
+        """``ref``'s first manifest, taken now unless another call took it meanwhile. With ``apart``, the
+        listing runs on a loop of its own (:func:`~cachefs.base.aio.run_apart`), so that the requests of a mount
+        serving meanwhile do not queue behind its pages."""
+        async with self._locks.setdefault(ref.id, asyncio.Lock()):  # one listing per process
+            shipped = await self._shipped(ref)  # listed once per group, not once per node
+            if shipped or not apart:
+                return await take_snapshot(self.index, ReceivedListing(shipped) if shipped else src, ref,
+                                           only_if_missing=True)
+
+            async def listed() -> DatasetRecord:
+                own = self._origin(ref.url, storage_options)  # (a client of that loop's own)
+                try:
+                    return await take_snapshot(self.index, own, ref, only_if_missing=True)
+                finally:
+                    await own.close()
+
+            return await aio.run_apart(listed, name="cachefs-first-listing")
+
+    async def provisional(self, ref: DatasetRef, src: Source, storage_options: dict[str, Any] | None, *,
+                          apart: bool) -> Dataset:
+        """``ref`` as a provisional tree, once its root is listed; it settles on the manifest :meth:`take` gets
+        in the background."""
+        tree = ProvisionalTree(self.index, src, ref, asyncio.get_running_loop())
+        try:
+            await tree.probe()
+        except BaseException:
+            tree.drop()
+            raise
+        ds = Dataset(ref, tree.version, src, tree, DatasetRecord(ref.id, ref.url))
+        listing = self.take(ref, src, storage_options, apart=apart)
+        task = asyncio.ensure_future(settle_when_listed(ds, tree, listing, self.manifests))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return ds
+
+    def background(self) -> list[asyncio.Future]:
+        """The listings under way behind provisional datasets (to cancel at shutdown)."""
+        return list(self._background)
