@@ -119,8 +119,7 @@ class Engine:
         self.figures = NodeFigures(self.stats, self.tier_counts, NodeCounters(self.index), self.space, self.budget,
                                    orders)
         self._sources: dict[tuple, Source] = {}
-        self.first_manifests = FirstManifests(self.index, self.manifests, self.group.manifest,
-                                              lambda url, options: open_origin(url, self.config, options))
+        self.first_manifests = FirstManifests(config, self.index, self.manifests)
         self._stats_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._exited = False
@@ -173,8 +172,9 @@ class Engine:
         rec = self.index.dataset(ref.id)
         if rec is None or not rec.manifests:
             if lazy and manifest_version is None and src.lists_directories:
-                return await self.first_manifests.provisional(ref, src, storage_options, apart=source is None)
-            rec = await self.first_manifests.take(ref, src)
+                return await self.first_manifests.provisional(ref, src, self.group.manifest, storage_options,
+                                                              apart=source is None)
+            rec = await self.first_manifests.take(ref, src, self.group.manifest)
         version = rec.current if manifest_version is None else int(manifest_version)
         if rec.manifest(version) is None:
             have = ", ".join(str(m.version) for m in rec.manifests) or "none"

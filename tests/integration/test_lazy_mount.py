@@ -52,11 +52,15 @@ def _server(endpoint: str, what: str) -> dict:
         return json.load(r)
 
 
-def _datasets(cache: str, env: dict) -> list[dict]:
+def _status(cache: str, env: dict) -> dict:
     r = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--cache-dir", cache, "--json"],
                        env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)["datasets"]
+    return json.loads(r.stdout)
+
+
+def _datasets(cache: str, env: dict) -> list[dict]:
+    return _status(cache, env)["datasets"]
 
 
 def _check(path: str, key: str) -> None:
@@ -83,6 +87,11 @@ def test_a_mount_serves_its_tree_before_the_first_listing_ends_then_the_manifest
             assert time.monotonic() < deadline, "the first listing never started"
             time.sleep(0.05)
         assert _datasets(cache, env) == []  # ... and no manifest is committed: it cannot finish
+        deadline = time.monotonic() + 30
+        while not (listings := _status(cache, env)["listings"]):  # its progress, written about once a second
+            assert time.monotonic() < deadline, "no listing in cachefs status"
+            time.sleep(0.2)
+        assert [li["url"] for li in listings] == ["s3://synthetic"] and 0 < listings[0]["files"] < N
         rng = random.Random(7)
         for i in rng.sample(range(N - bucket.per_dir), 20):  # files looked up directly: a HEAD each
             key = bucket.key(i)
@@ -103,6 +112,7 @@ def test_a_mount_serves_its_tree_before_the_first_listing_ends_then_the_manifest
             time.sleep(0.2)
         (ds,) = _datasets(cache, env)
         assert ds["manifest_versions"] == [1] and ds["files"] == N
+        assert _status(cache, env)["listings"] == []  # done: its record is gone
         journal_version = None
         deadline = time.monotonic() + 30
         while journal_version != 1:  # the mount serves the manifest now: its next daemon will open that one

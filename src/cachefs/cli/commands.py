@@ -102,6 +102,9 @@ async def status(args: argparse.Namespace, config: Config) -> int:
     if corrupt:
         print(f"disk       {corrupt} cached block(s) or file(s) failed their checksum and were fetched again "
               "(see the logs: is the cache disk healthy?)")
+    for li in rep.get("listings", ()):
+        print(f"listing    {li['url']}: {li['files']:,} files ({human_bytes(li['bytes'])}) so far, "
+              f"{li['files_per_second']:,} files/s")
     if not rep["datasets"]:
         print("no datasets cached")
         return 0

@@ -21,8 +21,8 @@ import time
 
 from cachefs.base.files import atomic_write
 
-__all__ = ["forget_holder", "forget_mount", "holder_state", "list_mounts", "mount_file", "record_holder",
-           "record_mount"]
+__all__ = ["forget_holder", "forget_mount", "holder_state", "list_mounts", "mount_file", "process_alive",
+           "record_holder", "record_mount"]
 
 log = logging.getLogger("cachefs.fuse")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -105,7 +105,7 @@ def pinned_versions(cache_dir: str, url: str) -> set[int]:
     for name in names:
         if name.endswith(".pin.json"):
             rec = _read(os.path.join(_dir(cache_dir), name))
-            if rec is not None and rec.get("url") == url and _alive(rec.get("holder_pid")) \
+            if rec is not None and rec.get("url") == url and process_alive(rec.get("holder_pid")) \
                     and isinstance(rec.get("version"), int):
                 out.add(rec["version"])
     return out
@@ -114,7 +114,7 @@ def pinned_versions(cache_dir: str, url: str) -> set[int]:
 def holder_state(cache_dir: str, mountpoint: str) -> dict | None:
     """The holder record of a live holder of ``mountpoint``, or None."""
     rec = _read(mount_file(cache_dir, mountpoint, ".holder.json"))
-    return rec if rec is not None and _alive(rec.get("holder_pid")) else None
+    return rec if rec is not None and process_alive(rec.get("holder_pid")) else None
 
 
 def list_mounts(cache_dir: str) -> list[dict]:
@@ -129,13 +129,13 @@ def list_mounts(cache_dir: str) -> list[dict]:
     for name in names:
         if name.endswith(".holder.json"):
             rec = _read(os.path.join(_dir(cache_dir), name))
-            if rec is not None and _alive(rec.get("holder_pid")):
+            if rec is not None and process_alive(rec.get("holder_pid")):
                 out.setdefault(rec["mountpoint"], {}).update(
                     {k: rec[k] for k in ("mountpoint", "url", "holder_pid", "state", "reason") if k in rec})
     for name in names:
         if name.endswith(".json") and not name.endswith((".holder.json", ".pin.json")):
             rec = _read(os.path.join(_dir(cache_dir), name))
-            if rec is not None and _alive(rec.get("pid")):
+            if rec is not None and process_alive(rec.get("pid")):
                 m = out.setdefault(rec["mountpoint"], {"state": "serving"})
                 holder = {k: m[k] for k in ("state", "reason", "holder_pid") if k in m}
                 m.update(rec)
@@ -157,7 +157,7 @@ def _read(path: str) -> dict | None:
     return rec if isinstance(rec, dict) and isinstance(rec.get("mountpoint"), str) else None
 
 
-def _alive(pid) -> bool:
+def process_alive(pid) -> bool:
     """A running process (a zombie, killed but not yet reaped, does not count)."""
     if not isinstance(pid, int):
         return False

@@ -10,6 +10,7 @@ import os
 from cachefs.base.errors import BucketNotFoundError, ObjectNotFoundError, bucket_of
 from cachefs.base.types import DatasetRef
 from cachefs.index import DatasetRecord, Index, ManifestInfo
+from cachefs.index.listings import ListingProgress
 from cachefs.index.mounts import pinned_versions
 from cachefs.manifest.store import ManifestStore, ManifestWriter
 from cachefs.sources import Source
@@ -58,9 +59,11 @@ async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: Da
     version = max((m.version for m in rec.manifests), default=0) + 1
     store.drop(ds.id, version)  # leftovers of a listing that crashed before it was committed
     writer = ManifestWriter(index, ds.id, version)
+    progress = ListingProgress(os.path.dirname(index.path), ds.id, ds.url)  # (what `cachefs status` shows meanwhile)
     try:
         async for batch in source.list_tree(ds.url):
             writer.add(batch)
+            progress.note(writer.files, writer.bytes)
     except BucketNotFoundError:
         store.drop(ds.id, version)
         raise BucketNotFoundError(f"{ds.url}: bucket {bucket_of(ds.url)} not found: it does not exist at the "
@@ -71,6 +74,8 @@ async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: Da
     except BaseException:
         store.drop(ds.id, version)
         raise
+    finally:
+        progress.done()
     if writer.files == 0 and not writer.skipped:
         store.drop(ds.id, version)
         raise ObjectNotFoundError(f"{ds.url}: no objects under this prefix (is the URL right?)")

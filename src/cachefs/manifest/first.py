@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from cachefs.base import aio
+from cachefs.base.config import Config
 from cachefs.base.types import DatasetRef, Entry
 from cachefs.index import DatasetRecord, Index
 from cachefs.manifest.builder import take_snapshot
@@ -16,35 +17,36 @@ from cachefs.manifest.dataset import Dataset
 from cachefs.manifest.lazy import ProvisionalTree, settle_when_listed
 from cachefs.manifest.shipping import ReceivedListing
 from cachefs.manifest.store import ManifestStore
-from cachefs.sources import Source
+from cachefs.sources import Source, open_origin
 
 __all__ = ["FirstManifests"]
 
 
-class FirstManifests:
-    """``shipped(ref)``: the group's manifest of ``ref``, or None; ``origin(url, storage_options)``: a new client of
-    the origin (for a listing run on a loop of its own). Call from the event loop."""
+Shipped = Callable[[DatasetRef], Awaitable[list[Entry] | None]]
 
-    def __init__(self, index: Index, manifests: ManifestStore,
-                 shipped: Callable[[DatasetRef], Awaitable[list[Entry] | None]],
-                 origin: Callable[[str, dict[str, Any] | None], Source]) -> None:
-        self.index, self.manifests, self._shipped, self._origin = index, manifests, shipped, origin
+
+class FirstManifests:
+    """Call from the event loop. ``shipped(ref)``, handed to each call: the cache group's manifest of ``ref``, or
+    None."""
+
+    def __init__(self, config: Config, index: Index, manifests: ManifestStore) -> None:
+        self.config, self.index, self.manifests = config, index, manifests
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Future] = set()  # listings behind provisional datasets
 
-    async def take(self, ref: DatasetRef, src: Source, storage_options: dict[str, Any] | None = None, *,
-                   apart: bool = False) -> DatasetRecord:
+    async def take(self, ref: DatasetRef, src: Source, shipped: Shipped, storage_options: dict[str, Any] | None = None,
+                   *, apart: bool = False) -> DatasetRecord:
         """``ref``'s first manifest, taken now unless another call took it meanwhile. With ``apart``, the
         listing runs on a loop of its own (:func:`~cachefs.base.aio.run_apart`), so that the requests of a mount
         serving meanwhile do not queue behind its pages."""
         async with self._locks.setdefault(ref.id, asyncio.Lock()):  # one listing per process
-            shipped = await self._shipped(ref)  # listed once per group, not once per node
-            if shipped or not apart:
-                return await take_snapshot(self.index, ReceivedListing(shipped) if shipped else src, ref,
+            entries = await shipped(ref)  # listed once per group, not once per node
+            if entries or not apart:
+                return await take_snapshot(self.index, ReceivedListing(entries) if entries else src, ref,
                                            only_if_missing=True)
 
             async def listed() -> DatasetRecord:
-                own = self._origin(ref.url, storage_options)  # (a client of that loop's own)
+                own = open_origin(ref.url, self.config, storage_options)  # (a client of that loop's own)
                 try:
                     return await take_snapshot(self.index, own, ref, only_if_missing=True)
                 finally:
@@ -52,8 +54,8 @@ class FirstManifests:
 
             return await aio.run_apart(listed, name="cachefs-first-listing")
 
-    async def provisional(self, ref: DatasetRef, src: Source, storage_options: dict[str, Any] | None, *,
-                          apart: bool) -> Dataset:
+    async def provisional(self, ref: DatasetRef, src: Source, shipped: Shipped,
+                          storage_options: dict[str, Any] | None, *, apart: bool) -> Dataset:
         """``ref`` as a provisional tree, once its root is listed; it settles on the manifest :meth:`take` gets
         in the background."""
         tree = ProvisionalTree(self.index, src, ref, asyncio.get_running_loop())
@@ -63,7 +65,7 @@ class FirstManifests:
             tree.drop()
             raise
         ds = Dataset(ref, tree.version, src, tree, DatasetRecord(ref.id, ref.url))
-        listing = self.take(ref, src, storage_options, apart=apart)
+        listing = self.take(ref, src, shipped, storage_options, apart=apart)
         task = asyncio.ensure_future(settle_when_listed(ds, tree, listing, self.manifests))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 
 from cachefs.node import speculation
 from cachefs.node.budget import MemoryBudget, Reservation
@@ -81,12 +82,17 @@ class OriginFunnel:
         """Memory for ``nbytes`` if there is room now (read-ahead uses spare room only)."""
         return self.memory.try_take(nbytes)
 
-    async def get(self, source, url: str, version: str, start: int, length: int) -> bytes | bytearray:
+    async def get(self, source, url: str, version: str, start: int, length: int,
+                  wanted: Callable[[], bool] | None = None) -> bytes | bytearray:
         """``length`` bytes of ``url`` (``version``) at ``start``, within the GET and wire limits, readers first.
-        The caller holds memory for them."""
+        The caller holds memory for them. ``wanted``: for read-ahead, whether it is still worth its GET once a slot
+        comes (a while after it was planned): :class:`~cachefs.node.speculation.NotWanted` if not."""
         small = length <= SMALL_GET
-        await self._slot(speculation.current(), small)
+        spec = speculation.current()
+        await self._slot(spec, small)
         try:
+            if spec is not None and not spec.promoted and wanted is not None and not wanted():
+                raise speculation.NotWanted(url)
             async with await self._wire.take(length):
                 started, in_flight = time.monotonic(), self.in_flight
                 data = await source.read(url, version, start, start + length)

@@ -13,16 +13,23 @@ import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
-__all__ = ["Speculation", "current", "speculating"]
+__all__ = ["NotWanted", "Speculation", "current", "speculating"]
+
+
+class NotWanted(Exception):
+    """Read-ahead given up at the origin funnel: by the time its GET could start, :attr:`Speculation.wanted`
+    said no."""
 
 
 class Speculation:
-    """One piece of read-ahead work, until a reader wants it."""
+    """One piece of read-ahead work, until a reader wants it. ``wanted``, when the work sets it: whether it is
+    still worth its GET (asked as the funnel is about to start it, which may be a while after it was planned)."""
 
-    __slots__ = ("_on_promote", "promoted")
+    __slots__ = ("_on_promote", "promoted", "wanted")
 
     def __init__(self) -> None:
         self.promoted = False
+        self.wanted: Callable[[], bool] | None = None
         self._on_promote: list[Callable[[], None]] = []
 
     def promote(self) -> None:

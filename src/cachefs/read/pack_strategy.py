@@ -118,9 +118,9 @@ class PackStrategy(ReadStrategy):
         await self.fetch(ds, object_key(ds.ref.id, entry.path, entry.version), entry, reader=False)
 
     async def _fetch(self, ds: Dataset, okey: bytes, entry: Entry, held: Reservation | None, *,
-                     reader: bool) -> bytes:
+                     reader: bool, wanted: Callable[[], bool] | None = None) -> bytes:
         async with held or await self.funnel.hold(entry.size):
-            served = await self.chain.fetch(Want(ds, entry, okey, 0, entry.size))
+            served = await self.chain.fetch(Want(ds, entry, okey, 0, entry.size, wanted))
         # A whole small object is handed to readers (and waits in its pending pack) as it is: bytes, not the
         # bytearray a source may have received the body into.
         data = served.data if type(served.data) is bytes else bytes(served.data)
@@ -216,6 +216,10 @@ class PackStrategy(ReadStrategy):
             out.append(h)
         return out
 
+    def _room_for(self, nbytes: int) -> bool:
+        space = self.admission.space
+        return not space.full and space.room_under_high() - self.pending.unwritten >= nbytes
+
     def ahead_hints(self, ds: Dataset, entry: Entry) -> list[Hint]:
         okey = object_key(ds.ref.id, entry.path, entry.version)
         if entry.size == 0 or okey in self._fetches or self.has(okey):
@@ -229,8 +233,11 @@ class PackStrategy(ReadStrategy):
         reader comes next (a declared order), so it is fetched even if it was fetched lately and not kept."""
         if self.closing or okey in self._fetches or (okey in self._fetched and not ordered) or self.has(okey):
             return
+        # Its GET may start a while later (readers first): by then the disk may have no room left to keep it, and
+        # read-ahead never fetches what the cache would drop before its reader comes (see _keepable).
+        wanted = None if ordered else functools.partial(self._room_for, entry.size)
         self.stats.note_ahead((okey,))  # before its bytes are visible: a reader then counts a miss, not a hit
-        await asyncio.shield(self._fetches.start(okey, self._fetch(ds, okey, entry, held, reader=True)))
+        await asyncio.shield(self._fetches.start(okey, self._fetch(ds, okey, entry, held, reader=True, wanted=wanted)))
 
     # -- serving peers ----------------------------------------------------------------------------------------
     async def serve(self, ds: Dataset, entry: Entry, block: int | None, *, fetch: bool) -> tuple[bytes, int] | None:

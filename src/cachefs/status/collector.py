@@ -74,6 +74,11 @@ class NodeCollector:
             served.add_metric([d["url"], "hit"], d["hit_bytes"])
             served.add_metric([d["url"], "miss"], d["miss_bytes"])
         yield from (cached, size, served, pinned, policy, epoch, orders)
+        listing = GaugeMetricFamily("cachefs_dataset_listing_files", "Files a listing of the origin running now (a "
+                                    "dataset's first manifest, a refresh) has found so far", labels=["dataset"])
+        for li in rep.get("listings", ()):
+            listing.add_metric([li["url"]], li["files"])
+        yield listing
         count, nbytes = node.index.evicted()
         yield CounterMetricFamily("cachefs_evictions", "Objects and packs evicted from this node's cache", value=count)
         yield CounterMetricFamily("cachefs_evicted_bytes", "Bytes evicted from this node's cache", value=nbytes)

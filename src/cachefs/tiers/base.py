@@ -27,6 +27,7 @@ import asyncio
 import enum
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -58,6 +59,8 @@ class Want:
     okey: bytes
     start: int
     length: int
+    #: For read-ahead: whether it is still worth fetching when the origin funnel can start its GET.
+    wanted: Callable[[], bool] | None = None
 
     @property
     def whole(self) -> bool:

@@ -20,5 +20,5 @@ class OriginTier(Tier):
 
     async def fetch(self, want: Want) -> Served:
         data = await self.funnel.get(want.ds.source, want.ds.object_url(want.entry), want.entry.version, want.start,
-                                     want.length)
+                                     want.length, want.wanted)
         return Served(data, self.name)
