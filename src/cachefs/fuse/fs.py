@@ -397,9 +397,9 @@ class CacheFS:
         """(used bytes, available bytes, files, block size): the dataset's size (from the manifest) is what is
         used; what is available is the room the node's cache has left. A read-only dataset reported as a full
         disk (0 available) trips every disk-usage alert; this says how much more of it the node can cache."""
-        info = self.ds.record.manifest(self.ds.version)
+        files, nbytes = self.ds.size()  # (while the first listing runs: what is listed so far)
         try:
             room = self.engine.room()
         except OSError:
             room = 0
-        return (info.bytes, room, info.files, 4096) if info else (0, room, 0, 4096)
+        return nbytes, room, files, 4096

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from cachefs.base.types import DatasetRef, Entry
 from cachefs.index import DatasetRecord
-from cachefs.manifest.lazy import is_provisional
+from cachefs.manifest.lazy import ProvisionalTree, is_provisional
 from cachefs.sources import Source
 
 __all__ = ["Dataset", "ManifestReader"]
@@ -42,6 +42,13 @@ class Dataset:
     def provisional(self) -> bool:
         """Whether the first manifest is still being taken (directories are listed as they are read)."""
         return is_provisional(self.version)
+
+    def size(self) -> tuple[int, int]:
+        """(files, bytes) of the dataset at this version; while it is provisional, of what is listed so far."""
+        if isinstance(self.manifests, ProvisionalTree):
+            return self.manifests.listed_size()
+        info = self.record.manifest(self.version)
+        return (info.files, info.bytes) if info else (0, 0)
 
     def settle(self, record: DatasetRecord, manifests: ManifestReader) -> None:
         """The first manifest is committed: read it from now on (readers holding entries keep them: the bytes

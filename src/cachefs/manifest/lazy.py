@@ -95,6 +95,10 @@ class ProvisionalTree:
                     yield e
             stack.extend(reversed(subdirs))
 
+    def listed_size(self) -> tuple[int, int]:
+        """(files, bytes) in the directories listed so far."""
+        return self._writer.files, self._writer.bytes
+
     def drop(self) -> None:
         """Forget the provisional entries (the full manifest replaced them)."""
         self.store.drop(self.ref.id, self.version)
