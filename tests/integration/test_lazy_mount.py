@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -104,6 +105,19 @@ def test_a_mount_serves_its_tree_before_the_first_listing_ends_then_the_manifest
         assert not os.path.exists(m.path(missing)) and not os.path.exists(m.path("nosuchdir/x"))
         with pytest.raises(NotADirectoryError):
             os.listdir(m.path(bucket.key(5)))
+
+        # A daemon killed while the first listing runs: the next one lists again as it is read, and the inodes the
+        # kernel holds still name the same files.
+        held_open = open(m.path(bucket.key(12_345)), "rb")  # noqa: SIM115 - open across the restart
+        daemon = m.wait_for_daemon()
+        os.kill(daemon["pid"], signal.SIGKILL)
+        m.wait_for_daemon(other_than=daemon["pid"])
+        i = 12_345
+        assert held_open.read() == content(i, 0, SyntheticBucket.size(i))
+        held_open.close()
+        assert sorted(os.listdir(m.path(some_dir))) == names
+        _check(m.path(bucket.key(54_321)), bucket.key(54_321))
+        assert _datasets(cache, env) == []  # (still held)
 
         _server(synthetic, "release")
         deadline = time.monotonic() + 120
