@@ -146,19 +146,21 @@ def safely(update: Callable[[], object]) -> None:
             _log.warning("metrics not recorded: %s", exc)
 
 
-def _forget_at_exit() -> None:
+def _forget_at_exit(directory: str) -> None:
     from prometheus_client import multiprocess as mp
 
     from cachefs.base.metrics_files import process_identity
 
     try:
-        mp.mark_process_dead(process_identity())  # its live gauges go; its counters keep counting in the sums
+        # Its live gauges go; its counters keep counting in the sums. (The directory as it was at start: a program
+        # that embeds cachefs may have dropped the variable from its environment since.)
+        mp.mark_process_dead(process_identity(), directory)
     except OSError:
         pass
 
 
 if multiprocess():
-    atexit.register(_forget_at_exit)
+    atexit.register(_forget_at_exit, os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
 
 def result_of(exc: BaseException | None) -> str:
