@@ -5,6 +5,7 @@ background."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,13 +14,15 @@ from cachefs.base.config import Config
 from cachefs.base.types import DatasetRef, Entry
 from cachefs.index import DatasetRecord, Index
 from cachefs.manifest.builder import take_snapshot
-from cachefs.manifest.dataset import Dataset
-from cachefs.manifest.lazy import ProvisionalTree, settle_when_listed
+from cachefs.manifest.dataset import Dataset, ManifestReader
+from cachefs.manifest.lazy import ProvisionalTree
 from cachefs.manifest.shipping import ReceivedListing
 from cachefs.manifest.store import ManifestStore
 from cachefs.sources import Source, open_origin
 
-__all__ = ["FirstManifests"]
+__all__ = ["FirstManifests", "settle_when_listed"]
+
+log = logging.getLogger(__name__)
 
 
 Shipped = Callable[[DatasetRef], Awaitable[list[Entry] | None]]
@@ -74,3 +77,27 @@ class FirstManifests:
     def background(self) -> list[asyncio.Future]:
         """The listings under way behind provisional datasets (to cancel at shutdown)."""
         return list(self._background)
+
+
+#: Seconds the provisional entries stay after the dataset settled: a lookup that began before reads them still.
+SETTLE_GRACE = 5.0
+
+
+async def settle_when_listed(ds: Dataset, tree: ProvisionalTree, listing: Awaitable[DatasetRecord],
+                             manifests: ManifestReader) -> None:
+    """Wait for ``listing`` (the first manifest of ``ds``), then let ``ds`` read it and drop ``tree``'s entries.
+    A listing that fails leaves ``ds`` on its provisional tree (logged)."""
+    try:
+        record = await listing
+    except asyncio.CancelledError:
+        tree.drop()
+        raise
+    except Exception as exc:  # noqa: BLE001 - the mount serves on from its provisional tree
+        log.error("%s: the first listing failed (%s); directories are listed as they are read until the dataset "
+                  "is opened again", ds.ref.url, exc)
+        return
+    ds.settle(record, manifests)
+    log.info("%s: manifest v%d taken; %d directories were listed on demand meanwhile", ds.ref.url, ds.version,
+             tree.lists)
+    await asyncio.sleep(SETTLE_GRACE)
+    tree.drop()

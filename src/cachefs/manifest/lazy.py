@@ -4,8 +4,8 @@ Each directory is listed from the origin the first time a reader asks for it (on
 page of it), written into the index under a *provisional* manifest version of this process, and answered from
 there from then on; a path looked up in a directory not listed yet costs a HEAD (a file) or the listing of its
 directory (a subdirectory, or a name that is not there). Meanwhile the full manifest is taken in the background as
-always; once it is committed the dataset reads it instead (:meth:`~cachefs.manifest.dataset.Dataset.settle`) and
-the provisional entries are dropped. docs/SEMANTICS.md says what a reader sees in between.
+always; once it is committed the dataset reads it instead (:mod:`cachefs.manifest.first`) and the provisional
+entries are dropped. docs/SEMANTICS.md says what a reader sees in between.
 
 The origin is asked from the thread that wants the answer (a FUSE request thread), never from the event loop,
 whose work must not wait on a listing: there, a directory not listed yet reads as empty (read-ahead plans with
@@ -15,23 +15,16 @@ what is known) and a path in one as not found.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-from collections.abc import Awaitable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 from cachefs.base.errors import BucketNotFoundError, ObjectNotFoundError, bucket_of
 from cachefs.base.types import DatasetRef, Entry
-from cachefs.index import DatasetRecord, Index
+from cachefs.index import Index
 from cachefs.manifest.store import ManifestStore, ManifestWriter
 from cachefs.sources import Source
 
-if TYPE_CHECKING:
-    from cachefs.manifest.dataset import Dataset, ManifestReader
-
-__all__ = ["PROVISIONAL", "ProvisionalTree", "is_provisional", "settle_when_listed"]
-
-log = logging.getLogger(__name__)
+__all__ = ["PROVISIONAL", "ProvisionalTree", "is_provisional"]
 
 #: Provisional manifest versions are this bit plus the process id: apart from committed versions (which count up
 #: from 1) and from other processes' provisional trees.
@@ -150,26 +143,3 @@ class ProvisionalTree:
         self._writer.add(batch)
         self._listed.add(path)
 
-
-#: Seconds the provisional entries stay after the dataset settled: a lookup that began before reads them still.
-SETTLE_GRACE = 5.0
-
-
-async def settle_when_listed(ds: Dataset, tree: ProvisionalTree, listing: Awaitable[DatasetRecord],
-                             manifests: ManifestReader) -> None:
-    """Wait for ``listing`` (the first manifest of ``ds``), then let ``ds`` read it and drop ``tree``'s entries.
-    A listing that fails leaves ``ds`` on its provisional tree (logged)."""
-    try:
-        record = await listing
-    except asyncio.CancelledError:
-        tree.drop()
-        raise
-    except Exception as exc:  # noqa: BLE001 - the mount serves on from its provisional tree
-        log.error("%s: the first listing failed (%s); directories are listed as they are read until the dataset "
-                  "is opened again", ds.ref.url, exc)
-        return
-    ds.settle(record, manifests)
-    log.info("%s: manifest v%d taken; %d directories were listed on demand meanwhile", ds.ref.url, ds.version,
-             tree.lists)
-    await asyncio.sleep(SETTLE_GRACE)
-    tree.drop()
