@@ -8,8 +8,9 @@ one reader and N reader processes read the first ``--read`` files of a seeded sh
 (20,000 files of 4–64 KiB in 100 directories, as bench/small_files_bench.py).
 
 Printed per row: files/s (median of ``--rounds`` interleaved rounds, a fresh cache each) and the GETs the server
-answered per file read, for cachefs and rclone, and the yardstick a reader without read-ahead cannot beat: one
-file per round trip (the median time of one bare GET, measured in the same run, one at a time).
+answered per file read, for cachefs and rclone, and two yardsticks measured in the same run: one file per round trip
+(the median time of one bare GET, one at a time: what a reader without read-ahead cannot beat) and the whole dataset
+by bare GETs, 128 in flight (the most this server and machine give any client).
 
     python -m bench.cold_reader_bench                  # both origins
     python -m bench.cold_reader_bench --origins fast   # loopback only
@@ -29,7 +30,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.fuse_bench import cachefs_mount, parallel_read, rclone_mount, split
-from bench.read_bench import NS, NS_IP, drop_caches, make_link, teardown_link
+from bench.read_bench import NS, NS_IP, drop_caches, make_link, server_ceiling, teardown_link
 
 
 def main() -> None:
@@ -72,6 +73,11 @@ def run_origin(args, origin: str, systems: list[str]) -> None:
         print(f"# origin {origin}: moto S3 {where}; {args.files} files ({nbytes / 2**20:.0f} MiB), each pass reads "
               f"{len(picked)} in a seeded random order; {os.cpu_count()} CPUs")
         print(f"  one bare GET at a time: {rtt * 1000:.2f} ms = {1 / rtt:.0f} files/s (one file per round trip)")
+        ceiling = server_ceiling(server.endpoint, [f"small/{n}" for n in names])
+        print(f"  every object by bare GETs, 128 in flight, nothing stored: {ceiling:.1f} s = "
+              f"{len(names) / ceiling:,.0f} files/s, {nbytes / ceiling / 1e6:.0f} MB/s (the most this server and "
+              f"machine give any client; a reader whose read-ahead fetched the whole dataset first could read "
+              f"{len(picked)} files in that time at best: {len(picked) / ceiling:,.0f} files/s)")
         for n in (1, args.readers):
             results: dict[str, list[tuple[float, float]]] = {s: [] for s in systems}
             for r in range(args.rounds):

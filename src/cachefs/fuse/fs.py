@@ -53,7 +53,7 @@ class BackingFiles(Protocol):
     def close(self, backing_id: int) -> None: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     path: str
     entry: Entry
@@ -70,7 +70,7 @@ class Node:
     reads: Handle | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Handle:
     node: Node
     passthrough: bool = False
@@ -105,7 +105,6 @@ class CacheFS:
         info = ds.record.manifest(ds.version)
         root = Entry("", 0, "", info.created if info else 0.0, is_dir=True)
         self._nodes: dict[int, Node] = {ROOT: Node("", root, lookups=1, ino=ROOT)}
-        self._by_path: dict[str, int] = {"": ROOT}
         self._restored: dict[int, str] = {}  # ino → path the previous daemon handed out, not yet looked at
         self._handles: dict[int, Handle] = {}
         self._idle: OrderedDict[int, Node] = OrderedDict()  # small files with a backing id and no open file
@@ -138,7 +137,6 @@ class CacheFS:
             n = self._nodes.get(ino)
             if n is None:
                 n = self._nodes[ino] = Node(path, entry, ino=ino)
-                self._by_path[path] = ino
             self._restored.pop(ino, None)
         return n
 
@@ -169,20 +167,32 @@ class CacheFS:
         READDIRPLUS uses it directly, saving the manifest lookup per child."""
         path = entry.path
         with self._lock:
-            ino = self._by_path.get(path)
-            if ino is None:
-                ino = path_ino(path)
-                while ino in self._nodes or self._restored.get(ino, path) != path:
-                    ino += 1
+            ino, n = self._find(path)
+            if n is None:
                 # An inode the previous daemon handed out may have cached pages and reads in flight.
                 fresh = ino not in self._restored
                 self._restored.pop(ino, None)
-                self._nodes[ino] = Node(path, entry, ino=ino, unopened=fresh)
-                self._by_path[path] = ino
+                n = self._nodes[ino] = Node(path, entry, ino=ino, unopened=fresh)
                 if self.journal is not None:
                     self.journal.inode(ino, path)
-            self._nodes[ino].lookups += 1
+            n.lookups += 1
         return ino
+
+    def _find(self, path: str) -> tuple[int, Node | None]:
+        """``path``'s inode and node, or the inode it gets and None: the first number from :func:`path_ino` on that
+        is its own or free (no table from paths to inodes: a dataset walked whole would hold one entry per file).
+        Call with the lock held."""
+        if path == "":
+            return ROOT, self._nodes[ROOT]
+        ino = path_ino(path)
+        while True:
+            n = self._nodes.get(ino)
+            if n is not None:
+                if n.path == path:
+                    return ino, n
+            elif self._restored.get(ino, path) == path:
+                return ino, None
+            ino += 1
 
     def forget(self, ino: int, nlookup: int) -> None:
         if ino == ROOT:
@@ -195,7 +205,6 @@ class CacheFS:
             if n.lookups > 0 or n.opens:
                 return
             del self._nodes[ino]
-            self._by_path.pop(n.path, None)
             self._idle.pop(ino, None)
             if self.journal is not None:
                 self.journal.forget(ino)
