@@ -108,7 +108,7 @@ def test_a_mount_serves_its_tree_before_the_first_listing_ends_then_the_manifest
 
         # A daemon killed while the first listing runs: the next one lists again as it is read, and the inodes the
         # kernel holds still name the same files.
-        held_open = open(m.path(bucket.key(12_345)), "rb")  # noqa: SIM115 - open across the restart
+        held_open = open(m.path(bucket.key(12_345)), "rb")  # (open across the restart)
         daemon = m.wait_for_daemon()
         os.kill(daemon["pid"], signal.SIGKILL)
         m.wait_for_daemon(other_than=daemon["pid"])
