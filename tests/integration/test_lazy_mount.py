@@ -134,6 +134,17 @@ def test_a_mount_serves_its_tree_before_the_first_listing_ends_then_the_manifest
             journal_version = _served_version(cache, mnt)
             time.sleep(0.1)
 
+        # The provisional entries go once the dataset settled: the killed daemon's too (its lock is free).
+        from cachefs.base.types import DatasetRef
+        from cachefs.index import Index
+        from cachefs.manifest import ManifestStore
+
+        store, ds_id = ManifestStore(Index(cache)), DatasetRef.from_url("s3://synthetic").id
+        deadline = time.monotonic() + 60
+        while (versions := store.versions(ds_id)) != [1]:
+            assert time.monotonic() < deadline, versions
+            time.sleep(0.2)
+
         walked = 0
         for d, _, files in os.walk(mnt):  # what ImageFolder does: every directory, a stat of every file
             for name in files:

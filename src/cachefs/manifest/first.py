@@ -72,6 +72,13 @@ class FirstManifests:
         task = asyncio.ensure_future(settle_when_listed(ds, tree, listing, self.manifests))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+        def forget_if_cancelled(t: asyncio.Future) -> None:
+            if t.cancelled():  # (maybe before it ran: the process stops serving the tree, and its entries go with it)
+                listing.close()
+                tree.drop()
+
+        task.add_done_callback(forget_if_cancelled)
         return ds
 
     def background(self) -> list[asyncio.Future]:
@@ -89,9 +96,6 @@ async def settle_when_listed(ds: Dataset, tree: ProvisionalTree, listing: Awaita
     A listing that fails leaves ``ds`` on its provisional tree (logged)."""
     try:
         record = await listing
-    except asyncio.CancelledError:
-        tree.drop()
-        raise
     except Exception as exc:  # noqa: BLE001 - the mount serves on from its provisional tree
         log.error("%s: the first listing failed (%s); directories are listed as they are read until the dataset "
                   "is opened again", ds.ref.url, exc)

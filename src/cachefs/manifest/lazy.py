@@ -15,7 +15,10 @@ what is known) and a path in one as not found.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
+import secrets
 from collections.abc import Iterator
 
 from cachefs.base.errors import BucketNotFoundError, ObjectNotFoundError, bucket_of
@@ -26,8 +29,8 @@ from cachefs.sources import Source
 
 __all__ = ["PROVISIONAL", "ProvisionalTree", "is_provisional"]
 
-#: Provisional manifest versions are this bit plus the process id: apart from committed versions (which count up
-#: from 1) and from other processes' provisional trees.
+#: Provisional manifest versions are this bit plus 31 random ones: apart from committed versions (which count up
+#: from 1) and from other processes' provisional trees (each holds a lock file while it lives).
 PROVISIONAL = 0x8000_0000
 
 
@@ -42,8 +45,15 @@ class ProvisionalTree:
     def __init__(self, index: Index, source: Source, ref: DatasetRef, loop: asyncio.AbstractEventLoop) -> None:
         self.store = ManifestStore(index)
         self.source, self.ref, self.loop = source, ref, loop
-        self.version = PROVISIONAL | (os.getpid() & 0x7FFF_FFFF)
-        self.store.drop(ref.id, self.version)  # an earlier process with this pid may have left some
+        self._locks = os.path.join(os.path.dirname(index.path), "locks")
+        os.makedirs(self._locks, mode=0o700, exist_ok=True)
+        taken = set(self.store.versions(ref.id))
+        while True:  # a number no other tree of this dataset has (processes may share a pid across namespaces)
+            self.version = PROVISIONAL | secrets.randbits(31)
+            # Held while this tree lives: whoever finds it free may drop the entries of a process that died.
+            self._held = _Held(self._lock_path(self.version), wait=False)
+            if self.version not in taken and self._held.acquire():
+                break
         self._writer = ManifestWriter(index, ref.id, self.version)
         self._listed: set[str] = set()
         self._listing: dict[str, asyncio.Future] = {}  # directory → its listing under way
@@ -93,8 +103,18 @@ class ProvisionalTree:
         return self._writer.files, self._writer.bytes
 
     def drop(self) -> None:
-        """Forget the provisional entries (the full manifest replaced them)."""
+        """Forget the provisional entries (the full manifest replaced them), and those of processes that died
+        before their dataset settled (their lock is free: a process in any pid namespace holds its own)."""
         self.store.drop(self.ref.id, self.version)
+        for version in self.store.versions(self.ref.id):
+            if is_provisional(version) and version != self.version:
+                with _Held(self._lock_path(version), wait=False) as free:
+                    if free:
+                        self.store.drop(self.ref.id, version)
+        self._held.release()
+
+    def _lock_path(self, version: int) -> str:
+        return os.path.join(self._locks, f"{self.ref.id}.{version:08x}.provisional")
 
     # -- asking the origin ----------------------------------------------------------------------------------
     def _on_loop(self) -> bool:
@@ -143,3 +163,35 @@ class ProvisionalTree:
         self._writer.add(batch)
         self._listed.add(path)
 
+
+
+class _Held:
+    """An exclusive flock on a file of its own: ``with`` it, whether it was free (``wait`` False); or
+    :meth:`acquire` / :meth:`release`."""
+
+    def __init__(self, path: str, *, wait: bool) -> None:
+        self.path, self.wait = path, wait
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -108,6 +108,25 @@ class ManifestStore:
                     yield e
             stack.extend(reversed(subdirs))
 
+    def versions(self, ds_id: str) -> list[int]:
+        """The manifest versions of ``ds_id`` that have entries in the index (committed, half-written or
+        provisional), one cursor seek per version."""
+        start = ds_id.encode()
+        found = []
+        with self._env.begin(buffers=True) as txn:
+            cur = txn.cursor(db=self._db)
+            key = start
+            while cur.set_range(key):
+                k = bytes(cur.key())
+                if not k.startswith(start) or len(k) < len(start) + 4:
+                    break
+                version = int.from_bytes(k[len(start):len(start) + 4], "big")
+                found.append(version)
+                if version == 0xFFFF_FFFF:
+                    break
+                key = _prefix(ds_id, version + 1)
+        return found
+
     def drop(self, ds_id: str, version: int) -> None:
         """Delete every entry of one manifest version (also used to clear a half-written one)."""
         pfx = _prefix(ds_id, version)
