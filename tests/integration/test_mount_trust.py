@@ -244,6 +244,10 @@ def test_refreshes_never_drop_the_manifest_a_live_mount_serves(s3, tmp_path):
     try:
         with open(m.path("f.txt"), "rb") as f:
             assert f.read() == b"version one"
+        deadline = time.monotonic() + 60  # the mount's own first manifest is taken before the object changes
+        while not json.loads(cli("status", "--cache-dir", cache, "--json").stdout)["datasets"]:
+            assert time.monotonic() < deadline, "the mount's first listing never finished"
+            time.sleep(0.1)
         for i in range(4):
             client.put_object(Bucket=bucket, Key="pin/f.txt", Body=f"version {i + 2}".encode())
             assert cli("refresh", url, "--cache-dir", cache).returncode == 0

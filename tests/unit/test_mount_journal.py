@@ -110,3 +110,19 @@ def test_compaction_is_amortised_when_the_live_state_is_large(tmp_path, monkeypa
     j.close()
     assert rewrites <= 20  # doubling, not a rewrite per append
     assert len(journal_mod.replay(str(tmp_path / "j")).inodes) == 20_000
+
+
+def test_versions_shown_from_a_provisional_tree_survive_replay_and_compaction_and_go_with_a_forget(tmp_path):
+    path = str(tmp_path / "j")
+    j = MountJournal.start(path)
+    j.inode(10, "a/x.bin", "etag-1")  # handed out while the first listing ran
+    j.inode(11, "a/y.bin")  # handed out from a manifest
+    j.inode(12, "a/z.bin", "etag-3")
+    j.forget(12)
+    j.inode(13, "b")
+    j.close()
+    s = replay(path)
+    assert s.versions == {10: "etag-1"} and s.inodes == {10: "a/x.bin", 11: "a/y.bin", 13: "b"}
+    resumed = MountJournal.resume(path)  # (rewrites the file from the live state)
+    resumed.close()
+    assert replay(path).versions == {10: "etag-1"}

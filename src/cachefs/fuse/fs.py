@@ -133,6 +133,11 @@ class CacheFS:
         if path is None:
             raise OSError(errno.ESTALE, f"inode {ino} is not known")
         entry = self.ds.stat(path)
+        shown = self.journal.state.versions.get(ino) if self.journal is not None else None
+        if shown and shown != entry.version:
+            # Handed out while the first listing ran, and the manifest taken since names another version: its
+            # pages in the kernel are of the version shown, so never serve it the other one (never a mix).
+            raise OSError(errno.ESTALE, f"{path}: changed at the origin while the dataset was first listed")
         with self._lock:
             n = self._nodes.get(ino)
             if n is None:
@@ -174,7 +179,7 @@ class CacheFS:
                 self._restored.pop(ino, None)
                 n = self._nodes[ino] = Node(path, entry, ino=ino, unopened=fresh)
                 if self.journal is not None:
-                    self.journal.inode(ino, path)
+                    self.journal.inode(ino, path, entry.version if self.ds.provisional else "")
             n.lookups += 1
         return ino
 

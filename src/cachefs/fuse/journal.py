@@ -45,6 +45,9 @@ class JournalState:
     init: dict | None = None  # {"mode": "passthrough"|"userspace", "flags": int, "manifest_version": int}
     generation: int = 0  # how many daemons served this mount before
     inodes: dict[int, str] = field(default_factory=dict)  # ino → path
+    #: ino → the version (ETag) the kernel was shown, for inodes handed out from a provisional tree: the manifest a
+    #: next daemon opens may name another version of that path (the object changed during the first listing).
+    versions: dict[int, str] = field(default_factory=dict)
     backing: dict[int, int] = field(default_factory=dict)  # ino → backing id registered with the kernel
     opens_skipped: bool = False  # OPEN was answered ENOSYS: the kernel sends no more OPEN or RELEASE
 
@@ -95,12 +98,20 @@ class MountJournal:
         self.state.opens_skipped = True
         self._append(_line(["noopen"]))
 
-    def inode(self, ino: int, path: str) -> None:
-        if self.state.inodes.get(ino) != path:
+    def inode(self, ino: int, path: str, version: str = "") -> None:
+        """The kernel holds ``ino`` for ``path`` (``version``: the object version it was shown, where a next
+        daemon's manifest might name another)."""
+        if self.state.inodes.get(ino) != path or self.state.versions.get(ino, "") != version:
             self.state.inodes[ino] = path
-            self._append(b'["i",%d,%s]\n' % (ino, encode_basestring_ascii(path).encode()))
+            if version:
+                self.state.versions[ino] = version
+                self._append(_line(["i", ino, path, version]))
+            else:
+                self.state.versions.pop(ino, None)
+                self._append(b'["i",%d,%s]\n' % (ino, encode_basestring_ascii(path).encode()))
 
     def forget(self, ino: int) -> None:
+        self.state.versions.pop(ino, None)
         if self.state.inodes.pop(ino, None) is not None:
             with self._lock:
                 self._forgotten.append(ino)
@@ -175,7 +186,7 @@ class MountJournal:
             lines.append(["init", s.init])
         if s.opens_skipped:
             lines.append(["noopen"])
-        lines += [["i", ino, p] for ino, p in s.inodes.items()]
+        lines += [["i", ino, p, s.versions[ino]] if ino in s.versions else ["i", ino, p] for ino, p in s.inodes.items()]
         lines += [["b", ino, b] for ino, b in s.backing.items()]
         data = b"".join(_line(rec) for rec in lines)
         self._forgotten.clear()  # (the state no longer holds them)
@@ -222,8 +233,13 @@ def replay(path: str) -> JournalState:
             s.opens_skipped = True
         elif kind == "i":
             s.inodes[int(rec[1])] = rec[2]
+            if len(rec) > 3:
+                s.versions[int(rec[1])] = rec[3]
+            else:
+                s.versions.pop(int(rec[1]), None)
         elif kind == "f":
             s.inodes.pop(int(rec[1]), None)
+            s.versions.pop(int(rec[1]), None)
         elif kind == "b":
             s.backing[int(rec[1])] = int(rec[2])
         elif kind == "c":
