@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import os
 import secrets
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 from cachefs.base.errors import BucketNotFoundError, ObjectNotFoundError, bucket_of
 from cachefs.base.types import DatasetRef, Entry
 from cachefs.index import Index
-from cachefs.manifest.store import ManifestStore, ManifestWriter
+from cachefs.manifest.store import ManifestStore, ManifestWriter, walk_files
 from cachefs.sources import Source
 
 __all__ = ["PROVISIONAL", "ProvisionalTree", "is_provisional"]
@@ -48,17 +49,16 @@ class ProvisionalTree:
         self._locks = os.path.join(os.path.dirname(index.path), "locks")
         os.makedirs(self._locks, mode=0o700, exist_ok=True)
         taken = set(self.store.versions(ref.id))
-        while True:  # a number no other tree of this dataset has (processes may share a pid across namespaces)
+        held = None
+        while held is None:  # a number no other tree of this dataset has (processes may share a pid across namespaces)
             self.version = PROVISIONAL | secrets.randbits(31)
             # Held while this tree lives: whoever finds it free may drop the entries of a process that died.
-            self._held = _Held(self._lock_path(self.version), wait=False)
-            if self.version not in taken and self._held.acquire():
-                break
+            held = None if self.version in taken else _take_lock(self._lock_path(self.version))
+        self._held: int | None = held
         self._writer = ManifestWriter(index, ref.id, self.version)
         self._listed: set[str] = set()
         self._listing: dict[str, asyncio.Future] = {}  # directory → its listing under way
-        #: Directories listed and HEADs sent (what ``cachefs status`` and the tests read).
-        self.lists = self.heads = 0
+        self.lists = 0  # directories listed from the origin (the log says how many when the dataset settles)
 
     async def probe(self) -> None:
         """List the root: the dataset exists and is readable (credentials, bucket, a prefix with objects)."""
@@ -68,9 +68,7 @@ class ProvisionalTree:
 
     # -- what a reader asks ---------------------------------------------------------------------------------
     def lookup(self, ds_id: str, version: int, path: str) -> Entry:
-        if path == "":
-            return Entry("", 0, "", 0.0, True)
-        parent = path.rpartition("/")[0]
+        parent = path.rpartition("/")[0]  # (the root's is itself: listed by probe)
         if parent in self._listed:
             return self.store.lookup(ds_id, version, path)
         if self._on_loop():
@@ -87,16 +85,7 @@ class ProvisionalTree:
         return self.store.listdir(ds_id, version, path)
 
     def walk_files(self, ds_id: str, version: int, path: str = "") -> Iterator[Entry]:
-        stack = [path]
-        while stack:
-            d = stack.pop()
-            subdirs = []
-            for e in self.listdir(ds_id, version, d):
-                if e.is_dir:
-                    subdirs.append(e.path)
-                else:
-                    yield e
-            stack.extend(reversed(subdirs))
+        return walk_files(functools.partial(self.listdir, ds_id, version), path)
 
     def listed_size(self) -> tuple[int, int]:
         """(files, bytes) in the directories listed so far."""
@@ -108,10 +97,13 @@ class ProvisionalTree:
         self.store.drop(self.ref.id, self.version)
         for version in self.store.versions(self.ref.id):
             if is_provisional(version) and version != self.version:
-                with _Held(self._lock_path(version), wait=False) as free:
-                    if free:
-                        self.store.drop(self.ref.id, version)
-        self._held.release()
+                dead = _take_lock(self._lock_path(version))
+                if dead is not None:
+                    self.store.drop(self.ref.id, version)
+                    _let_go(dead, self._lock_path(version))
+        if self._held is not None:
+            _let_go(self._held, self._lock_path(self.version))
+            self._held = None
 
     def _lock_path(self, version: int) -> str:
         return os.path.join(self._locks, f"{self.ref.id}.{version:08x}.provisional")
@@ -129,7 +121,6 @@ class ProvisionalTree:
     async def _lookup(self, path: str) -> Entry:
         parent = path.rpartition("/")[0]
         if parent not in self._listed:
-            self.heads += 1
             try:
                 got = await self.source.stat(self.ref.object_url(path))
                 return Entry(path, got.size, got.version, got.mtime)
@@ -165,33 +156,19 @@ class ProvisionalTree:
 
 
 
-class _Held:
-    """An exclusive flock on a file of its own: ``with`` it, whether it was free (``wait`` False); or
-    :meth:`acquire` / :meth:`release`."""
 
-    def __init__(self, path: str, *, wait: bool) -> None:
-        self.path, self.wait = path, wait
-        self._fd: int | None = None
+def _take_lock(path: str) -> int | None:
+    """An exclusive flock on ``path`` (made if need be): its descriptor, or None if a live process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
-    def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._fd = fd
-        return True
 
-    def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+def _let_go(fd: int, path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.close(fd)

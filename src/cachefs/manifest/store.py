@@ -9,15 +9,16 @@ processes can open a multi-million-entry manifest at once.
 
 from __future__ import annotations
 
+import functools
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from cachefs.base.errors import ObjectNotFoundError
 from cachefs.base.types import Entry
 from cachefs.index import Index
 
-__all__ = ["ManifestStore", "ManifestWriter", "valid_relpath"]
+__all__ = ["ManifestStore", "ManifestWriter", "valid_relpath", "walk_files"]
 
 _ENTRY = struct.Struct("<BQd")
 _FILE, _DIR = 0, 1
@@ -61,6 +62,20 @@ def valid_relpath(path: str) -> str | None:
     return None
 
 
+def walk_files(listdir: Callable[[str], Iterable[Entry]], path: str = "") -> Iterator[Entry]:
+    """Every file under ``path`` of the tree ``listdir(directory)`` lists, depth first, in name order."""
+    stack = [path]
+    while stack:
+        d = stack.pop()
+        subdirs = []
+        for e in listdir(d):
+            if e.is_dir:
+                subdirs.append(e.path)
+            else:
+                yield e
+        stack.extend(reversed(subdirs))
+
+
 class ManifestStore:
     """Read access to the manifests of all datasets on the node."""
 
@@ -97,16 +112,7 @@ class ManifestStore:
 
     def walk_files(self, ds_id: str, version: int, path: str = "") -> Iterator[Entry]:
         """Every file under ``path``, depth first, in name order."""
-        stack = [path]
-        while stack:
-            d = stack.pop()
-            subdirs = []
-            for e in self.listdir(ds_id, version, d):
-                if e.is_dir:
-                    subdirs.append(e.path)
-                else:
-                    yield e
-            stack.extend(reversed(subdirs))
+        return walk_files(functools.partial(self.listdir, ds_id, version), path)
 
     def versions(self, ds_id: str) -> list[int]:
         """The manifest versions of ``ds_id`` that have entries in the index (committed, half-written or
