@@ -5,13 +5,11 @@ status`` and the node's metrics. A record of a process that is gone is ignored (
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import time
 
-from cachefs.base.files import atomic_write
-from cachefs.index.mounts import process_alive
+from cachefs.index.mounts import process_alive, write_record
 
 __all__ = ["ListingProgress", "listings_under_way"]
 
@@ -35,13 +33,8 @@ class ListingProgress:
         if now - self._written < self.every:
             return
         self._written = now
-        record = {"url": self.url, "pid": os.getpid(), "started": self.started, "updated": time.time(),
-                  "files": files, "bytes": nbytes}
-        try:
-            atomic_write(self.path, json.dumps(record), dir_mode=0o700)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise  # (a full cache disk skips the record: the listing goes on)
+        write_record(self.path, {"url": self.url, "pid": os.getpid(), "started": self.started, "updated": time.time(),
+                                 "files": files, "bytes": nbytes})  # (a full cache disk skips it: the listing goes on)
 
     def done(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -22,7 +22,7 @@ import time
 from cachefs.base.files import atomic_write
 
 __all__ = ["forget_holder", "forget_mount", "holder_state", "list_mounts", "mount_file", "process_alive",
-           "record_holder", "record_mount"]
+           "record_holder", "record_mount", "write_record"]
 
 log = logging.getLogger("cachefs.fuse")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -43,15 +43,16 @@ def mount_record_path(cache_dir: str, mountpoint: str) -> str:
     return mount_file(cache_dir, mountpoint, ".json")
 
 
-def _write_json(path: str, obj: dict) -> bool:
-    """Replace ``path`` with ``obj`` (temp file, rename); False if the disk had no room (nothing changes)."""
+def write_record(path: str, obj: dict) -> bool:
+    """Replace ``path`` with ``obj`` as JSON (temp file, rename); False if the disk had no room (nothing changes):
+    a record of the cache disk never stops the process writing it."""
     try:
         atomic_write(path, json.dumps(obj), dir_mode=0o700)
         return True
     except OSError as exc:
         if exc.errno not in _FULL:
             raise
-        log.debug("mount record %s not written: %s", path, exc.strerror)
+        log.debug("record %s not written: %s", path, exc.strerror)
         return False
 
 
@@ -60,7 +61,7 @@ def record_mount(cache_dir: str, mountpoint: str, url: str, mode: str, stats: di
     """The serving daemon's record. ``mode``: passthrough or userspace; ``opens_skipped``: the kernel opens
     files without asking; ``mirror_problem``: why the dataset's packed mirror cannot be used. False if the disk
     had no room for it."""
-    return _write_json(mount_record_path(cache_dir, mountpoint), {
+    return write_record(mount_record_path(cache_dir, mountpoint), {
         "mountpoint": os.path.abspath(mountpoint), "url": url, "pid": os.getpid(), "mode": mode,
         "opens_skipped": opens_skipped, "stats": stats or {}, "mirror_problem": mirror_problem})
 
@@ -74,7 +75,7 @@ def forget_mount(cache_dir: str, mountpoint: str) -> None:
 
 def record_holder(cache_dir: str, mountpoint: str, url: str, state: str, reason: str = "") -> bool:
     """The holder's record: ``state`` is starting, serving or failing (``reason`` says why)."""
-    return _write_json(mount_file(cache_dir, mountpoint, ".holder.json"), {
+    return write_record(mount_file(cache_dir, mountpoint, ".holder.json"), {
         "mountpoint": os.path.abspath(mountpoint), "url": url, "holder_pid": os.getpid(), "state": state,
         "reason": reason, "since": time.time()})
 
@@ -90,7 +91,7 @@ def forget_holder(cache_dir: str, mountpoint: str) -> None:
 def record_pin(cache_dir: str, mountpoint: str, url: str, version: int, holder_pid: int) -> bool:
     """The manifest version a mount serves, for as long as its holder lives: ``cachefs refresh`` keeps it (a
     restarted daemon must find it). False if the disk had no room for the record."""
-    return _write_json(mount_file(cache_dir, mountpoint, ".pin.json"),
+    return write_record(mount_file(cache_dir, mountpoint, ".pin.json"),
                        {"mountpoint": os.path.abspath(mountpoint), "url": url, "version": version,
                         "holder_pid": holder_pid})
 
