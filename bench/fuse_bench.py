@@ -411,14 +411,14 @@ def run(args, server, work: str) -> None:
               f"= {mine / theirs:.1f}×")
 
 
-def rclone_mount(endpoint: str, mnt: str, cache: str, creds: dict, work: str) -> Mount:
+def rclone_mount(endpoint: str, mnt: str, cache: str, creds: dict, work: str, bucket: str = "bench") -> Mount:
     # rclone refuses a custom CA bundle on a plain-HTTP endpoint: leave this machine's AWS_CA_BUNDLE out.
     env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
     env |= {"RCLONE_CONFIG_B_TYPE": "s3", "RCLONE_CONFIG_B_PROVIDER": "Other",
            "RCLONE_CONFIG_B_ACCESS_KEY_ID": creds["AWS_ACCESS_KEY_ID"],
            "RCLONE_CONFIG_B_SECRET_ACCESS_KEY": creds["AWS_SECRET_ACCESS_KEY"],
            "RCLONE_CONFIG_B_ENDPOINT": endpoint, "RCLONE_CONFIG_B_REGION": creds["AWS_REGION"]}
-    return Mount(["rclone", "mount", "b:bench", mnt, "--vfs-cache-mode", "full", "--cache-dir", cache, "--read-only",
+    return Mount(["rclone", "mount", f"b:{bucket}", mnt, "--vfs-cache-mode", "full", "--cache-dir", cache, "--read-only",
                   "--config", "/dev/null"], mnt, env)
 
 

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from bench.fuse_bench import Mount
+from bench.fuse_bench import Mount, rclone_mount
 
 CLI = [sys.executable, "-m", "cachefs.cli.main"]
 CREDS = {"AWS_ACCESS_KEY_ID": "synthetic", "AWS_SECRET_ACCESS_KEY": "synthetic", "AWS_REGION": "us-east-1"}
@@ -140,13 +140,7 @@ def _mount(system: str, server: SyntheticServer, mnt: str, cache: str) -> tuple[
     os.makedirs(mnt, exist_ok=True)
     if system == "cachefs":
         return Mount([*CLI, "mount", "s3://synthetic", mnt, "--foreground", "--cache-dir", cache], mnt), mnt
-    env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
-    env |= {"RCLONE_CONFIG_B_TYPE": "s3", "RCLONE_CONFIG_B_PROVIDER": "Other",
-            "RCLONE_CONFIG_B_ACCESS_KEY_ID": CREDS["AWS_ACCESS_KEY_ID"],
-            "RCLONE_CONFIG_B_SECRET_ACCESS_KEY": CREDS["AWS_SECRET_ACCESS_KEY"],
-            "RCLONE_CONFIG_B_ENDPOINT": server.endpoint, "RCLONE_CONFIG_B_REGION": CREDS["AWS_REGION"]}
-    return Mount(["rclone", "mount", "b:synthetic", mnt, "--vfs-cache-mode", "full", "--cache-dir", cache,
-                  "--read-only", "--config", "/dev/null"], mnt, env), mnt
+    return rclone_mount(server.endpoint, mnt, cache, CREDS, os.path.dirname(mnt), bucket="synthetic"), mnt
 
 
 def measure(system: str, n: int, bucket, rng: random.Random, server: SyntheticServer, work: str, args) -> None:
