@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Callable
 from typing import BinaryIO
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "try_lock"]
 
 
 def atomic_write(path: str, data: bytes | str | Callable[[BinaryIO], object], *, fsync: bool = False,
@@ -42,3 +43,15 @@ def atomic_write(path: str, data: bytes | str | Callable[[BinaryIO], object], *,
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def try_lock(path: str) -> int | None:
+    """An exclusive ``flock`` on ``path`` (made if need be), held until its descriptor is closed: the descriptor,
+    or None if a live process holds it (in any pid namespace: the lock is the file's)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
 import os
 import secrets
 from collections.abc import Iterator
 
 from cachefs.base.errors import BucketNotFoundError, ObjectNotFoundError, bucket_of
+from cachefs.base.files import try_lock
 from cachefs.base.types import DatasetRef, Entry
 from cachefs.index import Index
 from cachefs.manifest.store import ManifestStore, ManifestWriter, walk_files
@@ -53,7 +53,7 @@ class ProvisionalTree:
         while held is None:  # a number no other tree of this dataset has (processes may share a pid across namespaces)
             self.version = PROVISIONAL | secrets.randbits(31)
             # Held while this tree lives: whoever finds it free may drop the entries of a process that died.
-            held = None if self.version in taken else _take_lock(self._lock_path(self.version))
+            held = None if self.version in taken else try_lock(self._lock_path(self.version))
         self._held: int | None = held
         self._writer = ManifestWriter(index, ref.id, self.version)
         self._listed: set[str] = set()
@@ -97,7 +97,7 @@ class ProvisionalTree:
         self.store.drop(self.ref.id, self.version)
         for version in self.store.versions(self.ref.id):
             if is_provisional(version) and version != self.version:
-                dead = _take_lock(self._lock_path(version))
+                dead = try_lock(self._lock_path(version))
                 if dead is not None:
                     self.store.drop(self.ref.id, version)
                     _let_go(dead, self._lock_path(version))
@@ -155,17 +155,6 @@ class ProvisionalTree:
         self._listed.add(path)
 
 
-
-
-def _take_lock(path: str) -> int | None:
-    """An exclusive flock on ``path`` (made if need be): its descriptor, or None if a live process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _let_go(fd: int, path: str) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -12,7 +11,7 @@ from typing import Any
 
 from cachefs.base.config import Config
 from cachefs.base.errors import ConfigError
-from cachefs.base.files import atomic_write
+from cachefs.base.files import atomic_write, try_lock
 from cachefs.base.types import canonical_url
 from cachefs.index.volumes import volumes_root
 from cachefs.write.services import NodeServices
@@ -23,13 +22,7 @@ __all__ = ["lock_volume", "open_volume"]
 
 def lock_volume(vdir: str) -> int | None:
     """Take the volume's owner lock (held for the process's life); None if another live process holds it."""
-    fd = os.open(os.path.join(vdir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return try_lock(os.path.join(vdir, "lock"))
 
 
 def open_volume(config: Config, url: str, *, session: str, storage_options: dict | None = None,
