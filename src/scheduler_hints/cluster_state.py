@@ -34,6 +34,10 @@ class ClusterState:
     #: whole node outnumber the whole free nodes, smaller pods pack harder (``Weights.packing_when_short``).
     pending_pods: dict[str, int] = field(default_factory=dict)
     _pods: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Pods bound to a DRA node whose claims the claim watch has not yet shown allocated: pod key -> (node, pod).
+    #: kube-scheduler writes the allocation before it asks for the bind, but the watch may say so later; until it
+    #: does, the pod's GPUs are held here (a gang admitted in that gap went across cliques).
+    _unseen_allocations: dict[str, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
     _totals_memo: dict[tuple, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +65,8 @@ class ClusterState:
     def bound(self, key: str, node: str, pod: Mapping[str, Any]) -> None:
         self.bound_pods[key] = (node, pod_gpus(pod))  # (its claims' devices count where they are allocated)
         self.pending_pods.pop(key, None)
+        if self._claims_unseen(key, node, pod):
+            self._unseen_allocations[key] = (node, pod)
 
     # -- what the watches say -------------------------------------------------------------------------------------
     def pod_pending(self, key: str, gpus: int) -> None:
@@ -72,6 +78,7 @@ class ClusterState:
         self.bound_pods.pop(key, None)
         self.pending_pods.pop(key, None)
         self._pods.pop(key, None)
+        self._unseen_allocations.pop(key, None)
 
     # -- what the verbs ask ---------------------------------------------------------------------------------------
     def gpus_of(self, pod: Mapping[str, Any]) -> int:
@@ -82,15 +89,29 @@ class ClusterState:
             gpus += self.dra.pod_gpus(pod, pod_key(pod))
         return gpus
 
+    def _claims_unseen(self, key: str, node: str, pod: Mapping[str, Any] | None) -> int | None:
+        """On a DRA node, the GPUs of the pod's claims not yet seen allocated (0 once they all are); None on a
+        node whose GPUs are the extended resource, or for a pod not known here."""
+        if self.dra is None or pod is None or self.dra.node_gpus(node) is None:
+            return None
+        return self.dra.pod_gpus(pod, key)
+
     def held(self) -> dict[str, int]:
-        """GPUs held per node: by bound pods' extended resources, by devices allocated to resource claims, and
-        reserved for admitted gangs."""
+        """GPUs held per node: by bound pods' extended resources, by devices allocated to resource claims (and by
+        bound pods' claims until the watch shows them allocated), and by gang members placed but not yet bound."""
         held: dict[str, int] = dict(self.dra.allocated_by_node()) if self.dra is not None else {}
         for n, g in self.bound_pods.values():
             if self.dra is None or self.dra.node_gpus(n) is None:  # (a DRA node's GPUs are held by claims)
                 held[n] = held.get(n, 0) + g
-        for n, g in self.gangs.reservations():
-            held[n] = held.get(n, 0) + g
+        for key, (n, pod) in list(self._unseen_allocations.items()):
+            g = self._claims_unseen(key, n, pod)
+            if g:
+                held[n] = held.get(n, 0) + g
+            else:  # seen allocated: counted by the claims from now on
+                del self._unseen_allocations[key]
+        for key, n, g in self.gangs.reservations():
+            unseen = self._claims_unseen(key, n, self._pods.get(key))
+            held[n] = held.get(n, 0) + (g if unseen is None else unseen)
         return held
 
     def needs(self, pod: Mapping[str, Any]) -> PodNeeds:

@@ -90,9 +90,11 @@ class GangManager:
         g = self._gangs.get(gang.key)
         return list(g.members.values()) if g else []
 
-    def reservations(self) -> list[tuple[str, int]]:
-        """(node, GPUs) held by members waiting for their gang."""
-        return [(n, g) for gang in self._gangs.values() if not gang.complete.is_set() for n, g in gang.members.values()]
+    def reservations(self) -> list[tuple[str, str, int]]:
+        """(pod key, node, GPUs) of members placed and not yet bound: those waiting for their gang, and those of a
+        complete gang whose binds are still on their way (their GPUs must not look free in between)."""
+        return [(pod, n, g) for gang in self._gangs.values() for pod, (n, g) in gang.members.items()
+                if pod not in gang.bound]
 
     async def wait_for_gang(self, gang: GangRef, pod: str, node: str, gpus: int) -> bool:
         """Called by the bind verb: place ``pod`` on ``node`` and wait until the whole gang is placed.

@@ -51,6 +51,17 @@ def dra(k8s):
     return k8s
 
 
+@pytest.fixture(autouse=True)
+def no_pods_left(dra):
+    """Whatever a test leaves (a failure skips its own clean-up) is deleted with its claims before the next one:
+    GPUs held by one test's pods would fail the next for a reason of its own."""
+    yield
+    pods = [p["metadata"]["name"] for p in dra.request("GET", "/api/v1/namespaces/default/pods")["items"]]
+    for name in pods:
+        delete_pod(dra, name)
+    wait_for(lambda: claims_gone(dra, pods), 60, "the claims of the pods left deleted")
+
+
 def dra_gang_pod(name: str, gang: str, size: int, *, kueue: bool = False) -> dict:
     """A gang member claiming 8 GPUs through the template; ``kueue``: a member of a Kueue pod group as Kueue leaves
     it once admitted (its group label and total count; the scheduling gate already removed)."""

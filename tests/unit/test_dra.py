@@ -251,3 +251,39 @@ def test_an_object_of_the_wrong_shape_is_ignored_whole_and_numbers_as_strings_ar
     inv.on_class("ADDED", {"metadata": {"name": DRIVER}, "spec": {"selectors": "device.driver == 'x'"}})
     inv.on_template("ADDED", {"metadata": ["t"]})
     assert not inv._claims and not inv._templates and inv.allocated_by_node() == {}
+
+
+def test_a_bound_gang_holds_its_gpus_until_the_claim_watch_shows_them_allocated():
+    """kube-scheduler writes a member's allocation (PreBind) before it asks the extender to bind; the claim watch may
+    tell the extender later. In between, a bound gang's GPUs must not look free: another gang admitted then went
+    across cliques once GPUs freed (a full e2e run)."""
+    import asyncio
+
+    ext = _mixed_cluster()
+    assert ext.dra is not None
+    names = ["ext-1", "ext-2", "dra-1", "dra-2"]
+    members = []
+    for i in range(2):
+        p = _gang_pod(f"a{i}", "first", 2, dra=True)
+        p["status"]["resourceClaimStatuses"] = [{"name": "g", "resourceClaimName": f"a{i}-g"}]
+        ext.dra.on_claim("ADDED", claim(f"a{i}-g", claim_spec(8)))
+        assert not ext.filter({"Pod": p, "NodeNames": names})["FailedNodes"]
+        members.append(p)
+
+    async def bind_all() -> None:
+        await asyncio.gather(*(ext.bind({"PodName": p["metadata"]["name"], "PodNamespace": "default",
+                                         "PodUID": p["metadata"]["uid"], "Node": f"dra-{i + 1}"})
+                               for i, p in enumerate(members)))
+
+    asyncio.run(bind_all())
+    assert ext.held() == {"dra-1": 8, "dra-2": 8}  # bound; the watch has not shown the allocations yet
+    assert _refused(ext, _gang_pod("b0", "second", 2, dra=True))
+    for i in range(2):  # the watch catches up: held by the claims, counted once
+        ext.dra.on_claim("MODIFIED", claim(f"a{i}-g", claim_spec(8),
+                                           allocated=[(f"dra-{i + 1}", f"gpu-{j}") for j in range(8)]))
+    assert ext.held() == {"dra-1": 8, "dra-2": 8}
+    for i in range(2):  # the pods end: their claims go, and the GPUs are free again
+        ext.pod_gone(members[i]["metadata"]["uid"])
+        ext.dra.on_claim("DELETED", claim(f"a{i}-g", claim_spec(8)))
+    assert ext.held() == {}
+    assert not _refused(ext, _gang_pod("b0", "second", 2, dra=True))
