@@ -104,9 +104,9 @@ class ClusterState:
             if self.dra is None or self.dra.node_gpus(n) is None:  # (a DRA node's GPUs are held by claims)
                 held[n] = held.get(n, 0) + g
         for key, (n, pod) in list(self._unseen_allocations.items()):
-            g = self._claims_unseen(key, n, pod)
-            if g:
-                held[n] = held.get(n, 0) + g
+            unseen = self._claims_unseen(key, n, pod)
+            if unseen:
+                held[n] = held.get(n, 0) + unseen
             else:  # seen allocated: counted by the claims from now on
                 del self._unseen_allocations[key]
         for key, n, g in self.gangs.reservations():
