@@ -38,6 +38,10 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
     cs.add_argument("--kubelet-registration-path", default="",
                     help="the CSI socket's path on the node, as kubelet sees it "
                          "(/var/lib/kubelet/plugins/csi.cachefs.io/csi.sock)")
+    cs.add_argument("--handover-wait", type=float, default=0.0, metavar="SECONDS",
+                    help="stopped, keep serving up to this long while the session keeper still keeps sessions: until "
+                         "the next node pod takes them over, or, with none coming, their pods end and they are "
+                         "unmounted (default 0; the DaemonSet sets it just under its grace period)")
     cs.set_defaults(run="csi.cli:csi", node_process=True)
 
     cm = sub.add_parser("csi-mounter", parents=[base, cache],
@@ -53,6 +57,12 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
     cm.add_argument("--metrics-listen", metavar="HOST:PORT",
                     help="serve the node's Prometheus metrics here: every cachefs process of the node pod, and what "
                          "the cache holds (docs/METRICS.md)")
+    cm.add_argument("--handover-wait", type=float, default=0.0, metavar="SECONDS",
+                    help="stopped, wait up to this long for every session held here to be taken over by the next "
+                         "node pod or to end, before leaving (leaving ends them; default 0)")
+    cm.add_argument("--ready-file", default="", metavar="PATH",
+                    help="made once sessions of an earlier node pod are taken over, and only while none is left with "
+                         "it that this one cannot take (the node pod's readiness probe tests it)")
     cm.set_defaults(run="csi.cli:csi_mounter", node_process=True)
 
 
@@ -61,6 +71,8 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
 
     if args.session_idle_timeout < 0:
         raise ConfigError("--session-idle-timeout must be 0 or more seconds")
+    if not args.handover_wait >= 0:
+        raise ConfigError("--handover-wait must be 0 or more seconds")
     state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
     _serve_metrics(args, config)
     # In this (the main) thread, so that SIGTERM stops the server gracefully.
@@ -68,7 +80,8 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
           cache_group=args.cache_group, mounter=args.mounter, session_idle_timeout=args.session_idle_timeout,
           node=args.mode != "controller", controller=args.mode != "node",
           registration_dir=args.registration_dir, kubelet_registration_path=args.kubelet_registration_path,
-          session_keeper=socket_path(args.session_keeper) if args.session_keeper else "")
+          session_keeper=socket_path(args.session_keeper) if args.session_keeper else "",
+          handover_wait=args.handover_wait)
     return 0
 
 
@@ -76,10 +89,13 @@ async def csi_mounter(args: argparse.Namespace, config: Config) -> int:
     from csi.mounter import serve_mounter
     from csi.server import socket_path
 
+    if not args.handover_wait >= 0:
+        raise ConfigError("--handover-wait must be 0 or more seconds")
     state_dir = args.state_dir or os.path.join(config.cache.dir, "csi")
     _serve_metrics(args, config)
     serve_mounter(socket_path(args.socket), os.path.join(state_dir, "sessions"), config.cache.dir,
-                  keeper=socket_path(args.session_keeper) if args.session_keeper else "")
+                  keeper=socket_path(args.session_keeper) if args.session_keeper else "",
+                  handover_wait=args.handover_wait, ready_file=args.ready_file)
     return 0
 
 

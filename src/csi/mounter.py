@@ -23,6 +23,7 @@ are never logged. Mount points must lie under the server's ``root`` (the plugin'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,16 +32,18 @@ import socketserver
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from cachefs.base import errors as _errors
 from cachefs.base.config import default_log_dir
 from cachefs.base.errors import CacheFSError, ConfigError
-from cachefs.fuse.holder import start_holder
-from cachefs.fuse.keeper import KEEPER_ENV
-from cachefs.index.mounts import mount_file
+from cachefs.fuse.holder_process import start_holder
+from cachefs.fuse.keeper import KEEPER_ENV, PREDECESSOR_ENV
+from cachefs.index.mounts import mount_file, record_left_behind
 from cachefs.prefetch.samplers import parse_sampler
+from csi.generations import answers, predecessors, takeable
 
 __all__ = ["LocalMounter", "MountRequest", "Mounter", "MounterUnavailable", "RemoteMounter", "serve_mounter"]
 
@@ -130,7 +133,7 @@ class LocalMounter:
             return []
         adopted = []
         for mnt, meta in kept_sessions(self.keeper).items():
-            if os.path.commonpath([mnt, root]) != root or _holder_answers(str(meta.get("socket", ""))):
+            if os.path.commonpath([mnt, root]) != root or answers(str(meta.get("socket") or "")):
                 continue
             argv = meta.get("argv")
             if not isinstance(argv, list) or not argv:
@@ -143,6 +146,49 @@ class LocalMounter:
                 continue
             adopted.append(mnt)
         return adopted
+
+    def take_over(self, root: str) -> tuple[list[str], dict[str, str]]:
+        """Start a holder for every session under ``root`` that an earlier node pod generation's keeper keeps
+        (:mod:`csi.generations`): each takes the session over from that generation's holder. Returns their mount
+        points, and those it cannot take with why: noted for ``cachefs status`` and left to the generation serving
+        them."""
+        if not self.keeper:
+            return [], {}
+        taken: list[str] = []
+        left: dict[str, str] = {}
+        for keeper, sessions in predecessors(self.keeper).items():
+            for mnt, meta in sorted(sessions.items()):
+                if os.path.commonpath([mnt, root]) != root or mnt in taken:
+                    continue
+                why = takeable(meta)
+                if why:
+                    left[mnt] = why
+                    log.error("%s: not taken over: %s", mnt, why)
+                    continue
+                try:
+                    self._start([*map(str, meta["argv"]), "--adopt"], mnt, {PREDECESSOR_ENV: keeper})
+                except CacheFSError as exc:  # (the old holder serves on: it was not asked to retire, or refused)
+                    left[mnt] = f"could not take it over: {exc}"
+                    log.error("%s: %s", mnt, left[mnt])
+                    continue
+                taken.append(mnt)
+        record_left_behind(self.cache_dir, left)
+        return taken, left
+
+    def wait_for_holders(self, timeout: float, poll: float = 0.5) -> bool:
+        """Wait up to ``timeout`` seconds until every holder started here has exited: its mount ended, or the next
+        node pod generation took it over. Whether none is left."""
+        deadline = time.monotonic() + timeout
+        said = -1
+        while True:
+            self.reap()
+            left = len(self.holders)
+            if not left or time.monotonic() >= deadline:
+                return not left
+            if left != said:
+                log.warning("waiting for %d session(s) to be taken over by the next node pod or to end", left)
+                said = left
+            time.sleep(poll)
 
     @property
     def holders(self) -> list[subprocess.Popen]:
@@ -246,25 +292,34 @@ def parse_request(raw: bytes, root: str) -> MountRequest | None:
                         strings["sampler"], writable)
 
 
-def _holder_answers(path: str) -> bool:
-    """Whether a holder listens at ``path`` (a socket file left by a dead one refuses the connection)."""
-    if not path:
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(2)
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-    return True
+def _take_over(local: LocalMounter, root: str, ready_file: str) -> dict[str, str]:
+    """Take over what earlier node pods serve (:meth:`LocalMounter.take_over`); ``ready_file`` exists only when
+    nothing was left with them. Not ready, this pod is not counted as available: a rolling update then leaves the
+    earlier pod, which keeps serving what this one could not take, until those sessions end."""
+    taken, left = local.take_over(root)
+    if taken:
+        log.warning("took over %d session(s) from the previous node pod: %s", len(taken), ", ".join(taken))
+    if ready_file:
+        if left:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ready_file)
+        else:
+            os.makedirs(os.path.dirname(ready_file) or ".", exist_ok=True)
+            with open(ready_file, "w") as f:
+                f.write("ready\n")
+    return left
 
 
-def serve_mounter(socket_path: str, root: str, cache_dir: str, *, keeper: str = "",
-                  ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+def serve_mounter(socket_path: str, root: str, cache_dir: str, *, keeper: str = "", handover_wait: float = 0.0,
+                  ready_file: str = "", ready: threading.Event | None = None,
+                  stop: threading.Event | None = None) -> None:
     """Serve mount requests on ``socket_path`` until ``stop`` is set (or SIGTERM in the main thread). Mounts
     go under ``root``; holders are started as children of this process and outlive the requests. With a session
     ``keeper``, holders keep a copy of their descriptor there, and the sessions a previous run of this mounter
-    left (its holders died with it) are adopted first."""
+    left (its holders died with it) are adopted first, then those an earlier node pod generation serves are taken
+    over (:mod:`csi.generations`). ``ready_file`` exists while no earlier node pod serves a session this one could
+    not take (the pod's readiness probe). Stopped, it waits up to ``handover_wait`` seconds for its holders to be
+    taken over or to end (leaving ends the sessions they still hold)."""
     if not socket_path.startswith("/"):
         raise ConfigError(f"--socket {socket_path!r}: want an absolute path")
     root = os.path.realpath(root)
@@ -280,6 +335,7 @@ def serve_mounter(socket_path: str, root: str, cache_dir: str, *, keeper: str = 
         adopted = []
     if adopted:
         log.warning("adopted %d session(s) whose holders were gone: %s", len(adopted), ", ".join(adopted))
+    left = _take_over(local, root, ready_file)
 
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
@@ -317,5 +373,11 @@ def serve_mounter(socket_path: str, root: str, cache_dir: str, *, keeper: str = 
         ready.set()
     while not stop.wait(5.0):
         local.reap()
+        if left:  # (not ready while an earlier node pod serves sessions this one could not take: see _take_over)
+            left = _take_over(local, root, ready_file)
     server.shutdown()
     server.server_close()
+    # Leaving would end every session still held here (the container's processes go with it): wait until the next
+    # node pod generation has taken each over, or its pods are gone and it is unmounted.
+    if handover_wait > 0:
+        local.wait_for_holders(handover_wait)

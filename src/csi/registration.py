@@ -10,6 +10,7 @@ new one and is registered again. Volumes already published are not touched by ei
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -18,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from cachefs.base.errors import ConfigError
-from cachefs.fuse.holder import SUN_PATH_MAX
+from cachefs.fuse.sockets import SUN_PATH_MAX
 from csi.gen import pluginregistration_pb2 as pb
 from csi.gen import pluginregistration_pb2_grpc as rpc
 
-__all__ = ["CSI_VERSIONS", "Registration", "registration_socket"]
+__all__ = ["CSI_VERSIONS", "Registration", "bound_socket", "registration_socket", "superseded"]
 
 log = logging.getLogger("cachefs.csi")
 
@@ -66,6 +67,7 @@ class Registration:
         self.notified = threading.Event()
         self._service = _Service(driver, endpoint, self.notified)
         self._server: grpc.Server | None = None
+        self._bound: tuple[int, int] | None = None  # (device, inode) of the socket this process bound
 
     @property
     def status(self) -> tuple[bool | None, str]:
@@ -88,13 +90,33 @@ class Registration:
             os.umask(old_umask)
         server.start()
         self._server = server
+        self._bound = bound_socket(self.path)
         log.info("registration socket for kubelet at %s", self.path)
 
+    def superseded(self) -> bool:
+        """Whether another process bound the socket's path since (the next node pod registered itself)."""
+        return superseded(self.path, self._bound)
+
     def stop(self) -> None:
+        """Stop serving and remove the socket (kubelet then unregisters the driver). Call it only when not
+        :meth:`superseded`: gRPC removes whatever socket is at the path it bound, the next node pod's too."""
         if self._server is not None:
             self._server.stop(grace=1).wait(5)
             self._server = None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+
+
+def bound_socket(path: str) -> tuple[int, int]:
+    """(device, inode) of the socket just bound at ``path``, for :func:`superseded`."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def superseded(path: str, bound: tuple[int, int] | None) -> bool:
+    """Whether the socket at ``path`` is no longer the one this process bound (``bound``: :func:`bound_socket`)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return bound is not None and (st.st_dev, st.st_ino) != bound

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,8 +23,9 @@ from cachefs.base.errors import ConfigError
 from cachefs.fuse.keeper import SessionKeeper
 from csi.driver import DRIVER_NAME, ControllerService, IdentityService, NodeService
 from csi.gen import csi_pb2_grpc as rpc
+from csi.generations import successor_present
 from csi.mounter import RemoteMounter
-from csi.registration import Registration
+from csi.registration import Registration, bound_socket, superseded
 from csi.sessions import SessionManager
 
 __all__ = ["serve"]
@@ -52,12 +54,13 @@ def socket_path(endpoint: str) -> str:
 def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_group: str = "",
           mounter: str = "", session_idle_timeout: float = SESSION_IDLE_TIMEOUT, node: bool = True,
           controller: bool = True, registration_dir: str = "", kubelet_registration_path: str = "",
-          session_keeper: str = "", ready: threading.Event | None = None,
+          session_keeper: str = "", handover_wait: float = 0.0, ready: threading.Event | None = None,
           stop: threading.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set). With ``registration_dir`` (kubelet's ``plugins_registry``,
     as this process sees it) the node plugin registers itself with kubelet, naming its socket by
     ``kubelet_registration_path`` (where kubelet finds it on the node). With ``session_keeper`` the node plugin
-    keeps a copy of every FUSE session's descriptor there (:mod:`cachefs.fuse.keeper`)."""
+    keeps a copy of every FUSE session's descriptor there (:mod:`cachefs.fuse.keeper`); stopped, it goes on serving
+    up to ``handover_wait`` seconds while the keeper keeps any (:func:`_wait_for_sessions`)."""
     if node and not node_id:
         raise ConfigError("--node-id is required for the node plugin (set it from the NODE_NAME env var)")
     if registration_dir and not (node and kubelet_registration_path.startswith("/")):
@@ -101,6 +104,7 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
     finally:
         os.umask(old_umask)
     server.start()
+    bound = bound_socket(path)
     log.info("CSI plugin listening on %s (node %s, controller %s)", path, node, controller)
     # Only once the CSI socket answers: kubelet calls NodeGetInfo on it as soon as it sees the registration.
     registration = Registration(registration_dir, DRIVER_NAME, kubelet_registration_path) if registration_dir else None
@@ -115,11 +119,39 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
     # main thread wakes, and an untimed wait may never wake.
     while not stop.wait(1.0):
         pass
+    if keeper is not None and handover_wait > 0:
+        _wait_for_sessions(keeper, sessions, handover_wait)
+    if superseded(path, bound) or (registration is not None and registration.superseded()):
+        # The next node pod's plugin bound these paths and kubelet talks to it. Stopping a gRPC server removes the
+        # socket at the path it bound, whoever's it is now: so this one is not stopped, the process just ends.
+        log.warning("the next node pod's plugin serves kubelet now: leaving its sockets as they are")
+        if keeper is not None:
+            keeper.stop()
+        if threading.current_thread() is threading.main_thread():
+            logging.shutdown()
+            os._exit(0)
+        return
     if registration is not None:
         registration.stop()
     server.stop(grace=5).wait(10)
     if keeper is not None:
         keeper.stop()
+
+
+def _wait_for_sessions(keeper: SessionKeeper, sessions: SessionManager, timeout: float) -> None:
+    """Serve on (NodeUnpublish above all) while the keeper keeps sessions, up to ``timeout`` seconds: the next node
+    pod takes them over (its keeper takes each copy from this one), or, when none is coming (the DaemonSet is being
+    removed), their pods end, and sessions no pod uses are stopped at once rather than after the idle time."""
+    deadline = time.monotonic() + timeout
+    said = -1
+    while (left := len(keeper.sessions())) and time.monotonic() < deadline:
+        if not successor_present(keeper.path):
+            sessions.stop_idle_sessions(0)
+        if left != said:
+            log.warning("stopping: %d session(s) kept here wait for the next node pod or for their pods to end",
+                        left)
+            said = left
+        time.sleep(0.5)
 
 
 def _repair_loop(sessions: SessionManager, stop: threading.Event, idle_timeout: float) -> None:

@@ -30,13 +30,14 @@ if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
 class Plugin:
     """`cachefs csi` in its own process (in ``container`` if given; sessions through ``mounter`` if given)."""
 
-    def __init__(self, base: Path, mounter: str = "", container: Container | None = None, keeper: str = "") -> None:
-        self.base, self.sock = base, base / "csi.sock"
+    def __init__(self, base: Path, mounter: str = "", container: Container | None = None, keeper: str = "",
+                 sock: Path | None = None, extra: tuple[str, ...] = ()) -> None:
+        self.base, self.sock = base, sock or base / "csi.sock"
         self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "csi", "--endpoint",
                                       f"unix://{self.sock}", "--node-id", "node-1", "--cache-group", "rack-a",
                                       "--cache-dir", str(base / "cache"), "-v",
                                       *(["--mounter", f"unix://{mounter}"] if mounter else []),
-                                      *(["--session-keeper", f"unix://{keeper}"] if keeper else [])],
+                                      *(["--session-keeper", f"unix://{keeper}"] if keeper else []), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if container is not None:
             container.add(self.proc.pid)
@@ -390,13 +391,14 @@ def test_killed_fuse_daemon_under_a_published_target_is_replaced_and_pods_keep_r
 class MounterProcess:
     """`cachefs csi-mounter` in its own container, as in the node DaemonSet."""
 
-    def __init__(self, base: Path, container: Container, keeper: str = "") -> None:
+    def __init__(self, base: Path, container: Container, keeper: str = "", run: Path | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         from csi.mounter import RemoteMounter
 
-        self.sock = str(base / "run" / "mounter.sock")
+        self.sock = str((run or base / "run") / "mounter.sock")
         self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "csi-mounter", "--socket",
                                       f"unix://{self.sock}", "--cache-dir", str(base / "cache"), "-v",
-                                      *(["--session-keeper", f"unix://{keeper}"] if keeper else [])],
+                                      *(["--session-keeper", f"unix://{keeper}"] if keeper else []), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         container.add(self.proc.pid)
         deadline = time.monotonic() + 30
@@ -407,6 +409,14 @@ class MounterProcess:
 
     def stop(self) -> str:
         return _stop(self.proc)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _ppid(pid: int) -> int:
@@ -528,6 +538,117 @@ def test_killing_every_process_of_the_mounter_container_mid_read_loses_no_sessio
                 ct.remove()
     assert "adopted 1 session(s)" in log, log
     assert "Traceback" not in log
+
+
+def test_the_next_node_pod_generation_takes_every_session_over_while_a_pod_reads(tmp_path, dataset):
+    """The DaemonSet rolls: a second generation of the node pod (containers of its own; its keeper beside the first
+    one's in the keepers directory both see) starts while the first serves. Its mounter takes the session over: the
+    first generation's holder retires without unmounting, and the new daemon resumes from the mount journal. The
+    first generation then leaves at once, and its containers' processes are killed: the pod read throughout,
+    never an error, every byte right, and the mount is served from the second generation's container."""
+    import threading
+
+    from cachefs.fuse.keeper import kept_sessions
+
+    url, files = dataset
+    expected = {rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()}
+    base, keepers = tmp_path / "node", tmp_path / "node" / "keepers"
+    keeper_a, keeper_b = str(keepers / "gen-a.sock"), str(keepers / "gen-b.sock")
+    cts = {n: Container(n) for n in ("a-mounter", "a-plugin", "b-mounter", "b-plugin")}
+    procs: list = []
+    log = ""
+    errors: list[str] = []
+    rounds = [0]
+    reading = threading.Event()
+    try:
+        wait = ("--handover-wait", "60")
+        mounter_a = MounterProcess(base, cts["a-mounter"], keeper_a, run=base / "run-a", extra=wait)
+        plugin_a = Plugin(base, mounter_a.sock, cts["a-plugin"], keeper=keeper_a, sock=base / "csi-a.sock", extra=wait)
+        procs += [plugin_a, mounter_a]
+        target = kubelet_target(tmp_path, "uid-a")
+        inline_publish(plugin_a, url, target, "pod-a")
+        deadline = time.monotonic() + 10
+        while not kept_sessions(keeper_a):
+            assert time.monotonic() < deadline, "the holder never deposited its descriptor"
+            time.sleep(0.05)
+
+        def read_on() -> None:
+            while not reading.is_set():
+                try:
+                    got = tree_hashes(target)
+                    if got != expected:
+                        errors.append(f"wrong bytes in {sorted(k for k in expected if got.get(k) != expected[k])}")
+                except OSError as exc:
+                    errors.append(repr(exc))
+                rounds[0] += 1
+
+        reader = threading.Thread(target=read_on)
+        reader.start()
+        mounter_b = MounterProcess(base, cts["b-mounter"], keeper_b, run=base / "run-b")
+        plugin_b = Plugin(base, mounter_b.sock, cts["b-plugin"], keeper=keeper_b, sock=base / "csi-b.sock")
+        procs += [plugin_b, mounter_b]
+        deadline = time.monotonic() + 60
+        while kept_sessions(keeper_a) or not kept_sessions(keeper_b):
+            assert time.monotonic() < deadline, "the session was not taken over"
+            time.sleep(0.1)
+        before = rounds[0]
+        log += plugin_a.stop() + mounter_a.stop()  # nothing left to wait for: both leave at once
+        procs = [plugin_b, mounter_b]
+        for name in ("a-mounter", "a-plugin"):
+            cts[name].kill()  # whatever of the first generation is left goes, as with its pod
+        deadline = time.monotonic() + 30
+        while rounds[0] < before + 3:
+            assert time.monotonic() < deadline, "reads stopped after the first generation left"
+            time.sleep(0.1)
+        reading.set()
+        reader.join(30)
+        assert errors == [] and tree_hashes(target) == expected
+        holder = [p for p in cts["b-mounter"].members() if b"--adopt" in _cmdline(p)]
+        assert holder, "no holder in the second generation's container"
+    finally:
+        reading.set()
+        try:
+            for proc in procs:
+                log += proc.stop()
+        finally:
+            unmount_under(tmp_path)
+            for ct in cts.values():
+                ct.remove()
+    assert "took over 1 session(s)" in log, log
+    assert "Traceback" not in log
+
+
+def test_a_plugin_on_its_way_out_leaves_the_next_node_pods_sockets_alone(tmp_path):
+    """The next node pod's plugin binds the same CSI and registration socket paths (kubelet knows only those). The
+    old plugin, stopped after it, must not remove them: gRPC removes whatever socket is at a path it bound when its
+    server stops, and kubelet then unregistered the driver (a rolling update on the real node did)."""
+    import socket
+
+    from csi.registration import registration_socket
+
+    registry = tmp_path / "registry"
+    plugin = Plugin(tmp_path, extra=("--mode", "node", "--registration-dir", str(registry),
+                                     "--kubelet-registration-path", "/var/lib/kubelet/plugins/csi.cachefs.io/csi.sock"))
+    reg = registration_socket(str(registry), "csi.cachefs.io")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(reg):
+        assert time.monotonic() < deadline, "no registration socket"
+        time.sleep(0.05)
+    successor = []
+    for path in (str(plugin.sock), reg):  # the next pod's plugin: new sockets at the same paths
+        os.unlink(path)
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(path)
+        s.listen()
+        successor.append((s, path, os.stat(path).st_ino))
+    try:
+        out = plugin.stop()
+        for _s, path, ino in successor:
+            assert os.path.exists(path) and os.stat(path).st_ino == ino, f"{path} removed\n{out}"
+        assert "leaving its sockets as they are" in out
+    finally:
+        for s, _path, _ino in successor:
+            s.close()
 
 
 def test_a_session_no_pod_uses_is_stopped_after_the_idle_time_and_the_cache_stays(tmp_path, dataset):

@@ -219,3 +219,61 @@ def test_a_second_agent_on_one_cache_directory_is_refused_naming_the_first(tmp_p
         first.terminate()
         _, err = first.communicate(timeout=30)
     assert "cannot write" not in err  # (the members file's first write)
+
+
+def test_the_next_node_pods_agent_takes_the_cache_directory_over_and_the_first_stands_by(tmp_path):
+    """A rolling update starts the next node pod while the current one serves: its agent (a node pod generation,
+    $CACHEFS_NODE_GENERATION) claims the cache directory instead of being refused; the first agent hands it over and
+    stands by, serves again if the newcomer goes first, and leaves at once when stopped while standing by."""
+    import os
+    import socket
+    import sys
+    import time
+
+    (tmp_path / "secret").write_text("s3cret\n")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    common = ["--group", "g", "--node", "n1", "--peers", f"n1=127.0.0.1:{ports[0]}", "--cache-dir",
+              str(tmp_path / "cache"), "--secret-file", str(tmp_path / "secret")]
+
+    def agent(gen: str, port: int, ready, log) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "cachefs.cli.main", "agent", "--listen", f"127.0.0.1:{port}",
+                                 "--ready-file", str(ready), *common], stdout=subprocess.DEVNULL, stderr=log,
+                                env={**os.environ, "CACHEFS_NODE_GENERATION": gen})
+
+    def until(check, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not check():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    ready_a, ready_b = tmp_path / "ready-a", tmp_path / "ready-b"
+    log_a = open(tmp_path / "a.log", "w")
+    a = agent("gen-a", ports[0], ready_a, log_a)
+    b = None
+    try:
+        until(ready_a.exists, "the first agent never became ready")
+        b = agent("gen-b", ports[1], ready_b, subprocess.DEVNULL)
+        until(ready_b.exists, "the next generation's agent never got the cache directory")
+        assert a.poll() is None  # standing by, not gone
+        ready_a.unlink()
+        b.terminate()
+        assert b.wait(30) == 0
+        until(ready_a.exists, "the standing-by agent did not serve again once the newcomer was gone")
+        b = agent("gen-c", ports[1], ready_b := tmp_path / "ready-c", subprocess.DEVNULL)
+        until(ready_b.exists, "a third generation's agent never got the cache directory")
+        t0 = time.monotonic()
+        a.terminate()  # standing by now: it leaves at once
+        assert a.wait(30) == 0 and time.monotonic() - t0 < 10
+        assert b.poll() is None
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(30)
+        log_a.close()
+    err = (tmp_path / "a.log").read_text()
+    assert err.count("handing it over") == 2 and "standing by" in err, err

@@ -1,5 +1,6 @@
 """Faults on the node while a pod reads: kubelet restarted, the container runtime restarted, the CSI container killed,
-the mounter container killed, a pod deleted mid-read, the cache disk full.
+the mounter container killed, the node pod replaced (a rolling restart, a deleted pod), a pod deleted mid-read, the
+cache disk full.
 
 Each run has a reader pod walk a dataset nobody read yet (so its reads need the FUSE daemon and the origin, not the
 page cache), pacing itself so that the fault lands mid-read, then read everything once more; every byte is checked
@@ -170,6 +171,44 @@ def test_mounter_container_killed_under_a_reading_pod(cluster):
     result = run_fault(cluster, "mounter-killed", lambda: os.kill(pid_of("cachefs csi-mounter"), 9))
     assert_unharmed(result)
     cluster.wait_rollout("daemonset", "cachefs-node")
+
+
+def node_pod(cluster) -> dict:
+    """The node pod that is not on its way out."""
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", "cachefs-system", "-l",
+                                      "app.kubernetes.io/component=node", "-o", "json"))["items"]
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    assert len(live) == 1, [p["metadata"]["name"] for p in pods]
+    return live[0]
+
+
+def replaced_node_pod(cluster, name: str, replace) -> None:
+    """Replace the node pod (``replace(pod name)``) while a pod reads a cold dataset: the next node pod takes the
+    reader's session over, the first one goes, and the reader sees no error, no wrong byte, no long wait."""
+    before = node_pod(cluster)["metadata"]["name"]
+    result = run_fault(cluster, name, lambda: replace(before))
+    cluster.wait_rollout("daemonset", "cachefs-node")
+    cluster.wait(lambda: not cluster.exists("pod", before, "cachefs-system"), f"{before} gone", 240)
+    after = node_pod(cluster)["metadata"]["name"]
+    took = cluster.kubectl("logs", "-n", "cachefs-system", after, "-c", "mounter")
+    REPORT[f"{name}: the next node pod"] = "; ".join(line.split("] ", 1)[-1] for line in took.splitlines()
+                                                   if "took over" in line) or "took over nothing"
+    if result["kubelet_errors"]:
+        REPORT[f"{name}: kubelet's volume errors meanwhile (first 3)"] = " | ".join(
+            e[:300] for e in result["kubelet_errors"][:3])
+    assert after != before
+    assert_unharmed(result)
+    assert "took over 1 session(s)" in took, took[-3000:]
+
+
+def test_the_node_pod_rolled_over_by_a_rollout_restart_under_a_reading_pod(cluster):
+    replaced_node_pod(cluster, "node-pod-rollout", lambda _pod: cluster.kubectl(
+        "rollout", "restart", "daemonset/cachefs-node", "-n", "cachefs-system"))
+
+
+def test_the_node_pod_deleted_under_a_reading_pod(cluster):
+    replaced_node_pod(cluster, "node-pod-deleted", lambda pod: cluster.kubectl(
+        "delete", "pod", "-n", "cachefs-system", pod, "--wait=false"))
 
 
 def test_a_pod_deleted_while_it_reads_leaves_nothing_and_its_neighbour_reads_on(cluster):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
 import signal
@@ -23,11 +22,12 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
+from cachefs.agent.cache_lock import CacheDirLock
 from cachefs.agent.peer_listener import PeerListener, raise_fd_limit
 from cachefs.agent.peer_server import make_peer_app
 from cachefs.agent.replicas import ReplicaStore
 from cachefs.agent.serving import GroupServing
-from cachefs.base.config import ClusterConfig, Config, parse_listen, prepare_cache_dir, resolve_size
+from cachefs.base.config import ClusterConfig, Config, parse_listen, resolve_size
 from cachefs.base.errors import ConfigError
 from cachefs.base.log_limits import limit_logs
 from cachefs.base.values import parse_size
@@ -84,31 +84,22 @@ async def run_agent(config: Config, *, kubeconfig: str | None = None, metrics_li
     if k.secret_file or token_named:  # named on the command line or in the config: wrong at once is wrong
         check_credentials(k.secret_file, k.token_file, token_named=token_named)
     node = node_name(config)
-    lock = _lock_cache_dir(config, node)  # one agent per cache directory: a second one would fight the first
-    try:
-        return await _run_agent(config, node, kubeconfig=kubeconfig, metrics_listen=metrics_listen,
-                                ready_file=ready_file, token_named=token_named)
-    finally:
-        os.close(lock)
-
-
-def _lock_cache_dir(config: Config, node: str) -> int:
-    """Hold ``<cache dir>/cluster/agent.lock`` (an exclusive flock, until this process ends) with who holds it
-    written inside; ConfigError naming the other agent when one holds it already."""
-    path = os.path.join(config.cache.dir, "cluster", "agent.lock")
-    prepare_cache_dir(config.cache.dir)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        other = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise ConfigError(f"cache directory {config.cache.dir} is already served by an agent ({other}); give each "
-                          "agent a cache directory of its own (--cache-dir)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}, node {node}, listening on {config.cluster.listen}\n".encode(), 0)
-    return fd
+    # One agent per cache directory (a second one would fight the first), handed from a node pod to the next.
+    lock = CacheDirLock(config.cache.dir, f"pid {os.getpid()}, node {node}, listening on {config.cluster.listen}")
+    if not lock.try_take() and not await lock.wait():
+        return 0  # (signalled while waiting)
+    while True:
+        handed_over = lock.watch_for_successor()
+        try:
+            rc = await _run_agent(config, node, kubeconfig=kubeconfig, metrics_listen=metrics_listen,
+                                  ready_file=ready_file, token_named=token_named)
+        finally:
+            lock.release()
+        if not handed_over.is_set():
+            return rc
+        log.warning("handed cache directory %s to the next node pod's agent; standing by", config.cache.dir)
+        if not await lock.stand_by():
+            return 0
 
 
 async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metrics_listen: str | None,

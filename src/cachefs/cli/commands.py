@@ -83,6 +83,8 @@ async def status(args: argparse.Namespace, config: Config) -> int:
         if m.get("mirror_problem"):
             print(f"           its packed mirror cannot be used ({m['mirror_problem']}): small files are read one "
                   "GET each; `cachefs pack` writes it again")
+    for mnt, why in rep.get("left_with_previous_generation", {}).items():
+        print(f"mount      {mnt}  NOT TAKEN OVER by this node pod: {why}")
     for v in rep.get("volumes", []):
         if v.get("done"):
             print(f"volume     {v.get('mountpoint') or v['url']}  {v['url']}  done: everything closed there is on "
@@ -290,7 +292,7 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     import os
 
     from cachefs.fuse import hold_mount, serve_mount
-    from cachefs.fuse.holder import start_holder
+    from cachefs.fuse.holder_process import start_holder
 
     mnt = os.path.abspath(args.mountpoint)
     if args.workers < 1:

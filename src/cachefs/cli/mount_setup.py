@@ -44,7 +44,7 @@ def check_mountpoint(config: Config, mnt: str, nonempty: bool = False) -> None:
     if not os.path.isdir(mnt):
         raise ConfigError(f"mount point {mnt} is not a directory")
     if not nonempty:
-        from cachefs.fuse.holder import check_empty
+        from cachefs.fuse.holder_process import check_empty
 
         check_empty(mnt)
 

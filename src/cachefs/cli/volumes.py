@@ -22,7 +22,7 @@ __all__ = ["checkpoints", "drain_mount", "mount_writable", "sync"]
 async def mount_writable(args: argparse.Namespace, config: Config, mnt: str) -> int:
     from cachefs.cli.mount_setup import check_mountpoint, mount_log_path, mount_options
     from cachefs.fuse import hold_mount, serve_writable_mount
-    from cachefs.fuse.holder import start_holder
+    from cachefs.fuse.holder_process import start_holder
 
     if args.sampler or args.mode:
         raise ConfigError("--sampler and --mode are for dataset mounts, not --writable ones")

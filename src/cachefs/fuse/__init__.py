@@ -22,11 +22,12 @@ from cachefs.engine import get_engine
 from cachefs.fuse.backing import DeviceBacking
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.handover import announce_failure, announce_ready, receive_fd
-from cachefs.fuse.holder import MountHolder, socket_path_for
+from cachefs.fuse.holder import MountHolder
 from cachefs.fuse.journal import MountJournal
-from cachefs.fuse.keeper import KEEPER_ENV
+from cachefs.fuse.keeper import KEEPER_ENV, PREDECESSOR_ENV
 from cachefs.fuse.mount import is_stale_mount, unmount
 from cachefs.fuse.session import FuseSession
+from cachefs.fuse.sockets import socket_path_for
 from cachefs.fuse.volume_mount import serve_writable_mount
 from cachefs.index.mounts import forget_mount, mount_file, record_mount, record_pin
 from cachefs.manifest.lazy import is_provisional
@@ -49,8 +50,12 @@ def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str]
                          cache_dir=config.cache.dir, answer_after=answer_after, allow_other=allow_other,
                          nonempty=nonempty, writable=writable, keeper=os.environ.get(KEEPER_ENV, ""),
                          restart_argv=daemon_argv)
-    holder.adopt() if adopt else holder.mount()
-    return holder.run([*daemon_argv, "--attach", holder.socket_path])
+    if adopt:  # (from the previous node pod generation's keeper when the mounter names one)
+        holder.adopt(os.environ.pop(PREDECESSOR_ENV, ""))
+    else:
+        holder.mount()
+    rc = holder.run([*daemon_argv, "--attach", holder.socket_path])
+    return 0 if holder.retired else rc
 
 
 def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,

@@ -1,5 +1,6 @@
-"""The daemon's side of the hand-over with its mount holder (:mod:`.holder`): receive the mount's ``/dev/fuse``
-descriptor, then say the daemon serves it from now on, or why it cannot."""
+"""The clients of a mount holder (:mod:`.holder`): the daemon's side of the hand-over (receive the mount's
+``/dev/fuse`` descriptor, then say the daemon serves it from now on, or why it cannot), and the next node pod
+generation's holder asking the previous one to retire."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 
 from cachefs.base.errors import CacheFSError
 
-__all__ = ["announce_failure", "announce_ready", "receive_fd"]
+__all__ = ["announce_failure", "announce_ready", "receive_fd", "retire_holder"]
 
 
 def _ask(socket_path: str, request: dict, timeout: float) -> tuple[bytes, list[int]]:
@@ -44,3 +45,17 @@ def announce_failure(socket_path: str, reason: str) -> None:
         _ask(socket_path, {"op": "failed", "reason": reason}, 5.0)
     except CacheFSError:
         pass
+
+
+def retire_holder(socket_path: str, timeout: float = 30.0) -> bool:
+    """Ask the holder at ``socket_path`` to stop its daemon and let go of the mount without unmounting it (the
+    caller holds a copy of the descriptor and serves the mount next); returns once it has, False if no holder
+    answers there (it is gone already)."""
+    try:
+        msg, _ = _ask(socket_path, {"op": "retire"}, timeout)
+    except CacheFSError:
+        return False
+    reply = json.loads(msg or b"null")
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        raise CacheFSError(f"mount holder at {socket_path} would not retire: {msg[:200]!r}")
+    return True

@@ -15,7 +15,10 @@ failing and why) is in the mount records (:mod:`cachefs.index.mounts`) for ``cac
 
 The socket protocol: a client sends one JSON line, ``{"op": "attach"}`` (answered with the descriptor and
 ``{"mountpoint", "generation"}``), ``{"op": "ready"}`` or ``{"op": "failed", "reason": …}`` (answered
-``{"ok": true}``).
+``{"ok": true}``), and ``{"op": "retire"}``: the next node pod generation's holder, which holds a copy of the
+descriptor (from this holder's session keeper), takes the mount over; this holder kills its daemon (what it had read
+the next one asks the kernel to resend, as after a crash), gives up its socket and its record, answers
+``{"ok": true}`` and exits without unmounting.
 
 :class:`MountHolder` mounts, serves the hand-over socket and restarts the daemon command it is given;
 :mod:`.handover` is the daemon's side. The CSI node plugin holds its mounts the same way.
@@ -24,31 +27,27 @@ The socket protocol: a client sends one JSON line, ``{"op": "attach"}`` (answere
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import signal
 import socket
-import stat
 import subprocess
 import threading
 import time
 
+from cachefs import __version__
 from cachefs.base import metrics
 from cachefs.base.errors import (
     CacheFSError,
-    CacheFullError,
     ConfigError,
-    CredentialsError,
-    ObjectNotFoundError,
-    OriginUnavailableError,
 )
 from cachefs.fuse.error_responder import ErrorResponder
+from cachefs.fuse.holder_process import check_empty
 from cachefs.fuse.mount import is_fuse_mount, is_stale_mount, open_and_mount, set_read_ahead, unmount
-from cachefs.index.mounts import forget_holder, holder_state, record_holder
+from cachefs.index.mounts import forget_holder, record_holder
 
-__all__ = ["MountHolder", "socket_path_for", "start_holder"]
+__all__ = ["MountHolder"]
 
 log = logging.getLogger("cachefs.fuse")
 
@@ -56,93 +55,6 @@ log = logging.getLogger("cachefs.fuse")
 READ_AHEAD_KIB = 1024
 #: How often a holder checks that the session keeper still holds its descriptor.
 KEEPER_CHECK = 3.0
-#: Longest unix socket path the kernel takes (sun_path is 108 bytes with its NUL).
-SUN_PATH_MAX = 107
-
-
-def socket_path_for(path: str) -> str:
-    """``path`` for a unix socket, or, when it is too long to bind (108 bytes), a short name derived from it in
-    this user's runtime directory (:func:`runtime_dir`)."""
-    if len(path.encode()) > SUN_PATH_MAX:
-        path = os.path.join(runtime_dir(), f"{hashlib.blake2b(path.encode(), digest_size=8).hexdigest()}.sock")
-    return path
-
-
-def check_empty(mountpoint: str) -> None:
-    """ConfigError if ``mountpoint`` has entries: a mount over them would hide them until unmounted (fusermount
-    refuses this too, without ``-o nonempty``)."""
-    with os.scandir(mountpoint) as it:
-        if next(it, None) is not None:
-            raise ConfigError(f"mount point {mountpoint} is not empty (a mount would hide what is in it until "
-                              "unmounted); choose an empty directory, or pass --nonempty")
-
-
-def runtime_dir() -> str:
-    """A directory only this user can enter, for sockets: ``sockets`` under ``/run/cachefs`` for root, under
-    ``$XDG_RUNTIME_DIR/cachefs`` otherwise, else ``/tmp/cachefs-<uid>``; made (0700) if missing, refused if it is
-    someone else's or others may enter it. (The parent is shared with the metrics directory and the CSI mounter's
-    socket, so it may be 0755; this leaf never is.)"""
-    if os.geteuid() == 0:
-        base = "/run/cachefs"
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        base = os.path.join(os.environ["XDG_RUNTIME_DIR"], "cachefs")
-    else:
-        base = f"/tmp/cachefs-{os.geteuid()}"
-    path = os.path.join(base, "sockets")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    for part, private in ((base, False), (path, True)):
-        st = os.lstat(part)
-        bad_mode = st.st_mode & (0o077 if private else 0o022)
-        if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode) or bad_mode:
-            raise ConfigError(f"{part}: not a {'private ' if private else ''}directory of this user (owner uid "
-                              f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); cannot put the mount's socket "
-                              "there")
-    return path
-
-
-#: Exit codes of ``cachefs`` (cli.main.EXIT_CODES) back to the error a holder's exit stands for.
-_EXIT_ERRORS: dict[int, type[CacheFSError]] = {2: ConfigError, 3: CredentialsError, 4: OriginUnavailableError,
-                                               5: CacheFullError, 6: ObjectNotFoundError}
-
-
-def start_holder(argv: list[str], mountpoint: str, log_path: str, *, cache_dir: str | None = None,
-                 env: dict[str, str] | None = None, timeout: float = 120.0) -> subprocess.Popen:
-    """Run ``argv`` (a ``cachefs mount … --foreground`` command: a holder) in its own session, its output
-    appended to ``log_path``, and return it once ``mountpoint`` is mounted and served (with ``cache_dir``,
-    the holder's record says so; without, once it is mounted). The caller owns the child (and reaps it). If
-    it exits first, the error its exit code stands for, with the log's last line; CacheFSError on a timeout."""
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
-                                start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rc = proc.poll()
-        if rc is not None:
-            raise _EXIT_ERRORS.get(rc, CacheFSError)(_last_error(log_path, mountpoint))
-        if is_fuse_mount(mountpoint):
-            state = holder_state(cache_dir, mountpoint) if cache_dir else {"state": "serving"}
-            if state and state.get("state") in ("serving", "failing"):
-                return proc
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise CacheFSError(f"mount {mountpoint}: not served after {timeout:.0f} s (log {log_path})")
-
-
-def _last_error(log_path: str, mountpoint: str) -> str:
-    """The reason a holder gave up: its log's last ``cachefs: error:`` line (without the prefix)."""
-    try:
-        with open(log_path, errors="replace") as f:
-            lines = f.read().strip().splitlines()
-    except OSError:
-        lines = []
-    for line in reversed(lines):
-        if line.startswith("cachefs: error: "):
-            return line[len("cachefs: error: "):]
-    return f"mount {mountpoint} failed: {lines[-1] if lines else '(no output)'}"
-
-
 class MountHolder:
     """Owns the FUSE descriptor of one mount for the mount's whole life.
 
@@ -177,6 +89,7 @@ class MountHolder:
         self.state, self.reason = "starting", ""
         self.responder: ErrorResponder | None = None
         self._served = False  # some daemon served this mount (the kernel's INIT is answered)
+        self.retired = False  # the next node pod generation took the mount over
         self._ready = threading.Event()  # the current daemon serves
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
@@ -208,29 +121,44 @@ class MountHolder:
             raise
         self._start_keeping()
 
-    def adopt(self) -> None:
+    def adopt(self, predecessor: str = "") -> None:
         """Hold a mount whose holder died, on the copy of its descriptor the keeper kept: the mount is served
-        already (the daemon this holder starts resumes from the mount journal) and readers waited meanwhile."""
-        from cachefs.fuse.keeper import take_session
+        already (the daemon this holder starts resumes from the mount journal) and readers waited meanwhile.
+
+        ``predecessor``: the session keeper of the previous node pod generation, whose holder still serves the
+        mount; it is asked to retire once the copy is taken (readers wait from then until this holder's daemon
+        serves), and that keeper to let go of its copy."""
+        from cachefs.fuse.handover import retire_holder
+        from cachefs.fuse.keeper import drop_session, take_session
 
         if not self.keeper:
             raise ConfigError("adopting a mount needs the session keeper's socket (CACHEFS_SESSION_KEEPER)")
-        self.fd, meta, env = take_session(self.keeper, self.mountpoint)
+        self.fd, meta, env = take_session(predecessor or self.keeper, self.mountpoint)
         os.environ.update(env)  # the volume's credentials, for its daemons (and this holder's next deposit)
+        if predecessor:
+            # Before listening: the previous holder's socket has this path, and it removes it as it retires.
+            retired = retire_holder(str(meta.get("socket") or self.socket_path))
+            with contextlib.suppress(CacheFSError):
+                drop_session(predecessor, self.mountpoint)
+            meta = {**meta, "generation": max(int(meta.get("generation", 1)), 1)}
+            log.warning("%s: took the mount over from the previous node pod generation (its holder %s)",
+                        self.mountpoint, "retired" if retired else "was gone")
+        else:
+            log.warning("%s: adopted the mount from the session keeper (its holder %s is gone)", self.mountpoint,
+                        meta.get("pid"))
         self.generation = max(1, int(meta.get("generation", 1)))  # its first daemon resumes, never expects INIT
         self._served = True
         self.responder = ErrorResponder(self.fd)
         self._listen()
         self._set_state("starting", "")
-        log.warning("%s: adopted the mount from the session keeper (its holder %s is gone)", self.mountpoint,
-                    meta.get("pid"))
         self._start_keeping()
 
     # -- the keeper's copy --------------------------------------------------------------------------------------
     def _deposit(self) -> None:
-        from cachefs.fuse.keeper import KEPT_ENV, keep_session
+        from cachefs.fuse.keeper import HANDOVER_VERSION, KEPT_ENV, keep_session
 
         meta = {"argv": self.restart_argv, "generation": self.generation, "pid": os.getpid(),
+                "handover": HANDOVER_VERSION, "release": __version__,
                 "socket": self.socket_path, "url": self.url, "cache_dir": self.cache_dir or ""}
         keep_session(self.keeper, self.mountpoint, self.fd, meta,
                      {k: os.environ[k] for k in KEPT_ENV if k in os.environ})
@@ -246,7 +174,8 @@ class MountHolder:
 
             while not self._stopping.wait(KEEPER_CHECK):
                 try:
-                    if self.fd >= 0 and not has_session(self.keeper, self.mountpoint, os.getpid()):
+                    if self.fd >= 0 and not self.retired and not has_session(self.keeper, self.mountpoint,
+                                                                              os.getpid()):
                         self._deposit()
                 except CacheFSError as exc:  # the keeper restarting: the next round tries again
                     log.debug("%s: %s", self.mountpoint, exc)
@@ -293,6 +222,9 @@ class MountHolder:
             msg = json.dumps({"mountpoint": self.mountpoint, "generation": self.generation - 1}).encode()
             socket.send_fds(conn, [msg], [self.fd])
             return
+        if op == "retire":
+            self._retire(conn)
+            return
         if op == "ready":
             with self._responder_lock:  # (so that _fail_open cannot start answering again meanwhile)
                 self._ready.set()
@@ -305,6 +237,29 @@ class MountHolder:
         else:
             raise ValueError(f"unknown request {op!r}")
         conn.sendall(b'{"ok": true}\n')
+
+    def _retire(self, conn: socket.socket) -> None:
+        """Let the next generation's holder take the mount: stop the daemon, give up the socket and the mount
+        record (both are the successor's from now on), answer, then let go of the descriptor."""
+        self._stopping.set()  # (the run loop ends once the daemon is gone, without restarting it)
+        with self._responder_lock:  # (answering with errors itself, it would take the successor's requests)
+            if self.responder is not None:
+                self.responder.stop()
+        d = self.daemon
+        if d is not None and d.poll() is None:
+            d.kill()  # as a crash: the journal is written before each reply, and the next daemon resumes
+            d.wait()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+        if self.cache_dir:
+            forget_holder(self.cache_dir, self.mountpoint)
+            self.cache_dir = None
+        self.retired = True
+        conn.sendall(b'{"ok": true}\n')
+        log.warning("%s: retired: the next node pod generation serves the mount", self.mountpoint)
 
     def _set_state(self, state: str, reason: str) -> None:
         with self._state_lock:

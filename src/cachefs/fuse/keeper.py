@@ -35,13 +35,20 @@ from dataclasses import dataclass, field
 
 from cachefs.base.errors import CacheFSError
 
-__all__ = ["KEEPER_ENV", "SessionKeeper", "drop_session", "has_session", "keep_session", "kept_sessions", "take_session"]
+__all__ = ["HANDOVER_VERSION", "KEEPER_ENV", "PREDECESSOR_ENV", "SessionKeeper", "drop_session", "has_session",
+           "keep_session", "kept_sessions", "take_session"]
 
 log = logging.getLogger("cachefs.fuse")
 
 #: The session keeper's socket, set in the environment of holders that should keep a second copy of their
 #: descriptor (the CSI mounter sets it).
 KEEPER_ENV = "CACHEFS_SESSION_KEEPER"
+#: Set by the mounter for a holder it starts with ``--adopt`` on a session the previous node pod generation still
+#: serves: that generation's keeper socket (the holder takes the descriptor there and retires the old holder).
+PREDECESSOR_ENV = "CACHEFS_ADOPT_FROM"
+#: The version of what a kept session's meta says (and of the holder's retire): a node pod generation takes over
+#: only sessions of a version it knows, and leaves newer ones with the generation that serves them.
+HANDOVER_VERSION = 1
 _MAX_MESSAGE = 256 * 1024
 #: Environment variables a kept session may carry (the volume's origin credentials, as the mounter passed them).
 KEPT_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
@@ -103,6 +110,8 @@ class SessionKeeper:
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(10)
         msg, fds, _flags, _addr = socket.recv_fds(conn, _MAX_MESSAGE, 1)
+        if not msg and not fds:  # a connection closed without a request: whether the keeper answers at all
+            return
         reply: dict
         attach: list[int] = []
         try:
@@ -168,7 +177,7 @@ class SessionKeeper:
         class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             daemon_threads = True
 
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)  # (every generation's keeper: root only)
         if os.path.lexists(self.path):
             os.unlink(self.path)  # a previous run's
         old_umask = os.umask(0o177)

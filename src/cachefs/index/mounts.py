@@ -12,6 +12,7 @@ tries again) and never stops the process writing it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -21,8 +22,8 @@ import time
 
 from cachefs.base.files import atomic_write
 
-__all__ = ["forget_holder", "forget_mount", "holder_state", "list_mounts", "mount_file", "process_alive",
-           "record_holder", "record_mount", "write_record"]
+__all__ = ["forget_holder", "forget_mount", "holder_state", "left_behind", "list_mounts", "mount_file", "process_alive",
+           "record_holder", "record_left_behind", "record_mount", "write_record"]
 
 log = logging.getLogger("cachefs.fuse")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -167,3 +168,25 @@ def process_alive(pid) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def record_left_behind(cache_dir: str, left: dict[str, str]) -> None:
+    """Note the sessions a node pod generation could not take over from an earlier one (``{mountpoint: why}``;
+    that generation keeps serving them), or clear the note when ``left`` is empty."""
+    path = os.path.join(_dir(cache_dir), "handover-left.json")
+    if not left:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    write_record(path, {"since": time.time(), "sessions": left})
+
+
+def left_behind(cache_dir: str) -> dict[str, str]:
+    """What :func:`record_left_behind` noted, ``{}`` when nothing."""
+    try:
+        with open(os.path.join(_dir(cache_dir), "handover-left.json")) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    sessions = rec.get("sessions") if isinstance(rec, dict) else None
+    return {str(k): str(v) for k, v in sessions.items()} if isinstance(sessions, dict) else {}

@@ -19,7 +19,7 @@ from cachefs.index import Index
 from cachefs.index.counters import NodeCounters
 from cachefs.index.hints import HintStore, ScanRecord
 from cachefs.index.listings import listings_under_way
-from cachefs.index.mounts import list_mounts
+from cachefs.index.mounts import left_behind, list_mounts
 from cachefs.index.orders import list_orders, read_order
 from cachefs.index.volumes import list_volumes
 from cachefs.manifest import ManifestStore
@@ -180,6 +180,8 @@ class NodeSummary:
             "hot_directories": [{**d, "url": urls.get(d["dataset"], "")} for d in
                                 self.index.hot_directories(self.config.engine.hot_dir_half_life)],
             "mounts": list_mounts(c.dir),
+            # Sessions this node pod generation left with an earlier one it could not take them from (and why).
+            "left_with_previous_generation": left_behind(c.dir),
             # Listings of the origin running now (a dataset's first manifest, a refresh): what they found so far.
             "listings": listings_under_way(c.dir),
             # Writable checkpoint volumes: staged bytes, the upload's progress and failures (docs/SEMANTICS.md).
