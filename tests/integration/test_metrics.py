@@ -160,6 +160,8 @@ def test_a_mount_and_the_node_endpoint_count_what_a_known_workload_did(s3, tmp_p
         # (a file read to its end takes one or two READs: wait for the opens too, which count files)
         cold = _wait_for(endpoint, lambda s: value(s, "cachefs_read_bytes_total", kind="small", result="miss")
                          >= total and value(s, "cachefs_fuse_requests_total", op="read", result="ok") >= n
+                         # (a flush adds the request counts, then their times: a scrape may fall in between)
+                         and value(s, "cachefs_fuse_request_duration_seconds_count", op="read") >= n
                          and value(s, "cachefs_fuse_opens_total", mode="userspace") >= n
                          and value(s, "cachefs_dataset_read_bytes_total", dataset=url, result="miss") >= total)
         assert value(cold, "cachefs_origin_requests_total", kind="get", result="ok") - gets0 == n

@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from tests.e2e.controlplane import REPO
+
 from .cluster import CACHE_DIR, mounts_under
 from .conftest import REPORT
 from .harness import BUCKET, IMAGE, digest, last_json
@@ -63,7 +65,7 @@ def cold_dataset(cluster, name: str, files: int = 300) -> tuple[str, dict[str, s
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda kv: cluster.s3_client.put_object(Bucket=BUCKET, Key=f"faults/{name}/{kv[0]}",
                                                               Body=kv[1]), data.items()))
-    return f"s3://{BUCKET}/faults/{name}", {rel: digest(b) for rel, b in data.items()}
+    return cold_dataset_url(name), {rel: digest(b) for rel, b in data.items()}
 
 
 def start_reader(cluster, name: str, url: str, want: dict[str, str], pace: float = 0.05) -> None:
@@ -199,6 +201,26 @@ def replaced_node_pod(cluster, name: str, replace) -> None:
     assert after != before
     assert_unharmed(result)
     assert "took over 1 session(s)" in took, took[-3000:]
+    # The cache stayed warm: a fresh pod reading the whole dataset now asks the origin for nothing.
+    url, want = cold_dataset_url(name), json.loads(cluster.get("configmap", f"{name}-want")["data"]["want.json"])
+    gets_before = origin_gets_under(cluster, url)
+    start_reader(cluster, f"{name}-after", url, want, pace=0.0)
+    again = reader_result(cluster, f"{name}-after")
+    cluster.delete_pod(f"{name}-after")
+    fetched = origin_gets_under(cluster, url) - gets_before
+    REPORT[f"{name}: a fresh pod reading the dataset after the upgrade"] = (
+        f"errors {again['errors']}, wrong {again['wrong']}, origin GETs {fetched}")
+    assert again["errors"] == 0 and again["wrong"] == 0 and fetched == 0
+
+
+def cold_dataset_url(name: str) -> str:
+    return f"s3://{BUCKET}/faults/{name}"
+
+
+def origin_gets_under(cluster, url: str) -> int:
+    """GETs the origin served for objects under ``url`` so far."""
+    prefix = "/" + url[len("s3://"):] + "/"
+    return sum(n for key, n in cluster.s3.requests()["gets"].items() if key.startswith(prefix))
 
 
 def test_the_node_pod_rolled_over_by_a_rollout_restart_under_a_reading_pod(cluster):
@@ -209,6 +231,67 @@ def test_the_node_pod_rolled_over_by_a_rollout_restart_under_a_reading_pod(clust
 def test_the_node_pod_deleted_under_a_reading_pod(cluster):
     replaced_node_pod(cluster, "node-pod-deleted", lambda pod: cluster.kubectl(
         "delete", "pod", "-n", "cachefs-system", pod, "--wait=false"))
+
+
+WRITE_STEPS = r"""
+import hashlib, json, os, sys, time
+run, steps, pace = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+out = {"files": {}, "errors": [], "max_op_s": 0.0}
+print("started", flush=True)
+for i in range(steps):  # a checkpoint per step: written under a temporary name, then renamed into place
+    t = time.monotonic()
+    try:
+        tmp, final = os.path.join(run, f"step-{i}.tmp"), os.path.join(run, f"step-{i}")
+        os.makedirs(tmp)
+        for name, size in (("model.pt", 2_000_000 + i), ("optim.pt", 500_000 + i)):
+            data = os.urandom(size)
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+            out["files"][f"step-{i}/{name}"] = hashlib.sha256(data).hexdigest()
+        os.rename(tmp, final)
+    except OSError as exc:
+        out["errors"].append(f"step {i}: {exc}")
+    out["max_op_s"] = max(out["max_op_s"], time.monotonic() - t)
+    time.sleep(pace)
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_checkpoint_written_and_renamed_while_the_node_pod_is_replaced_reaches_the_origin_whole(cluster):
+    """A writable volume's session moves to the next node pod mid-checkpointing: the writer sees no error, and
+    every step it closed and renamed is on the origin after its pod ends (unpublish waits for the uploads)."""
+    sc = cluster.storage_class("cachefs-rollover-checkpoints", f"s3://{BUCKET}/rollover", writable=True,
+                               source=REPO / "deploy" / "examples" / "checkpoints.yaml")
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                   "metadata": {"name": "rollover-ckpt", "namespace": "default"},
+                   "spec": {"storageClassName": sc["metadata"]["name"], "accessModes": ["ReadWriteMany"],
+                            "resources": {"requests": {"storage": "1Gi"}}}})
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "rollover-writer", "namespace": "default"},
+                   "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
+                            "securityContext": {"fsGroup": 1000, "runAsUser": 1000},  # (as the example job)
+                            "containers": [{"name": "writer", "image": IMAGE, "imagePullPolicy": "Never",
+                                            "command": ["python3", "-c", WRITE_STEPS, "/ckpt/run-1", "40", "0.4"],
+                                            "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}]}],
+                            "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "rollover-ckpt"}}]}})
+    cluster.wait(lambda: "started" in cluster.kubectl("logs", "rollover-writer", check=False), "writer writing", 180)
+    time.sleep(3)
+    before = node_pod(cluster)["metadata"]["name"]
+    cluster.kubectl("rollout", "restart", "daemonset/cachefs-node", "-n", "cachefs-system")
+    written = reader_result(cluster, "rollover-writer")
+    cluster.wait_rollout("daemonset", "cachefs-node")
+    cluster.delete_pod("rollover-writer")  # (its unpublish waits for the uploads)
+    keys = {o["Key"] for o in cluster.s3_client.list_objects_v2(Bucket=BUCKET, Prefix="rollover/run-1/")
+            .get("Contents", [])}
+    missing = [rel for rel in written["files"] if f"rollover/run-1/{rel}" not in keys]
+    wrong = [rel for rel, want in written["files"].items() if f"rollover/run-1/{rel}" in keys and digest(
+        cluster.s3_client.get_object(Bucket=BUCKET, Key=f"rollover/run-1/{rel}")["Body"].read()) != want]
+    REPORT["checkpoints while the node pod is replaced"] = (
+        f"errors {len(written['errors'])}, files {len(written['files'])}, missing on the origin {len(missing)}, "
+        f"wrong {len(wrong)}, longest step {written['max_op_s']:.1f} s")
+    assert node_pod(cluster)["metadata"]["name"] != before
+    assert written["errors"] == [] and len(written["files"]) == 80
+    assert missing == [] and wrong == [], (missing[:5], wrong[:5])
+    assert not any(".tmp" in k for k in keys), sorted(keys)[:10]
 
 
 def test_a_pod_deleted_while_it_reads_leaves_nothing_and_its_neighbour_reads_on(cluster):
