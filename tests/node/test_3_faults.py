@@ -188,7 +188,13 @@ def replaced_node_pod(cluster, name: str, replace) -> None:
     """Replace the node pod (``replace(pod name)``) while a pod reads a cold dataset: the next node pod takes the
     reader's session over, the first one goes, and the reader sees no error, no wrong byte, no long wait."""
     before = node_pod(cluster)["metadata"]["name"]
-    result = run_fault(cluster, name, lambda: replace(before))
+    sessions: list[str] = []  # (the reader's, and those other tests left idle: each is taken over)
+
+    def inject() -> None:
+        sessions.extend(mounts_under("/var/lib/cachefs/csi/sessions"))
+        replace(before)
+
+    result = run_fault(cluster, name, inject)
     cluster.wait_rollout("daemonset", "cachefs-node")
     cluster.wait(lambda: not cluster.exists("pod", before, "cachefs-system"), f"{before} gone", 240)
     after = node_pod(cluster)["metadata"]["name"]
@@ -200,7 +206,8 @@ def replaced_node_pod(cluster, name: str, replace) -> None:
             e[:300] for e in result["kubelet_errors"][:3])
     assert after != before
     assert_unharmed(result)
-    assert "took over 1 session(s)" in took, took[-3000:]
+    assert sessions and f"took over {len(sessions)} session(s)" in took and all(m in took for m in sessions), \
+        (sessions, took[-3000:])
     # The cache stayed warm: a fresh pod reading the whole dataset now asks the origin for nothing.
     url, want = cold_dataset_url(name), json.loads(cluster.get("configmap", f"{name}-want")["data"]["want.json"])
     gets_before = origin_gets_under(cluster, url)

@@ -33,5 +33,6 @@ def test_the_daemonset_deleted_under_a_reading_pod_serves_it_to_the_end_and_leav
         f"mounted {len(result['left_mounted'])}, stale {len(result['stale'])}")
     try:
         assert_unharmed(result)
-    finally:
-        cluster.deploy()  # (as it was, for whatever runs after)
+    finally:  # as it was, for whatever runs after (the example class as deploy/ has it: its parameters are fixed)
+        cluster.kubectl("delete", "storageclass", "cachefs-example", "--ignore-not-found")
+        cluster.deploy()
