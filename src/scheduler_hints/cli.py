@@ -1,6 +1,6 @@
-"""The ``cachefs labels``, ``cachefs scheduler-extender`` and ``cachefs publish-labels`` commands, registered with
-the ``cachefs`` command through the ``cachefs.commands`` entry point (so that the cachefs package never imports
-this one)."""
+"""The ``cachefs labels``, ``cachefs scheduler-extender``, ``cachefs publish-labels`` and ``cachefs dataset-controller``
+commands, registered with the ``cachefs`` command through the ``cachefs.commands`` entry point (so that the cachefs
+package never imports this one)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from cachefs.base.config import Config
 from cachefs.base.errors import CacheFSError, ConfigError
 from cachefs.cli.output import print_json
 
-__all__ = ["add_commands", "extender_tls", "labels", "publish_labels", "scheduler_extender"]
+__all__ = ["add_commands", "dataset_controller", "extender_tls", "labels", "publish_labels", "scheduler_extender"]
 
 
 def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
@@ -50,6 +50,15 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
     pl.add_argument("--min-interval", type=float, default=30.0, help="at most one PATCH per this many seconds")
     pl.add_argument("--once", action="store_true", help="publish once and exit")
     pl.set_defaults(run="scheduler_hints.cli:publish_labels")
+
+    dc = sub.add_parser("dataset-controller", parents=[base],
+                        help="keep every CacheDataset's status from the node agents' accounting (docs/DATASETS.md)")
+    dc.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster service account, then $KUBECONFIG)")
+    dc.add_argument("--interval", type=float, default=5.0, help="seconds between passes (default 5)")
+    dc.add_argument("--once", action="store_true", help="one pass, then exit")
+    dc.add_argument("--lease", default="", metavar="NAMESPACE/NAME",
+                    help="with several replicas: only the one holding this Lease writes (default: none)")
+    dc.set_defaults(run="scheduler_hints.cli:dataset_controller")
 
 
 async def labels(args: argparse.Namespace, config: Config) -> int:
@@ -173,6 +182,32 @@ async def publish_labels(args: argparse.Namespace, config: Config) -> int:
                         "labels_removed": list(result.labels_removed)})
         else:
             await pub.run(args.interval)
+    finally:
+        await client.aclose()
+    return 0
+
+
+async def dataset_controller(args: argparse.Namespace, config: Config) -> int:
+    import os
+
+    from cachefs.kube import ApiError, KubeClient, load_kube_config
+    from scheduler_hints.datasets import DatasetController
+
+    if not args.interval > 0:
+        raise ConfigError("--interval must be positive")
+    client = KubeClient(load_kube_config(args.kubeconfig))
+    if args.lease and "/" not in args.lease:
+        raise ConfigError(f"--lease {args.lease!r}: expected NAMESPACE/NAME")
+    controller = DatasetController(client, interval=args.interval, lease=args.lease,
+                                   identity=os.environ.get("POD_NAME", ""))
+    try:
+        if args.once:
+            try:
+                print_json({"written": await controller.once()})
+            except ApiError as exc:
+                raise CacheFSError(f"dataset controller: {exc}") from None
+        else:
+            await controller.run()
     finally:
         await client.aclose()
     return 0

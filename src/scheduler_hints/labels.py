@@ -5,7 +5,7 @@ Per node and dataset
                 multiple of ``BUCKET_STEP`` (0, 5, …, 100), so a node that is filling up changes its label at
                 most 20 times per dataset.
     annotation  ``ds.cachefs.io/<dataset id>`` — JSON with the exact figures: ``url``, ``cachedBytes``,
-                ``totalBytes``, ``manifestVersion``, ``updatedAt`` (RFC 3339).
+                ``totalBytes``, ``guestBytes``, ``totalFiles``, ``manifestVersion``, ``updatedAt`` (RFC 3339).
     label       ``group.cachefs.io/<dataset id>: "<bucket>"`` — on a node in a cache group, the fraction of the
                 dataset its group holds (the members' cached bytes added up: a group keeps each byte once,
                 docs/CLUSTER.md), in the same buckets: what a pod on this node reads from its node or a peer
@@ -146,6 +146,8 @@ class DatasetCache:
     manifest_version: int = 0
     #: Of the cached bytes, guest data: copies of what other members of its cache group own.
     guest_bytes: int = 0
+    #: Files in the manifest the node holds (0: not known).
+    total_files: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] 
         labels[key] = _bucket_label(d, previous_labels.get(key))
         annotations[key] = json.dumps({
             "url": d.url, "cachedBytes": d.cached_bytes, "totalBytes": d.total_bytes, "guestBytes": d.guest_bytes,
-            "manifestVersion": d.manifest_version, "updatedAt": _rfc3339(now),
+            "totalFiles": d.total_files, "manifestVersion": d.manifest_version, "updatedAt": _rfc3339(now),
         }, separators=(",", ":"), sort_keys=True)
     if summary.cache_group:
         labels[GROUP_LABEL] = validate_label_value(summary.cache_group)

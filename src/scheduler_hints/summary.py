@@ -44,7 +44,7 @@ class IndexSummary(SummarySource):
                 return NodeCacheSummary((), 0, 0, 0, self._group)
         rep = self._node.report()
         datasets = tuple(DatasetCache(d["url"], d["id"], d["cached_bytes"], d["total_bytes"], d["manifest_version"],
-                                      d.get("guest_bytes", 0)) for d in rep["datasets"])
+                                      d.get("guest_bytes", 0), d.get("files", 0)) for d in rep["datasets"])
         free = max(0, min(rep["capacity_bytes"] - rep["used_bytes"], rep["disk_free_bytes"] - rep["min_free_bytes"]))
         group: tuple[DatasetCache, ...] = ()
         if self._group and self._group_datasets is not None:

@@ -208,11 +208,13 @@ class ControlPlane:
 
     # -- API helpers --------------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, *, token: str = ADMIN_TOKEN, raw: bool = False,
-                content_type: str = "application/json") -> Any:
+                content_type: str = "application/json", accept: str | None = None) -> Any:
         req = urllib.request.Request(self.server + path, method=method,
                                      data=None if body is None else json.dumps(body).encode())
         req.add_header("Authorization", f"Bearer {token}")
         req.add_header("Content-Type", content_type)
+        if accept:
+            req.add_header("Accept", accept)
         with urllib.request.urlopen(req, timeout=30, context=_no_verify()) as resp:
             data = resp.read()
         return data if raw else json.loads(data or b"null")
@@ -252,6 +254,7 @@ _PATHS = {
     "ResourceFlavor": ("/apis/kueue.x-k8s.io/v1beta2", "resourceflavors", False),
     "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads", True),
     "PodGroup": ("/apis/scheduling.run.ai/v2alpha2", "podgroups", True),
+    "CacheDataset": ("/apis/cachefs.io/v1alpha1", "cachedatasets", True),
     "ResourceSlice": ("/apis/resource.k8s.io/v1", "resourceslices", False),
     "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
     "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),

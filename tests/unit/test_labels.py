@@ -62,7 +62,7 @@ def test_desired_metadata_and_read_back_round_trip():
     labels, annotations = desired_metadata(summary, now=0)
     assert labels == {dataset_key(a): "90", GROUP_LABEL: "rack-1", FREE_LABEL: "5"}
     assert json.loads(annotations[dataset_key(a)]) == {
-        "url": "s3://b/a", "cachedBytes": 900, "totalBytes": 1000, "guestBytes": 0, "manifestVersion": 3,
+        "url": "s3://b/a", "cachedBytes": 900, "totalBytes": 1000, "guestBytes": 0, "totalFiles": 0, "manifestVersion": 3,
         "updatedAt": "1970-01-01T00:00:00Z"}
     assert json.loads(annotations[NODE_ANNOTATION])["freeBytes"] == 5 * 2**30 + 7
     view = read_node("n1", labels, annotations)

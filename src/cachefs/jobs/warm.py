@@ -78,10 +78,12 @@ async def warm(
     exclude: list[str] | None = None,
     workers: int = 64,
     on_progress: Callable[[Progress], None] | None = None,
+    only: Callable[[Entry], bool] | None = None,
 ) -> Progress:
-    """Cache every selected file of ``ds``. Files that fail are listed in ``Progress.failed``; a full disk,
-    missing credentials or an unreachable origin stop the whole run (raised)."""
-    files = list(select_files(ds.walk_files(), include, exclude))
+    """Cache every selected file of ``ds`` (``only``: of those, the ones it accepts, e.g. this member's share of a
+    cache group's). Files that fail are listed in ``Progress.failed``; a full disk, missing credentials or an
+    unreachable origin stop the whole run (raised)."""
+    files = [e for e in select_files(ds.walk_files(), include, exclude) if only is None or only(e)]
     prog = Progress(files_total=len(files), bytes_total=sum(e.size for e in files))
     wanted: dict[str, int] = {}  # per file to fetch: its bytes missing when the run started
     left: dict[str, int] = {}  # and those of them not counted yet (blocks are counted as they land)

@@ -1,0 +1,179 @@
+"""CacheDataset warm-ups on this node, a task of ``cachefs agent`` (entry point ``cachefs.agent_tasks``;
+docs/DATASETS.md).
+
+Every few seconds the agent lists the CacheDatasets whose ``spec.warmup.enabled`` is set and whose placement
+(``cacheGroup``, ``nodeSelector``) includes its Node, and runs a warm-up (:func:`cachefs.jobs.warm.warm`) for each:
+resumable by construction (what is cached is skipped), so an agent that restarts simply starts again. In a cache
+group each member warms the files whose placement key (a small file's directory window, a large file's first block)
+it owns, and fetches the rest of a large file through the group as a reader would: the origin is read about once per
+byte. A warm-up whose dataset is deleted, turned off or placed elsewhere is cancelled.
+
+Progress is this node's annotation ``warm.cachefs.io/<dataset id>`` (JSON: ``state`` running, done or failed,
+``filesDone``, ``filesTotal``, ``bytesDone``, ``bytesTotal``, ``errors``, ``reason``), which the dataset controller
+adds up into the object's status. Credentials: the dataset's ``credentialsSecret`` in its namespace
+(``awsAccessKeyID``, ``awsSecretAccessKey``), which the node agents may read only where a Role grants them that
+Secret (docs/DATASETS.md), else the node's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from cachefs.base.types import dataset_id, object_key
+from cachefs.cluster.cachedatasets import API, placed_on, warm_key
+from cachefs.cluster.keys import DirectoryWindows, block_key
+from cachefs.jobs.warm import Progress, warm
+
+__all__ = ["Warmups", "warm_datasets"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between looks at the CacheDatasets, and at most one progress PATCH per warm-up this often.
+POLL, REPORT_EVERY = 5.0, 3.0
+
+
+class Warmups:
+    """The warm-ups of one node (``ctx``: cachefs.agent.AgentContext)."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self._running: dict[str, tuple[str, asyncio.Task]] = {}  # object uid -> (what it warms, the task)
+        self._said_forbidden = False
+
+    async def run(self) -> None:
+        try:
+            while True:
+                with contextlib.suppress(Exception):
+                    await self.once()
+                await asyncio.sleep(POLL)
+        finally:
+            for _, task in self._running.values():
+                task.cancel()
+
+    async def once(self) -> None:
+        kube = self.ctx.kube
+        try:
+            objs = (await kube.get(f"{API}/cachedatasets")).get("items") or []
+        except Exception as exc:
+            if not self._said_forbidden:
+                log.warning("CacheDatasets not readable (%s): no warm-ups on this node", exc)
+                self._said_forbidden = True
+            raise
+        node = await kube.get(f"/api/v1/nodes/{self.ctx.node}")
+        wanted: dict[str, tuple[str, Mapping[str, Any]]] = {}
+        for obj in objs:
+            spec, meta = obj.get("spec") or {}, obj.get("metadata") or {}
+            if (spec.get("warmup") or {}).get("enabled") and placed_on(spec, node):
+                what = json.dumps([spec.get("url"), spec.get("include"), spec.get("exclude"),
+                                   (spec.get("warmup") or {}).get("include"), meta.get("generation")], sort_keys=True)
+                wanted[str(meta.get("uid"))] = (what, obj)
+        for uid, (what, task) in list(self._running.items()):
+            if uid not in wanted or wanted[uid][0] != what:
+                task.cancel()
+                del self._running[uid]
+        for uid, (what, obj) in wanted.items():
+            running = self._running.get(uid)
+            if running is None or (running[1].done() and running[1].exception() is not None):
+                self._running[uid] = (what, asyncio.ensure_future(self._warm(obj)))
+
+    async def _warm(self, obj: Mapping[str, Any]) -> None:
+        from cachefs.engine import get_engine
+
+        spec, meta = obj.get("spec") or {}, obj.get("metadata") or {}
+        url = str(spec["url"])
+        ds_id = dataset_id(url)
+        report = _Reporter(self.ctx.kube, self.ctx.node, ds_id)
+        try:
+            options = await self._storage_options(str(meta.get("namespace", "default")), spec)
+            engine = self.ctx.engine or get_engine(self.ctx.config)
+            ds = await engine.open_dataset(url, storage_options=options)
+            only = self._share(engine, ds)
+            include = (spec.get("warmup") or {}).get("include") or spec.get("include")
+            log.info("warming %s on this node (%s)", url, "its share of the group" if only else "whole")
+            prog = await warm(engine, ds, include=include, exclude=spec.get("exclude"), only=only,
+                              on_progress=report.progress)
+            await report.send(prog, "done" if not prog.failed else "failed",
+                              f"{len(prog.failed)} file(s) failed" if prog.failed else "", force=True)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await report.clear()
+            raise
+        except Exception as exc:
+            log.warning("warm-up of %s: %s", url, exc)
+            await report.send(report.last or Progress(), "failed", str(exc)[:500], force=True)
+            raise
+
+    def _share(self, engine, ds):
+        """This member's share of a group's dataset (None: the whole of it, outside a group)."""
+        table = self.ctx.table
+        if table is None or not self.ctx.group:
+            return None
+        windows, me, ds_id = DirectoryWindows(), self.ctx.node, ds.ref.id
+
+        def mine(e) -> bool:
+            key = (windows.key(ds, e.path) if engine.strategy(e) is engine.packs else
+                   block_key(object_key(ds_id, e.path, e.version), 0))
+            return table.placement.owner(key) in (me, None)
+
+        return mine
+
+    async def _storage_options(self, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if spec.get("endpointUrl"):
+            options["endpoint_url"] = spec["endpointUrl"]
+        if spec.get("region"):
+            options["client_kwargs"] = {"region_name": spec["region"]}
+        name = spec.get("credentialsSecret")
+        if name:
+            secret = await self.ctx.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+            data = secret.get("data") or {}
+            try:
+                options["key"] = base64.b64decode(data["awsAccessKeyID"]).decode()
+                options["secret"] = base64.b64decode(data["awsSecretAccessKey"]).decode()
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"Secret {namespace}/{name} lacks awsAccessKeyID/awsSecretAccessKey") from exc
+        return options
+
+
+class _Reporter:
+    """This node's progress annotation of one warm-up, patched at most every :data:`REPORT_EVERY` seconds."""
+
+    def __init__(self, kube, node: str, ds_id: str) -> None:
+        self.kube, self.node, self.key = kube, node, warm_key(ds_id)
+        self.last: Progress | None = None
+        self._sent_at = 0.0
+        self._pending: asyncio.Task | None = None
+
+    def progress(self, prog: Progress) -> None:
+        self.last = prog
+        if time.monotonic() - self._sent_at >= REPORT_EVERY and (self._pending is None or self._pending.done()):
+            self._pending = asyncio.ensure_future(self.send(prog, "running", ""))
+
+    async def send(self, prog: Progress, state: str, reason: str, *, force: bool = False) -> None:
+        self._sent_at = time.monotonic()
+        value = json.dumps({"state": state, "filesDone": prog.files_done, "filesTotal": prog.files_total,
+                            "bytesDone": prog.bytes_done, "bytesTotal": prog.bytes_total,
+                            "errors": len(prog.failed), "reason": reason}, separators=(",", ":"), sort_keys=True)
+        try:
+            await self.kube.merge_patch(f"/api/v1/nodes/{self.node}", {"metadata": {"annotations": {self.key: value}}})
+        except Exception as exc:  # noqa: BLE001 - progress is best effort; the next report says it again
+            if force:
+                log.warning("warm-up progress not published: %s", exc)
+
+    async def clear(self) -> None:
+        await self.kube.merge_patch(f"/api/v1/nodes/{self.node}", {"metadata": {"annotations": {self.key: None}}})
+
+
+async def warm_datasets(ctx) -> None:
+    """This node's CacheDataset warm-ups (``ctx``: :class:`~cachefs.agent.node_agent.AgentContext`; nothing
+    without a Kubernetes API)."""
+    if ctx.kube is None:
+        return
+    await Warmups(ctx).run()

@@ -1,0 +1,58 @@
+"""A CacheDataset on the real node: the agent warms it (with the credentials Secret a Role lets it read), the
+dataset controller in the CSI controller Deployment writes its status from the agent's own accounting, `kubectl get
+cachedatasets` shows it, a pod then reads it without asking the origin, and the status never claims bytes that are
+no longer on the node's disk (evicted: it follows)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .cluster import CACHE_DIR
+from .conftest import REPORT
+from .test_3_faults import cold_dataset, origin_gets_under, reader_result, start_reader
+
+
+def status(cluster) -> dict:
+    return cluster.get("cachedataset", "warm-me").get("status") or {}
+
+
+def test_a_cachedataset_is_warmed_by_the_agent_and_its_status_follows_the_cache(cluster):
+    url, want = cold_dataset(cluster, "cds-warm")
+    cluster.apply(  # least privilege: the node agents may read this one Secret, in this namespace only
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": "cachefs-warm-credentials", "namespace": "default"},
+         "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["dataset-credentials"],
+                    "verbs": ["get"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": "cachefs-warm-credentials", "namespace": "default"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cachefs-warm-credentials"},
+         "subjects": [{"kind": "ServiceAccount", "name": "cachefs-node", "namespace": "cachefs-system"}]})
+    cluster.apply({"apiVersion": "cachefs.io/v1alpha1", "kind": "CacheDataset",
+                   "metadata": {"name": "warm-me", "namespace": "default"},
+                   "spec": {"url": url, "endpointUrl": cluster.s3.endpoint, "region": "us-east-1",
+                            "credentialsSecret": "dataset-credentials", "warmup": {"enabled": True}}})
+    cluster.wait(lambda: status(cluster).get("phase") == "Ready", "the dataset warmed and Ready", 240)
+    st = status(cluster)
+    REPORT["CacheDataset warmed by the agent"] = (
+        f"{st['size']}, {st['files']} files, cached {st['cachedPercentage']}, warm-up {st['warmup']['progress']}, "
+        f"errors {st['warmup']['errors']}")
+    assert st["cachedPercentage"] == "100.0%" and st["files"] == len(want)
+    assert st["warmup"]["progress"] == f"{len(want)}/{len(want)} files" and st["warmup"]["errors"] == 0
+    table = cluster.kubectl("get", "cachedatasets", "warm-me")
+    assert "100.0%" in table and "Ready" in table and url in table, table
+    # A pod reading it now is served from the node's cache: nothing asked of the origin.
+    gets = origin_gets_under(cluster, url)
+    start_reader(cluster, "cds-reader", url, want, pace=0.0)
+    read = reader_result(cluster, "cds-reader")
+    cluster.delete_pod("cds-reader")
+    assert read["errors"] == 0 and read["wrong"] == 0 and origin_gets_under(cluster, url) == gets
+    # Evicted from the node's disk: the status follows (it never claims bytes that are not there).
+    out = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "evict", url, "--cache-dir", CACHE_DIR],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cluster.wait(lambda: status(cluster).get("cachedBytes", 1) == 0, "the status after the eviction", 180)
+    REPORT["CacheDataset after `cachefs evict` on the node"] = json.dumps(
+        {k: status(cluster).get(k) for k in ("phase", "cachedBytes", "cachedPercentage")})
+    cluster.kubectl("delete", "cachedataset", "warm-me")
