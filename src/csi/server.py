@@ -34,6 +34,8 @@ __all__ = ["serve"]
 REPAIR_INTERVAL = 30.0
 #: Default time a session no pod uses keeps running (a pod that comes back soon finds it mounted).
 SESSION_IDLE_TIMEOUT = 600.0
+#: Stopped with no next node pod in sight for this long, the plugin stops the sessions no pod uses.
+SUCCESSOR_GRACE = 30.0
 
 log = logging.getLogger("cachefs.csi")
 
@@ -141,11 +143,14 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
 def _wait_for_sessions(keeper: SessionKeeper, sessions: SessionManager, timeout: float) -> None:
     """Serve on (NodeUnpublish above all) while the keeper keeps sessions, up to ``timeout`` seconds: the next node
     pod takes them over (its keeper takes each copy from this one), or, when none is coming (the DaemonSet is being
-    removed), their pods end, and sessions no pod uses are stopped at once rather than after the idle time."""
-    deadline = time.monotonic() + timeout
+    removed), their pods end; sessions no pod uses are stopped once no next pod has shown up for
+    ``SUCCESSOR_GRACE`` seconds, rather than after the idle time."""
+    started = time.monotonic()
+    deadline = started + timeout
     said = -1
     while (left := len(keeper.sessions())) and time.monotonic() < deadline:
-        if not successor_present(keeper.path):
+        # (a deleted pod's successor starts a few seconds after it is told to stop: idle sessions wait for it)
+        if time.monotonic() - started >= SUCCESSOR_GRACE and not successor_present(keeper.path):
             sessions.stop_idle_sessions(0)
         if left != said:
             log.warning("stopping: %d session(s) kept here wait for the next node pod or for their pods to end",

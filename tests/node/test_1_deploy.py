@@ -49,11 +49,18 @@ def test_cachefs_pods_run_and_the_driver_is_registered(cluster):
 EXPECTED_WARNINGS = {"MissingClusterDNS", "Unhealthy"}
 
 
+def _kubelet_catching_up(event: dict) -> bool:
+    """kubelet's own ConfigMap informer not yet synced when it first mounts a pod's ConfigMap volume (a node busy
+    starting every pod at once); it retries and the pod starts. Not a defect of deploy/."""
+    return event["reason"] == "FailedMount" and "failed to sync configmap cache" in event["message"]
+
+
 def test_nothing_of_cachefs_warns(cluster):
     """Every Warning event about cachefs's own objects is a defect of deploy/ (one found this way: a
     PodDisruptionBudget over the DaemonSet's pods, which the disruption controller can never compute, since
     DaemonSets have no scale subresource, and which therefore refused every eviction of a node pod)."""
     events = json.loads(cluster.kubectl("get", "events", "-n", "cachefs-system", "-o", "json"))["items"]
     warnings = [f"{e['involvedObject']['kind']}/{e['involvedObject']['name']}: {e['reason']}: {e['message']}"
-                for e in events if e["type"] == "Warning" and e["reason"] not in EXPECTED_WARNINGS]
+                for e in events if e["type"] == "Warning" and e["reason"] not in EXPECTED_WARNINGS
+                and not _kubelet_catching_up(e)]
     assert warnings == []

@@ -63,7 +63,7 @@ def test_a_gib_read_in_a_pod_is_as_fast_as_on_the_node(cluster, tmp_path):
                        "command": ["python3", "-c", READ_TIMED, "/data/one-gib.bin"],
                        # a CPU of its own, as a training pod asks for: a BestEffort pod gets the smallest CPU share
                        # of a node busy with the control plane, and the host's reader runs with the default share
-                       "resources": {"requests": {"cpu": "1", "memory": "256Mi"}},
+                       "resources": {"requests": {"cpu": "900m", "memory": "256Mi"}},
                        "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}]}],
                        "volumes": [{"name": "data", **volume}]}})
     assert cluster.wait_pod("gib-reader", ("Succeeded", "Failed"), timeout=600) == "Succeeded", \
