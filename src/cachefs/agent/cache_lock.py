@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 
+from cachefs.base.aio import stop_on_signals
 from cachefs.base.config import prepare_cache_dir
 from cachefs.base.errors import ConfigError
 from cachefs.base.files import atomic_write
@@ -88,7 +89,7 @@ class CacheDirLock:
 
     async def stand_by(self) -> bool:
         """Wait until the lock is free and no live claimant waits for it, then take it; False if signalled."""
-        stop = self._signalled()
+        stop = stop_on_signals()
         while not stop.is_set():
             generation, pid = self._claim()
             if not generation or not process_alive(pid):
@@ -103,14 +104,6 @@ class CacheDirLock:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), CLAIM_POLL)
         return False
-
-    @staticmethod
-    def _signalled() -> asyncio.Event:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        return stop
 
     async def wait(self) -> bool:
         """Claim the lock (its holder hands it over) and wait for it; False if signalled meanwhile."""
@@ -132,7 +125,7 @@ class CacheDirLock:
             loop.call_soon_threadsafe(settle, None)
 
         threading.Thread(target=block, name="cachefs-agent-lock", daemon=True).start()
-        stop = self._signalled()
+        stop = stop_on_signals()
         stopped: asyncio.Future[bool] = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait([got, stopped], return_when=asyncio.FIRST_COMPLETED)

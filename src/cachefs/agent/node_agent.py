@@ -27,6 +27,7 @@ from cachefs.agent.peer_listener import PeerListener, raise_fd_limit
 from cachefs.agent.peer_server import make_peer_app
 from cachefs.agent.replicas import ReplicaStore
 from cachefs.agent.serving import GroupServing
+from cachefs.base.aio import stop_on_signals
 from cachefs.base.config import ClusterConfig, Config, parse_listen, resolve_size
 from cachefs.base.errors import ConfigError
 from cachefs.base.log_limits import limit_logs
@@ -145,7 +146,7 @@ async def _run_agent(config: Config, node: str, *, kubeconfig: str | None, metri
     tasks.append(asyncio.ensure_future(_keep_members_file(config.cache.dir, table, synced, view,
                                                           engine.group.refresh)))
     tasks.append(asyncio.ensure_future(_keep_heat_file(config.cache.dir, heat)))
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     log.info("cachefs agent %s of group %s: peer server on %s", node, k.group, k.listen)
     if ready_file:
         await synced.wait()
@@ -228,14 +229,6 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _stop_on_signals() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
 #: How often an agent outside every cache group looks for its Node's group label (README labels nodes after
 #: deploying; the agent then joins without a restart).
 GROUP_LABEL_POLL = 10.0
@@ -262,7 +255,7 @@ async def _outside_groups(config: Config, node: str, kube) -> str:
     except OSError as exc:
         raise ConfigError(f"cluster.listen {k.listen}: {exc.strerror}") from None
     publisher = _start_tasks(AgentContext(config, node, "", None, None, kube))  # (the label publisher)
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     group = ""
     try:
         while kube is not None and not group:

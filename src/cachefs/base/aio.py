@@ -11,13 +11,14 @@ import asyncio
 import atexit
 import contextlib
 import os
+import signal
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["get_loop", "run_apart", "run_sync", "single_flight"]
+__all__ = ["get_loop", "run_apart", "run_sync", "single_flight", "stop_on_signals"]
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -101,6 +102,15 @@ async def run_apart(make: Callable[[], Coroutine[Any, Any, T]], name: str = "cac
         with contextlib.suppress(RuntimeError):  # (its loop is closed: it had ended)
             own["loop"].call_soon_threadsafe(own["task"].cancel)
         raise
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event the running loop sets on SIGTERM or SIGINT (replacing the handlers set before)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def single_flight(table: dict, key, coro) -> asyncio.Future:
