@@ -36,7 +36,7 @@ from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender_wire import NodeItems, NodeNames, as_sent
 from scheduler_hints.gang import GangManager
 from scheduler_hints.node_cache import NodeCache
-from scheduler_hints.pods import VolumeIndex, pod_gang, pod_key
+from scheduler_hints.pods import VolumeIndex, pod_gang, pod_key, pod_wait_warm
 from scheduler_hints.priorities import Priorities
 from scheduler_hints.request_nodes import RequestNodes
 from scheduler_hints.scoring import NodeState, PodNeeds, Weights
@@ -55,6 +55,12 @@ def _ci(obj: Any, key: str) -> Any:
         return obj[key]
     lk = key.lower()
     return next((v for k, v in obj.items() if isinstance(k, str) and k.lower() == lk), None)
+
+
+def _selector(pod: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The pod's nodeSelector as sorted ``(label, value)`` pairs."""
+    raw = (pod.get("spec") or {}).get("nodeSelector")
+    return tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, Mapping) else ()
 
 
 class BadRequest(Exception):
@@ -169,9 +175,7 @@ class Extender:
         ``nodeSelector`` matches (Kueue writes the flavor's and the topology assignment's labels there), less the
         GPU nodes of the other style on a cluster that has both. A gang counted on nodes it cannot use would be
         admitted where only part of it can run."""
-        raw = (pod.get("spec") or {}).get("nodeSelector")
-        selector = tuple(sorted((str(k), str(v)) for k, v in raw.items())) if isinstance(raw, Mapping) else ()
-        return self._nodes.cluster_matching(held, self.state.gpu_style(pod), selector)
+        return self._nodes.cluster_matching(held, self.state.gpu_style(pod), _selector(pod))
 
     # -- verbs ----------------------------------------------------------------------------------------------
     def filter(self, body: Any) -> dict[str, Any]:
@@ -208,14 +212,24 @@ class Extender:
     def _refusal(self, pod: Mapping[str, Any], items: list[Mapping[str, Any]]) -> str | None:
         """Why the pod may not run now (a gang not admitted, a wait for nodes holding its data), or None."""
         state = self.state
-        gang = pod_gang(pod, state.min_members)
+        found = pod_gang(pod, state.min_members)
         gpus = state.gpus_of(pod)
-        if gang is not None and gang.min_member > 1 and gpus > 0:
+        gang = found if found is not None and found.min_member > 1 and gpus > 0 else None
+        share = pod_wait_warm(pod)
+        if share is not None and not (gang is not None and state.gangs.admitted(gang)):
+            # (a gang is asked before it is admitted, so that while it waits it holds nothing)
+            where = self._cluster_for(pod, {}) if gang is not None else self._nodes.states(items, {})
+            reason = self.admission.warm_refusal(f"gang {gang.key}" if gang is not None else f"pod {pod_key(pod)}",
+                                                 share, state.needs(pod), where, state.node_cache.cluster()[1])
+            if reason:
+                return reason
+        if gang is not None:
             if state.gangs.admitted(gang):
                 return None
             needs = state.needs(pod)
             score = self.priorities.locality(needs, state.node_cache.cluster()[1])
-            return self.admission.gang_refusal(gang, gpus, needs, score, self._cluster_for(pod, state.held()))
+            return self.admission.gang_refusal(gang, gpus, needs, score, self._cluster_for(pod, state.held()),
+                                               _selector(pod))
         if not items or self.admission.locality_wait <= 0:
             return None
         needs = state.needs(pod)
@@ -223,7 +237,7 @@ class Extender:
             return None
         score = self.priorities.locality(needs, state.node_cache.cluster()[1])
         return self.admission.locality_refusal(pod_key(pod), needs, score, 1, gpus,
-                                               lambda: self._nodes.states(items, state.held()))
+                                               lambda: self._nodes.states(items, state.held()), _selector(pod))
 
     def prioritize(self, body: Any) -> list[dict[str, Any]]:
         pod, items, _ = self._args(body)

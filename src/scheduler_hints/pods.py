@@ -15,6 +15,7 @@ __all__ = [
     "CSI_DRIVER",
     "DATASETS_ANNOTATION",
     "GPU_RESOURCE",
+    "WAIT_WARM_ANNOTATION",
     "GangRef",
     "StaticVolumes",
     "VolumeIndex",
@@ -23,6 +24,7 @@ __all__ = [
     "pod_gang",
     "pod_gpus",
     "pod_key",
+    "pod_wait_warm",
 ]
 
 CSI_DRIVER = "csi.cachefs.io"
@@ -37,6 +39,8 @@ KUEUE_GROUP_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
 KUEUE_WORKLOAD_ANNOTATION = "kueue.x-k8s.io/workload"  # pods of a workload Kueue admitted (Job, JobSet …)
 KUEUE_TAS_LABEL = "kueue.x-k8s.io/tas"  # … placed by Kueue's topology-aware scheduling
 GANG_ANNOTATION = "cachefs.io/gang"  # ours
+#: A pod (or gang) that should not start before this percentage of its data is cached where it lands.
+WAIT_WARM_ANNOTATION = "cachefs.io/wait-warm"
 GANG_SIZE_ANNOTATION = "cachefs.io/gang-size"
 #: Volume attribute keys that carry the dataset URL (PV spec.csi.volumeAttributes or inline csi.volumeAttributes).
 URL_ATTRIBUTES = ("url", "dataset")
@@ -112,6 +116,17 @@ def pod_datasets(pod: Mapping[str, Any], volumes: VolumeIndex | None = None) -> 
 #: More of a resource than any node has: a larger request is this many (it fits nowhere), so that arithmetic
 #: on it stays within 64-bit arrays (a request of 10**23 GPUs was an OverflowError and a 500).
 MAX_QUANTITY = 1 << 40
+
+
+def pod_wait_warm(pod: Mapping[str, Any]) -> float | None:
+    """The share (0–1] of its data the pod waits to see cached where it lands (``cachefs.io/wait-warm``, a
+    percentage), or None: not asked, or not a number in (0, 100]."""
+    raw = (_meta(pod).get("annotations") or {}).get(WAIT_WARM_ANNOTATION)
+    try:
+        share = float(str(raw).strip().rstrip("%")) / 100 if raw is not None else None
+    except ValueError:
+        return None
+    return share if share is not None and 0 < share <= 1 else None
 
 
 def _quantity(value: Any) -> int:

@@ -37,6 +37,7 @@ __all__ = [
     "score_nodes",
     "short_hole_fit",
     "short_hole_fit_of",
+    "warm_share",
     "whole_nodes_short",
 ]
 
@@ -95,6 +96,18 @@ def group_fractions(nodes: Sequence[NodeState]) -> dict[str, dict[str, float]]:
     for g, pub in published.items():
         summed[g].update(pub)
     return summed
+
+
+def warm_share(needs: PodNeeds, node: NodeState, groups: Mapping[str, Mapping[str, float]] | None = None
+               ) -> float:
+    """The share of the pod's bytes cached where it would read them on ``node``: on the node itself or in its
+    cache group (``groups`` from :func:`group_fractions`), whichever holds more of each dataset."""
+    if not needs.datasets:
+        return 1.0
+    raw = {d: (b if b > 0 else 1) for d, b in needs.datasets.items()}
+    total = sum(raw.values())
+    group = (groups or {}).get(node.cache.cache_group or "") or {}
+    return min(1.0, sum(b / total * max(node.cache.fractions.get(d, 0.0), group.get(d, 0.0)) for d, b in raw.items()))
 
 
 def locality(needs: PodNeeds, node: NodeState,

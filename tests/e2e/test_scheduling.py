@@ -333,3 +333,26 @@ def test_scheduler_accepted_every_extender_response(k8s):
 
 def test_extender_log_has_no_tracebacks(k8s):
     assert "Traceback" not in k8s.log("extender")
+
+
+def test_a_pod_that_asks_for_warm_data_stays_pending_saying_why_until_its_node_holds_it(k8s):
+    """`cachefs.io/wait-warm: "80"` through the real kube-scheduler: the pod's FailedScheduling event carries the
+    extender's reason (how warm the best node is) and the pod binds once the node's labels say 90 %."""
+    make_node(k8s, "warmwait-a", labels={"e2e": "warmwait"})
+    label_node(k8s, "warmwait-a", 300 * 2**30, 1000 * 2**30)
+    time.sleep(1)  # let the extender's node watch see the labels
+    pod = make_pod("warmwait", selector={"e2e": "warmwait"},
+                   annotations={"cachefs.io/datasets": URL, "cachefs.io/wait-warm": "80"})
+    k8s.apply(pod)
+
+    def said() -> str:
+        events = k8s.request("GET", "/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3Dwarmwait")
+        return " ".join(e.get("message", "") for e in events["items"] if e.get("reason") == "FailedScheduling")
+
+    message = wait_for(said, 60, "a FailedScheduling event")
+    assert "30 percent cached in node warmwait-a" in message and "MISSING" not in message, message
+    assert node_of(k8s, "warmwait") is None
+    label_node(k8s, "warmwait-a", 900 * 2**30, 1000 * 2**30)
+    assert wait_for(lambda: node_of(k8s, "warmwait"), 90, "bound once warm") == "warmwait-a"
+    delete_pod(k8s, "warmwait")
+    k8s.request("DELETE", "/api/v1/nodes/warmwait-a")

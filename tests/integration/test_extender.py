@@ -497,7 +497,7 @@ def test_pod_waits_for_the_busy_node_holding_its_data_then_runs_elsewhere(server
     p = pod("p", annotation=URL, gpus=8)
     _, out = post(base, "filter", args(p, [node("empty")]))  # kube-scheduler's candidates: only the free node
     assert out["Nodes"]["items"] == [] and "holding its data" in out["FailedNodes"]["empty"], out
-    assert "the free ones hold 0%" in out["FailedNodes"]["empty"] and "the best ones 100%" in out["FailedNodes"]["empty"]
+    assert "the free ones hold 0 percent" in out["FailedNodes"]["empty"] and "the best ones 100 percent" in out["FailedNodes"]["empty"]
     ext.pod_gone("ml/other")  # the holder frees up within the wait: the pod goes there
     _, out = post(base, "filter", args(p, nodes))
     assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["holder", "empty"] and not out["FailedNodes"]
@@ -587,3 +587,65 @@ def test_achievable_locality_is_the_best_free_slots_of_the_candidates(seed):
             for per in (0, 2):
                 want = best_slots_locality(((score(n), n.gpu_free // per if per else 1) for n in cands), count)
                 assert ext.admission.achievable(needs, score, base, cands, count, per) == pytest.approx(want)
+
+
+def _waiting(p: dict, share: str) -> dict:
+    p["metadata"]["annotations"]["cachefs.io/wait-warm"] = share
+    return p
+
+
+def test_a_pod_that_waits_for_warm_data_runs_once_that_share_is_cached_where_it_can_land(server):
+    """`cachefs.io/wait-warm: "90"`: the filter refuses, saying how warm the best node is, until 90 % of the pod's
+    dataset is cached on a node it could run on; a pod without it runs at once (locality waits aside)."""
+    base, ext = server
+    ext.admission.locality_wait = 0  # (only the wait asked for)
+    nodes = [node("w1", fraction=0.6), node("w2", fraction=0.3)]
+    for n in nodes:
+        ext.node_cache.update(n)
+    _, out = post(base, "filter", args(_waiting(pod("p", annotation=URL), "90"), nodes))
+    reason = out["FailedNodes"].get("w1", "")
+    assert not out["Nodes"]["items"] and "wait-warm 90 percent" in reason and "60 percent cached in node w1" in reason, out
+    _, out = post(base, "filter", args(pod("q", annotation=URL), nodes))
+    assert len(out["Nodes"]["items"]) == 2
+    warm = node("w1", fraction=0.95)
+    ext.node_cache.update(warm)
+    _, out = post(base, "filter", args(_waiting(pod("p", annotation=URL), "90"), [warm, nodes[1]]))
+    assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["w1", "w2"]
+    _, out = post(base, "filter", args(_waiting(pod("r", annotation=URL), "not a number"), nodes))
+    assert len(out["Nodes"]["items"]) == 2  # (a value it cannot read asks for nothing)
+
+
+def test_a_gang_waiting_for_warm_data_holds_nothing_until_its_group_holds_enough(server):
+    base, ext = server
+    ext.admission.locality_wait = 0
+    ext.node_cache.refresh_interval = 0  # (cache labels are followed at once here, not every few seconds)
+    nodes = [node("a1", fraction=0.4), node("a2", fraction=0.2)]
+    for n in nodes:
+        n["metadata"]["labels"]["cachefs.io/cache-group"] = "rack-a"
+        ext.node_cache.update(n)
+    members = [_waiting(pod(f"m{i}", annotation=URL, gpus=8, gang="wg", gang_size=2), "70") for i in range(2)]
+    _, out = post(base, "filter", args(members[0], nodes))
+    said = out["FailedNodes"]["a1"]
+    assert "gang ml/wg" in said and "60 percent cached in group rack-a" in said, out
+    assert not ext.gangs.admitted(pod_gang(members[0], {}))
+    nodes[1] = node("a2", fraction=0.35)
+    nodes[1]["metadata"]["labels"]["cachefs.io/cache-group"] = "rack-a"
+    ext.node_cache.update(nodes[1])  # the group now holds 40 % + 35 %: the gang goes
+    _, out = post(base, "filter", args(members[0], nodes))
+    assert len(out["Nodes"]["items"]) == 2 and ext.gangs.admitted(pod_gang(members[0], {})), out["FailedNodes"]
+
+
+def test_a_pod_does_not_wait_for_nodes_its_node_selector_rules_out(server):
+    """Delay scheduling counts only nodes the pod could ever run on: a node holding 90 % of its data but outside
+    its nodeSelector is not worth waiting for (it waited for one, up to locality_wait, in the e2e run)."""
+    base, ext = server
+    far, near = node("far", fraction=0.9), node("near", fraction=0.1)
+    far["metadata"]["labels"]["zone"], near["metadata"]["labels"]["zone"] = "b", "a"
+    for n in (far, near):
+        ext.node_cache.update(n)
+    p = pod("picky", annotation=URL)
+    p["spec"]["nodeSelector"] = {"zone": "a"}
+    _, out = post(base, "filter", args(p, [near]))
+    assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["near"], out["FailedNodes"]
+    _, out = post(base, "filter", args(pod("anywhere", annotation=URL), [near]))  # free to wait for "far"
+    assert not out["Nodes"]["items"] and "waits up to" in out["FailedNodes"]["near"]
