@@ -497,7 +497,8 @@ def test_pod_waits_for_the_busy_node_holding_its_data_then_runs_elsewhere(server
     p = pod("p", annotation=URL, gpus=8)
     _, out = post(base, "filter", args(p, [node("empty")]))  # kube-scheduler's candidates: only the free node
     assert out["Nodes"]["items"] == [] and "holding its data" in out["FailedNodes"]["empty"], out
-    assert "the free ones hold 0 percent" in out["FailedNodes"]["empty"] and "the best ones 100 percent" in out["FailedNodes"]["empty"]
+    said = out["FailedNodes"]["empty"]
+    assert "the free ones hold 0 percent" in said and "the best ones 100 percent" in said
     ext.pod_gone("ml/other")  # the holder frees up within the wait: the pod goes there
     _, out = post(base, "filter", args(p, nodes))
     assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["holder", "empty"] and not out["FailedNodes"]
