@@ -154,10 +154,16 @@ class LocalMounter:
         them."""
         if not self.keeper:
             return [], {}
+        from csi.sessions import sessions_in_use
+
         taken: list[str] = []
         left: dict[str, str] = {}
+        # Sessions pods use first: each waits only for its own hand-over, and the idle ones can wait their turn.
+        in_use = sessions_in_use(os.path.dirname(root))
         for keeper, sessions in predecessors(self.keeper).items():
-            for mnt, meta in sorted(sessions.items()):
+            ordered = sorted(sessions.items(), key=lambda s: (os.path.basename(os.path.dirname(s[0])) not in in_use,
+                                                               s[0]))
+            for mnt, meta in ordered:
                 if os.path.commonpath([mnt, root]) != root or mnt in taken:
                     continue
                 why = takeable(meta)

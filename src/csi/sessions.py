@@ -197,6 +197,16 @@ class SessionManager:
             atomic_write(self._record_path, json.dumps(self.publishes, indent=1, sort_keys=True), fsync=True)
 
 
+def sessions_in_use(state_dir: str) -> set[str]:
+    """Keys of the sessions a recorded publish uses (a pod's volume), from the plugin's record in ``state_dir``."""
+    try:
+        with open(os.path.join(state_dir, "publishes.json")) as f:
+            publishes = json.load(f)
+        return {_recorded_volume(rec).session_key for rec in publishes.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
 def _recorded_volume(rec: dict) -> DatasetVolume:
     """The volume a publish record names, for the group it was published for."""
     return DatasetVolume.from_attributes(rec["attributes"]).for_group(rec.get("group"))

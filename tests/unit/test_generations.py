@@ -4,6 +4,7 @@ sessions and a pod reading, is tests/e2e/test_csi.py; on a real node, tests/node
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -111,3 +112,16 @@ def test_the_mounter_is_not_ready_while_an_earlier_pod_serves_a_session_it_could
     finally:
         stop.set()
         t.join(10)
+
+
+def test_the_sessions_pods_use_are_known_from_the_plugins_publish_record(tmp_path):
+    """The next pod takes those over first (each waits only for its own hand-over; idle ones can wait)."""
+    from csi.sessions import sessions_in_use
+    from csi.volume import DatasetVolume
+
+    vol = DatasetVolume.from_attributes({"url": "s3://b/imagenet"})
+    (tmp_path / "publishes.json").write_text(json.dumps(
+        {"/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/data/mount": {"attributes": {"url": "s3://b/imagenet"}}}))
+    assert sessions_in_use(str(tmp_path)) == {vol.session_key}
+    (tmp_path / "publishes.json").write_text("{not json")
+    assert sessions_in_use(str(tmp_path)) == set()
