@@ -33,11 +33,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cachefs.base.types import dataset_id
+from cachefs.base.values import human_bytes
 from cachefs.cluster.cachedatasets import API, placed_on, warm_key
 from cachefs.kube import ApiError
-from scheduler_hints.labels import DATASET_PREFIX, GROUP_LABEL
+from scheduler_hints.labels import GROUP_LABEL, DatasetCache, dataset_key, read_dataset_annotation, rfc3339
 
-__all__ = ["API", "DatasetController", "dataset_status", "human_size"]
+__all__ = ["API", "DatasetController", "dataset_status"]
 
 log = logging.getLogger(__name__)
 
@@ -49,38 +50,20 @@ INTERVAL = 5.0
 class _Holding:
     node: str
     group: str
-    cached: int
-    guest: int
-    total: int
-    files: int
-    version: int
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    figures: DatasetCache
 
 
 def _holdings(ds_id: str, nodes: list[Mapping[str, Any]]) -> list[_Holding]:
+    """What each node published of the dataset (malformed figures: as if nothing were cached there)."""
     out = []
-    key = f"{DATASET_PREFIX}/{ds_id}"
+    key = dataset_key(ds_id)
     for node in nodes:
         meta = node.get("metadata") or {}
         raw = (meta.get("annotations") or {}).get(key)
-        if not raw:
-            continue
-        try:
-            d = json.loads(raw)
-            h = _Holding(str(meta.get("name", "")), str((meta.get("labels") or {}).get(GROUP_LABEL, "")),
-                         max(0, int(d["cachedBytes"])), max(0, int(d.get("guestBytes", 0))),
-                         max(0, int(d["totalBytes"])), max(0, int(d.get("totalFiles", 0))),
-                         int(d.get("manifestVersion", 0)))
-        except (ValueError, KeyError, TypeError):
-            continue  # (malformed: as if nothing were cached there)
-        out.append(h)
+        figures = read_dataset_annotation(ds_id, raw) if raw else None
+        if figures is not None:
+            out.append(_Holding(str(meta.get("name", "")), str((meta.get("labels") or {}).get(GROUP_LABEL, "")),
+                                figures))
     return out
 
 
@@ -98,20 +81,20 @@ def dataset_status(obj: Mapping[str, Any], nodes: list[Mapping[str, Any]], now: 
     except (ValueError, TypeError) as exc:
         return {"phase": "Failed", "reason": f"spec.url: {exc}", "observedGeneration": _generation(obj)}
     holdings = _holdings(ds_id, nodes)
-    newest = max(holdings, key=lambda h: (h.version, h.total), default=None)
-    total = newest.total if newest else 0
+    newest = max(holdings, key=lambda h: (h.figures.manifest_version, h.figures.total_bytes), default=None)
+    total = newest.figures.total_bytes if newest else 0
     placed = {str((n.get("metadata") or {}).get("name", "")) for n in nodes if placed_on(spec, n)}
     placed_by_spec = bool(spec.get("cacheGroup") or spec.get("nodeSelector"))
     groups: dict[str, int] = {}
     for h in holdings:
         if h.group:
-            groups[h.group] = groups.get(h.group, 0) + max(0, h.cached - h.guest)
+            groups[h.group] = groups.get(h.group, 0) + max(0, h.figures.cached_bytes - h.figures.guest_bytes)
     if placed_by_spec:
         mine = [h for h in holdings if h.node in placed]
-        own = sum(max(0, h.cached - h.guest) for h in mine)
-        cached = own if any(h.group for h in mine) else max((h.cached for h in mine), default=0)
+        own = sum(max(0, h.figures.cached_bytes - h.figures.guest_bytes) for h in mine)
+        cached = own if any(h.group for h in mine) else max((h.figures.cached_bytes for h in mine), default=0)
     else:  # the best any one pod could read without the origin: its group's bytes, or a lone node's
-        cached = max([*groups.values(), *(h.cached for h in holdings if not h.group)], default=0)
+        cached = max([*groups.values(), *(h.figures.cached_bytes for h in holdings if not h.group)], default=0)
     cached = min(cached, total) if total else cached
     warmup = bool((spec.get("warmup") or {}).get("enabled"))
     warming = _warmups(ds_id, nodes) if warmup else {}
@@ -130,12 +113,12 @@ def dataset_status(obj: Mapping[str, Any], nodes: list[Mapping[str, Any]], now: 
     status: dict[str, Any] = {
         "phase": phase,
         "datasetID": ds_id,
-        "files": newest.files if newest else 0,
+        "files": newest.figures.total_files if newest else 0,
         "totalBytes": total,
-        "size": human_size(total) if total else "",
+        "size": human_bytes(total) if total else "",
         "cachedBytes": cached,
         "cachedPercentage": f"{_percent(cached, total):.1f}%" if total else "",
-        "nodes": [{"name": h.node, "group": h.group, "cachedBytes": h.cached, "guestBytes": h.guest}
+        "nodes": [{"name": h.node, "group": h.group, "cachedBytes": h.figures.cached_bytes, "guestBytes": h.figures.guest_bytes}
                   for h in sorted(holdings, key=lambda h: h.node)],
         "groups": [{"name": g, "cachedBytes": b, "cachedPercentage": f"{_percent(b, total):.1f}%"}
                    for g, b in sorted(groups.items())],
@@ -147,9 +130,9 @@ def dataset_status(obj: Mapping[str, Any], nodes: list[Mapping[str, Any]], now: 
         status["reason"] = "; ".join(failed)[:1000]
     status.update(_progress(previous, cached, total, now))
     if _figures(previous) == _figures(status):
-        status["lastChange"] = previous.get("lastChange", _rfc3339(now))
+        status["lastChange"] = previous.get("lastChange", rfc3339(now))
     else:
-        status["lastChange"] = _rfc3339(now)
+        status["lastChange"] = rfc3339(now)
     status["conditions"] = [{"type": "Ready", "status": "True" if phase == "Ready" else "False", "reason": phase,
                              "lastTransitionTime": _transition(previous, phase, now)}]
     return status
@@ -202,7 +185,7 @@ def _progress(previous: Mapping[str, Any], cached: int, total: int, now: float) 
             rate = max(0.0, (cached - prev_bytes) / (now - prev_at))
         out = {"sampledAt": round(now, 3), "sampledBytes": cached}
     out["rateBytesPerSecond"] = round(rate)
-    out["rate"] = f"{human_size(rate)}/s" if rate else ""
+    out["rate"] = f"{human_bytes(rate)}/s" if rate else ""
     out["eta"] = f"{(total - cached) / rate:.0f}s" if rate > 0 and total > cached else ""
     return out
 
@@ -210,12 +193,8 @@ def _progress(previous: Mapping[str, Any], cached: int, total: int, now: float) 
 def _transition(previous: Mapping[str, Any], phase: str, now: float) -> str:
     for c in previous.get("conditions") or ():
         if isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("reason") == phase:
-            return str(c.get("lastTransitionTime") or _rfc3339(now))
-    return _rfc3339(now)
-
-
-def _rfc3339(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            return str(c.get("lastTransitionTime") or rfc3339(now))
+    return rfc3339(now)
 
 
 class DatasetController:

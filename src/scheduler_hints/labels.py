@@ -48,7 +48,9 @@ __all__ = [
     "fraction_bucket",
     "group_dataset_key",
     "group_totals",
+    "read_dataset_annotation",
     "read_node",
+    "rfc3339",
     "validate_label_key",
     "validate_label_value",
 ]
@@ -161,7 +163,7 @@ class NodeCacheSummary:
     group_datasets: tuple[DatasetCache, ...] = ()
 
 
-def _rfc3339(ts: float) -> str:
+def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -189,7 +191,7 @@ def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] 
         labels[key] = _bucket_label(d, previous_labels.get(key))
         annotations[key] = json.dumps({
             "url": d.url, "cachedBytes": d.cached_bytes, "totalBytes": d.total_bytes, "guestBytes": d.guest_bytes,
-            "totalFiles": d.total_files, "manifestVersion": d.manifest_version, "updatedAt": _rfc3339(now),
+            "totalFiles": d.total_files, "manifestVersion": d.manifest_version, "updatedAt": rfc3339(now),
         }, separators=(",", ":"), sort_keys=True)
     if summary.cache_group:
         labels[GROUP_LABEL] = validate_label_value(summary.cache_group)
@@ -201,7 +203,7 @@ def desired_metadata(summary: NodeCacheSummary, previous_labels: dict[str, str] 
     labels[FREE_LABEL] = str(max(0, summary.free_bytes) // 2**30)
     annotations[NODE_ANNOTATION] = json.dumps({
         "freeBytes": summary.free_bytes, "capacityBytes": summary.capacity_bytes, "usedBytes": summary.used_bytes,
-        "updatedAt": _rfc3339(now),
+        "updatedAt": rfc3339(now),
     }, separators=(",", ":"), sort_keys=True)
     for k, v in labels.items():
         validate_label_key(k)
@@ -227,6 +229,17 @@ class NodeCacheView:
     group_fractions: dict[str, float] = field(default_factory=dict)
 
 
+def read_dataset_annotation(ds_id: str, value: str) -> DatasetCache | None:
+    """The figures of a ``ds.cachefs.io/<ds_id>`` annotation (negative counts read as 0), or None if malformed."""
+    try:
+        d = json.loads(value)
+        return DatasetCache(str(d.get("url", "")), ds_id, max(0, int(d["cachedBytes"])), max(0, int(d["totalBytes"])),
+                            int(d.get("manifestVersion", 0)), max(0, int(d.get("guestBytes", 0))),
+                            max(0, int(d.get("totalFiles", 0))))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def read_node(name: str, labels: dict[str, str] | None, annotations: dict[str, str] | None) -> NodeCacheView:
     """Parse a node's cachefs labels/annotations. Exact annotation figures win over the coarse label;
     anything malformed is ignored (treated as nothing cached), never an error."""
@@ -242,14 +255,12 @@ def read_node(name: str, labels: dict[str, str] | None, annotations: dict[str, s
     for key, value in annotations.items():
         if not key.startswith(DATASET_PREFIX + "/"):
             continue
-        try:
-            d = json.loads(value)
-            c, t = int(d["cachedBytes"]), int(d["totalBytes"])
-        except (ValueError, KeyError, TypeError):
-            continue
         ds_id = key.split("/", 1)[1]
-        cached[ds_id] = max(0, c)
-        fractions[ds_id] = min(1.0, c / t) if t > 0 else 1.0
+        d = read_dataset_annotation(ds_id, value)
+        if d is None:
+            continue
+        cached[ds_id] = d.cached_bytes
+        fractions[ds_id] = min(1.0, d.cached_bytes / d.total_bytes) if d.total_bytes > 0 else 1.0
     free = None
     try:
         free = int(json.loads(annotations.get(NODE_ANNOTATION, "{}")).get("freeBytes"))

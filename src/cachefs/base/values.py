@@ -11,8 +11,18 @@ from typing import Any
 
 from cachefs.base.errors import ConfigError
 
-__all__ = ["ReadAccess", "check_endpoint", "check_size_or_percent", "parse_group", "parse_listen", "parse_read_mode",
-           "parse_size", "prepare_cache_dir", "resolve_size"]
+__all__ = [
+    "ReadAccess",
+    "check_endpoint",
+    "check_size_or_percent",
+    "human_bytes",
+    "parse_group",
+    "parse_listen",
+    "parse_read_mode",
+    "parse_size",
+    "prepare_cache_dir",
+    "resolve_size",
+]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -152,3 +162,12 @@ def parse_group(text: str, flag: str = "--group") -> int:
         return grp.getgrnam(value).gr_gid
     except KeyError:
         raise ConfigError(f"{flag} {text!r}: no such group on this machine (give a name or a numeric id)") from None
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 MiB``, ``3.2 TiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -8,10 +8,10 @@ import sys
 from cachefs.base.config import Config
 from cachefs.base.errors import CacheFSError, ConfigError, ObjectNotFoundError
 from cachefs.base.types import DatasetRef
-from cachefs.base.values import ReadAccess, parse_group, parse_read_mode
+from cachefs.base.values import ReadAccess, human_bytes, parse_group, parse_read_mode
 from cachefs.cli.mount_setup import check_mountpoint, mount_log_path, mount_options
 from cachefs.cli.output import print_json
-from cachefs.cli.progress import ProgressPrinter, human_bytes
+from cachefs.cli.progress import ProgressPrinter
 from cachefs.engine import Engine
 from cachefs.jobs import select_files, warm
 from cachefs.prefetch.publish import publish_order

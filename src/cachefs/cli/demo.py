@@ -18,7 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cachefs.base.config import Config, parse_size
-from cachefs.cli.progress import ProgressPrinter, human_bytes
+from cachefs.base.values import human_bytes
+from cachefs.cli.progress import ProgressPrinter
 from cachefs.engine import Engine
 from cachefs.jobs import warm
 

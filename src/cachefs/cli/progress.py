@@ -5,17 +5,10 @@ from __future__ import annotations
 import sys
 import time
 
+from cachefs.base.values import human_bytes
 from cachefs.jobs import Progress
 
-__all__ = ["ProgressPrinter", "human_bytes"]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
+__all__ = ["ProgressPrinter"]
 
 
 def _duration(s: float | None) -> str:
