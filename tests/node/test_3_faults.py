@@ -311,7 +311,11 @@ def test_a_pod_deleted_while_it_reads_leaves_nothing_and_its_neighbour_reads_on(
     # kubelet removes the pod's directory in its housekeeping, once every volume is unmounted
     cluster.wait(lambda: not os.path.exists(f"/var/lib/kubelet/pods/{uid}"), "the pod's directory removed", 120)
     result = reader_result(cluster, "pod-deleted-neighbour")
+    neighbour = cluster.get("pod", "pod-deleted-neighbour")["metadata"]["uid"]
     cluster.delete_pod("pod-deleted-neighbour")
+    # (as run_fault: kubelet unmounts a deleted pod's volumes in its housekeeping; one still there after it is left)
+    cluster.wait(lambda: not os.path.exists(f"/var/lib/kubelet/pods/{neighbour}"), "the neighbour's directory removed",
+                 120)
     result["left_mounted"] = [m for m in mounts_under("/var/lib/kubelet/pods") if "kubernetes.io~csi" in m]
     result["stale"] = stale_mounts()
     REPORT["pod-deleted (its neighbour)"] = (f"errors {result['errors']}, wrong {result['wrong']}, longest wait "
