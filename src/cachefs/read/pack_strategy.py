@@ -145,15 +145,15 @@ class PackStrategy(ReadStrategy):
         if reader:
             self.stats.note_ahead([m[0] for m in keep if m[0] != asked])
         if asked is not None and not self.closing:
-            hints = [self._window_hint(ds, ref, reader) for ref in after if not self._window_here(ds.ref.id, ref)]
+            hints = [self._window_hint(ds, ref, reader) for ref in after if not self._window_here(ref)]
             hints = self._keepable(ds.ref.id, hints)
             if hints:
                 self.prefetcher.offer(hints)
 
-    def _window_here(self, ds_id: str, ref: BatchRef) -> bool:
-        if self.assemblies.accepted(ds_id, ref.pack, ref.window):
+    def _window_here(self, ref: BatchRef) -> bool:
+        if self.assemblies.accepted(ref.ds_id, ref.pack, ref.window):
             return True
-        return (ref.first is not None and not self.assemblies.assembling(ds_id, ref.pack)
+        return (ref.first is not None and not self.assemblies.assembling(ref.ds_id, ref.pack)
                 and self.index.packed(ref.first) is not None)
 
     def _window_hint(self, ds: Dataset, ref: BatchRef, reader: bool) -> Hint:
@@ -162,10 +162,10 @@ class PackStrategy(ReadStrategy):
 
     async def _window_ahead(self, ds: Dataset, ref: BatchRef, reader: bool, held: Reservation | None) -> None:
         """Read a batch ahead (the prefetcher runs this with memory ``held`` for it)."""
-        if self.closing or self._window_here(ds.ref.id, ref):
+        if self.closing or self._window_here(ref):
             return  # (the prefetcher gives back the memory held for it)
         window = await self.chain.fetch_batch(ds, ref, held)
-        if not self.assemblies.accepted(ds.ref.id, ref.pack, ref.window):
+        if not self.assemblies.accepted(ref.ds_id, ref.pack, ref.window):
             self._install(ds, window, [], None, reader=reader)
         await self.assemblies.backlog()
 

@@ -98,15 +98,15 @@ class TierConformance:
             batch = served.batch
             if batch is None:
                 with pytest.raises(CacheFSError):
-                    tier_case.run(tier.fetch_batch(want.ds, BatchRef(tier.name, 0, 0, want.length, None), None))
+                    tier_case.run(tier.fetch_batch(want.ds, BatchRef(want.ds.ref.id, tier.name, 0, 0, want.length, None), None))
                 continue
             assert bytes(batch.member(want.okey) or b"") == expected
             view = memoryview(batch.data)
             for _okey, offset, length, checksum in batch.members:
                 assert block_checksum(view[offset - batch.start:offset - batch.start + length]) == checksum
-            refs = [BatchRef(tier.name, batch.pack, batch.window, len(batch.data), None), *tier.batches_after(batch)]
+            refs = [BatchRef(batch.ds_id, tier.name, batch.pack, batch.window, len(batch.data), None), *tier.batches_after(batch)]
             for ref in refs:
-                assert ref.tier == tier.name and ref.nbytes > 0
+                assert ref.ds_id == want.ds.ref.id and ref.tier == tier.name and ref.nbytes > 0
                 again = tier_case.run(tier.fetch_batch(want.ds, ref, None))
                 assert isinstance(again, MirrorWindow)
                 assert (again.pack, again.window, len(again.data)) == (ref.pack, ref.window, ref.nbytes)

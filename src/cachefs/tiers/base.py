@@ -91,9 +91,10 @@ class Served:
 
 @dataclass(frozen=True, slots=True)
 class BatchRef:
-    """A batch to read ahead: the tier that offers it, where it is (``pack``, ``window``), its size, and the key of
-    its pack's first member (whether that pack is here already)."""
+    """A batch to read ahead: its dataset, the tier that offers it, where it is (``pack``, ``window``), its size,
+    and the key of its pack's first member (whether that pack is here already)."""
 
+    ds_id: str
     tier: str
     pack: int
     window: int

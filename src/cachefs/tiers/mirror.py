@@ -118,7 +118,7 @@ class MirrorTier(Tier):
         for p, w in mirror_windows(window.pack, window.window, counts, {})[1:]:
             bounds = mirror.bounds(p, MIRROR_WINDOW)
             first = mirror.layout[p][0][2] if mirror.layout[p] else None
-            refs.append(BatchRef(self.name, p, w, bounds[w + 1] - bounds[w], first))
+            refs.append(BatchRef(window.ds_id, self.name, p, w, bounds[w + 1] - bounds[w], first))
         return refs
 
     async def fetch_batch(self, ds: Dataset, ref: BatchRef, held: Reservation | None) -> MirrorWindow:
