@@ -1,14 +1,15 @@
 """The single event-loop thread that the sync facades (fsspec, CLI, FUSE handlers) run the async core on.
 
-One loop per process, started on first use and stopped at interpreter exit; a forked child starts its own. Sync callers use
-:func:`run_sync`; code already on the loop must await instead (calling ``run_sync`` from the loop thread
-would deadlock, so it raises).
+One loop per process, started on first use and stopped at interpreter exit; a forked child starts its own. Sync
+callers use :func:`run_sync` (and wait) or :func:`run_soon` (and go on); code already on the loop must await instead
+(calling ``run_sync`` from the loop thread would deadlock, so it raises).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["get_loop", "run_apart", "run_sync", "single_flight", "stop_on_signals"]
+__all__ = ["get_loop", "run_apart", "run_soon", "run_sync", "single_flight", "stop_on_signals"]
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -60,6 +61,11 @@ def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     except BaseException:
         fut.cancel()
         raise
+
+
+def run_soon(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Start ``coro`` on the cachefs loop from any thread and go on without waiting for it; its future."""
+    return asyncio.run_coroutine_threadsafe(coro, get_loop())
 
 
 async def run_apart(make: Callable[[], Coroutine[Any, Any, T]], name: str = "cachefs-apart") -> T:

@@ -8,13 +8,12 @@ daemon it runs, which serves the mount until it is unmounted and can be killed a
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
 import sys
 
-from cachefs.base.aio import get_loop, run_sync
+from cachefs.base.aio import run_soon, run_sync
 from cachefs.base.collector import quiet_collector
 from cachefs.base.config import Config
 from cachefs.base.values import ReadAccess
@@ -90,8 +89,8 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     if not record_pin(cache_dir, mountpoint, ds.ref.url, ds.version, os.getppid()):  # (the holder is our parent)
         log.warning("%s: no room to record that it serves manifest v%d; a refresh may drop it", mountpoint, ds.version)
     # The origin client takes a while to set up (hundreds of ms for S3): do it now, not in the first cold read.
-    asyncio.run_coroutine_threadsafe(ds.source.connect(), get_loop()).add_done_callback(_log_connect_failure)
-    asyncio.run_coroutine_threadsafe(engine.start_background(), get_loop())  # hits of local reads reach the index
+    run_soon(ds.source.connect()).add_done_callback(_log_connect_failure)
+    run_soon(engine.start_background())  # hits of local reads reach the index
     orders = None
     if sampler is not None:
         orders = SamplerPublisher(sampler, cache_dir, ds.ref.id, ds.ref.url,
@@ -103,7 +102,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
             record_pin(cache_dir, mountpoint, ds.ref.url, ds.version, os.getppid())
             journal.serves(ds.version)
 
-        asyncio.run_coroutine_threadsafe(pin_when_settled(), get_loop())
+        run_soon(pin_when_settled())
     last = None
 
     def publish(s: FuseSession, tick: int) -> None:  # what `cachefs status` shows about this mount

@@ -73,11 +73,6 @@ class Uploader:
         self.rate = 0.0  # bytes per second of the last finished upload
         self.last_progress = time.monotonic()
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop | None:
-        """The event loop it runs on (None before start)."""
-        return self._loop
-
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.queue.on_change = self.wake

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from cachefs.base.aio import run_sync
+from cachefs.base.aio import run_soon, run_sync
 from cachefs.base.config import Config, resolve_size
 from cachefs.base.files import atomic_write
 from cachefs.sources import open_object_writes, open_origin
@@ -183,15 +183,7 @@ class WritableVolume:
             if e in self.queue.entries:
                 self.queue.held(e, members)
                 return
-        self._background(self.replicator.drop(members, e.snap))  # uploaded meanwhile
-
-    def _background(self, coro) -> None:
-        """Run ``coro`` on the uploader's loop, from any thread, without waiting (copies dropped, re-keyed)."""
-        loop = self.uploader.loop
-        if loop is None or loop.is_closed():
-            coro.close()
-            return
-        asyncio.run_coroutine_threadsafe(coro, loop)
+        run_soon(self.replicator.drop(members, e.snap))  # uploaded meanwhile
 
     def _copy_snapshots(self, inode: int) -> None:
         """Give the queued snapshots of ``inode`` their own copy before the file changes (a running upload is let
@@ -256,7 +248,7 @@ class WritableVolume:
                 self.uploader.forget_prepared(old)
                 targets.add(e.key)
                 if e.held_by:
-                    self._background(self.replicator.rekey(e.held_by, e.snap, e.key))
+                    run_soon(self.replicator.rekey(e.held_by, e.snap, e.key))
             deleting = {e.key for e in self.queue.pending(lambda e: e.kind is EntryKind.DELETE)}
             there = {k: n for k, (n, _) in self.origin_keys.items() if under(k, src) and k not in deleting}
             for e in self.queue.pending(lambda e: e.running and e.kind.makes_object and under(e.key, src)):
@@ -279,7 +271,7 @@ class WritableVolume:
                 self.uploader.forget_prepared(e.seq)
                 self._forget_snapshot(e)
                 if e.held_by:
-                    self._background(self.replicator.drop(e.held_by, e.snap))
+                    run_soon(self.replicator.drop(e.held_by, e.snap))
             running = self.queue.pending(lambda e: e.running and e.kind.makes_object and e.key == rel)
             if rel in self.origin_keys or running:
                 self.queue.add(EntryKind.DELETE, rel)
@@ -317,7 +309,7 @@ class WritableVolume:
                     self._mark_clean(e)
                 self._forget_snapshot(e)
                 if e.held_by and not failed:  # on the origin: the copies have done their work
-                    self._background(self.replicator.drop(e.held_by, e.snap))
+                    run_soon(self.replicator.drop(e.held_by, e.snap))
             if failed:
                 return
             if e.kind.makes_object:
