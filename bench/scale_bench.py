@@ -63,8 +63,9 @@ class SyntheticServer:
         self.proc.wait(10)
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and every process under it."""
+def tree_rss(pid: int) -> tuple[int, int]:
+    """Resident bytes of ``pid`` and every process under it: in all, and of them anonymous (the rest is mapped
+    files: the index's and the inode table's pages, which are the page cache's and go back under pressure)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -74,16 +75,20 @@ def tree_rss(pid: int) -> int:
                 children.setdefault(ppid, []).append(int(d))
             except OSError:
                 continue
-    total, stack = 0, [pid]
+    total = anon = 0
+    stack = [pid]
     while stack:
         p = stack.pop()
         stack.extend(children.get(p, ()))
         try:
             with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
             continue
-    return total
+        if "VmRSS" in fields:
+            total += int(fields["VmRSS"].split()[0]) * 1024
+            anon += int(fields["RssAnon"].split()[0]) * 1024
+    return total, anon
 
 
 def walk(root: str) -> int:
@@ -162,13 +167,13 @@ def measure(system: str, n: int, bucket, rng: random.Random, server: SyntheticSe
         t = time.perf_counter()
         walk(root)
         warm = time.perf_counter() - t
-        rss = tree_rss(mount.proc.pid)
+        rss, anon = tree_rss(mount.proc.pid)
     finally:
         mount.close()
     assert walked == n, (walked, n)
     print(f"  {system:>7}: mount ready {ready:6.2f} s, first byte {first * 1000:6.1f} ms, walk + stat cold {cold:6.1f} s "
           f"({n / cold:,.0f} files/s), warm {warm:6.1f} s; memory after the walk {rss / 2**20:,.0f} MiB "
-          f"({rss / n:,.0f} B per object)")
+          f"({rss / n:,.0f} B per object), of it anonymous {anon / 2**20:,.0f} MiB ({anon / n:,.0f} B per object)")
     mount, root = _mount(system, server, mnt, cache)  # the cache holds the listing now
     try:
         os.listdir(root)

@@ -275,17 +275,24 @@ def test_the_index_commits_on_a_full_disk_by_spending_its_reserve(tiny_fs):
     assert index.keep_reserve(st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize) and index.reserve.present()
 
 
-def test_the_mount_journal_goes_on_in_memory_when_the_disk_is_full(tiny_fs):
+def test_the_mount_journal_and_inode_table_go_on_in_memory_when_the_disk_is_full(tiny_fs):
+    from cachefs.fuse.inode_table import InodeTable
     from cachefs.fuse.journal import MountJournal, replay
 
     path = os.path.join(tiny_fs, "j", "mount.journal")
     journal = MountJournal.start(path)
     journal.init("passthrough", 1, 1)
+    table = InodeTable(os.path.join(tiny_fs, "j", "mount.inodes"))
+    (first, _), = table.looked_up([("before/the-disk-filled", "")])
     filler = _fill(tiny_fs)
-    for ino in range(2, 200_000):  # far past what the preallocated space holds
-        journal.inode(ino, f"dir/file-{ino:08d}")
-    assert journal.degraded and len(journal.state.inodes) == 200_000 - 2
+    for ino in range(2, 20_000):  # far past what the preallocated space holds
+        journal.backing(ino, ino)
+    got = table.looked_up([(f"dir/file-{i:08d}", "") for i in range(200_000)])  # far past a page or two
+    assert journal.degraded and len(journal.state.backing) == 20_000 - 2
+    assert table.degraded and len(table) == 200_001
+    assert table.get(got[-1][0]).path == "dir/file-00199999" and table.get(first).path == "before/the-disk-filled"
     journal.close()
+    table.close()
     assert replay(path).init == {"mode": "passthrough", "flags": 1, "manifest_version": 1}  # what was written reads
     os.unlink(filler)
 

@@ -19,6 +19,7 @@ from cachefs.base import aio
 from cachefs.engine import Engine
 from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.fs import CacheFS
+from cachefs.fuse.inode_table import InodeTable
 from cachefs.fuse.kernel_abi import Op
 from cachefs.fuse.session import FuseSession
 
@@ -44,7 +45,7 @@ def session(tmp_path_factory):
                                             "cache_min_free": "0"})
     engine = Engine(config)
     ds = aio.run_sync(engine.open_dataset(f"file://{data}"))
-    fs = CacheFS(engine, ds)
+    fs = CacheFS(engine, ds, inodes=InodeTable(str(tmp_path_factory.mktemp("mount") / "inodes")))
     r, w = os.pipe2(os.O_NONBLOCK)
     fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
     sess = FuseSession(fs, w, passthrough=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from cachefs.fuse import journal as journal_mod
 from cachefs.fuse.journal import MountJournal, replay
 
@@ -10,10 +12,6 @@ def test_replay_gives_back_the_live_state(tmp_path):
     path = str(tmp_path / "m.journal")
     j = MountJournal.start(path)
     j.init("passthrough", 0x1234, 3)
-    j.inode(10, "a/b")
-    j.inode(11, "a/c")
-    j.inode(10, "a/b")  # repeated: written once
-    j.forget(11)
     j.backing(10, 7)
     j.backing(12, 8)
     j.backing_closed(12)
@@ -25,39 +23,41 @@ def test_replay_gives_back_the_live_state(tmp_path):
     assert MountJournal.resume(path).state.opens_skipped  # (kept by the compaction too)
     assert replay(path).opens_skipped
     assert s.init == {"mode": "passthrough", "flags": 0x1234, "manifest_version": 3}
-    assert s.inodes == {10: "a/b"}
-    assert s.backing == {10: 7}
-    assert _read(path).count('"a/b"') == 1
+    assert s.backing == {10: 7} and s.inodes == {}
 
 
-def test_a_forget_is_written_with_the_next_record_and_names_survive_escaping(tmp_path):
-    """An inode is on disk before its lookup is answered; a forget waits for the next record (one write
-    fewer per file), so a daemon killed in between leaves its successor an inode the kernel never names."""
+def _legacy(path, records: list) -> None:
+    """A journal as a release before the inode table wrote it (hand-over version 1: inodes here)."""
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_previous_releases_inodes_are_read_with_their_versions_and_forgets_until_moved(tmp_path):
     path = str(tmp_path / "m.journal")
-    j = MountJournal.start(path)
     odd = 'd\u00e9j\u00e0 "quoted"\\back\udcff\n'
-    j.inode(10, odd)
-    j.inode(11, "b")
-    j.forget(11)
-    assert replay(path).inodes == {10: odd, 11: "b"}  # SIGKILL now: the forget is not written yet
-    j.inode(12, "c")
-    assert replay(path).inodes == {10: odd, 12: "c"}
-    j.forget(12)
-    j.close()  # a clean exit writes it
-    assert replay(path).inodes == {10: odd}
+    _legacy(path, [["gen", 0], ["init", {"mode": "userspace", "flags": 1, "manifest_version": 2}],
+                   ["i", 10, odd], ["i", 11, "a/x.bin", "etag-1"], ["i", 12, "b"], ["f", 12]])
+    s = replay(path)
+    assert s.inodes == {10: odd, 11: "a/x.bin"} and s.versions == {11: "etag-1"}
+    resumed = MountJournal.resume(path)  # (compacted: they stay until the table took them)
+    assert replay(path).inodes == s.inodes and replay(path).versions == s.versions
+    resumed.inodes_moved()
+    resumed.close()
+    again = replay(path)
+    assert again.inodes == {} and again.versions == {} and again.init["manifest_version"] == 2
 
 
 def test_resume_counts_generations_and_compacts(tmp_path):
     path = str(tmp_path / "m.journal")
     j = MountJournal.start(path)
     for i in range(100):
-        j.inode(i + 2, f"f{i}")
-        j.forget(i + 2)
+        j.backing(i + 2, i)
+        j.backing_closed(i + 2)
     j.init("userspace", 1, 0)
     j.close()
     size_before = len(_read(path))
     r = MountJournal.resume(path)
-    assert r.state.generation == 1 and r.state.inodes == {} and r.state.init["mode"] == "userspace"
+    assert r.state.generation == 1 and r.state.backing == {} and r.state.init["mode"] == "userspace"
     assert len(_read(path)) < size_before / 10
     r.close()
     again = MountJournal.resume(path)
@@ -68,11 +68,11 @@ def test_resume_counts_generations_and_compacts(tmp_path):
 def test_a_torn_last_line_is_ignored(tmp_path):
     path = str(tmp_path / "m.journal")
     j = MountJournal.start(path)
-    j.inode(5, "x")
+    j.backing(5, 1)
     j.close()
     with open(path, "a") as f:
-        f.write('["i",6,"y')  # the writer died mid-write
-    assert replay(path).inodes == {5: "x"}
+        f.write('["b",6,2')  # the writer died mid-write
+    assert replay(path).backing == {5: 1}
 
 
 def test_grows_no_further_than_the_compaction_bound(tmp_path, monkeypatch):
@@ -93,7 +93,6 @@ def _read(path) -> str:
 
 
 def test_compaction_is_amortised_when_the_live_state_is_large(tmp_path, monkeypatch):
-
     monkeypatch.setattr(journal_mod, "COMPACT_BYTES", 1000)
     j = journal_mod.MountJournal.start(str(tmp_path / "j"))
     rewrites = 0
@@ -105,24 +104,8 @@ def test_compaction_is_amortised_when_the_live_state_is_large(tmp_path, monkeypa
         real()
 
     monkeypatch.setattr(j, "_rewrite_locked", counting)
-    for ino in range(2, 20_002):  # every inode stays live (a walk of a large tree): the state outgrows the limit
-        j.inode(ino, f"d/f{ino}")
+    for ino in range(2, 20_002):  # every backing file stays registered: the state outgrows the limit
+        j.backing(ino, ino)
     j.close()
     assert rewrites <= 20  # doubling, not a rewrite per append
-    assert len(journal_mod.replay(str(tmp_path / "j")).inodes) == 20_000
-
-
-def test_versions_shown_from_a_provisional_tree_survive_replay_and_compaction_and_go_with_a_forget(tmp_path):
-    path = str(tmp_path / "j")
-    j = MountJournal.start(path)
-    j.inode(10, "a/x.bin", "etag-1")  # handed out while the first listing ran
-    j.inode(11, "a/y.bin")  # handed out from a manifest
-    j.inode(12, "a/z.bin", "etag-3")
-    j.forget(12)
-    j.inode(13, "b")
-    j.close()
-    s = replay(path)
-    assert s.versions == {10: "etag-1"} and s.inodes == {10: "a/x.bin", 11: "a/y.bin", 13: "b"}
-    resumed = MountJournal.resume(path)  # (rewrites the file from the live state)
-    resumed.close()
-    assert replay(path).versions == {10: "etag-1"}
+    assert len(journal_mod.replay(str(tmp_path / "j")).backing) == 20_000

@@ -22,9 +22,10 @@ from cachefs.fuse.backing import DeviceBacking
 from cachefs.fuse.fs import CacheFS
 from cachefs.fuse.handover import announce_failure, announce_ready, receive_fd
 from cachefs.fuse.holder import MountHolder
+from cachefs.fuse.inode_table import InodeTable
 from cachefs.fuse.journal import MountJournal
 from cachefs.fuse.keeper import KEEPER_ENV, PREDECESSOR_ENV
-from cachefs.fuse.mount import is_stale_mount, unmount
+from cachefs.fuse.mount import is_fuse_mount, is_stale_mount, unmount
 from cachefs.fuse.session import FuseSession
 from cachefs.fuse.sockets import socket_path_for
 from cachefs.fuse.volume_mount import serve_writable_mount
@@ -73,6 +74,11 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     journal_path = mount_file(cache_dir, mountpoint, ".journal")
     resume = info.get("generation", 0) > 0
     journal = MountJournal.resume(journal_path) if resume else MountJournal.start(journal_path)
+    inodes_path = mount_file(cache_dir, mountpoint, ".inodes")
+    inodes = InodeTable(inodes_path, generation=journal.state.generation, fresh=not resume)
+    if journal.state.inodes:  # (journalled by a release before the inode table: hand-over version 1)
+        inodes.adopt(journal.state.inodes, journal.state.versions)
+        journal.inodes_moved()
     engine = get_engine(config)
     init = journal.state.init
     version = init["manifest_version"] if init else None
@@ -84,6 +90,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     except (OSError, ValueError) as exc:
         announce_failure(attach, str(exc))
         journal.close()
+        inodes.close()
         os.close(fd)
         raise
     if not record_pin(cache_dir, mountpoint, ds.ref.url, ds.version, os.getppid()):  # (the holder is our parent)
@@ -124,7 +131,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
         if ready is not None:
             ready(s)
 
-    fs = CacheFS(engine, ds, journal=journal, access=access or ReadAccess(os.geteuid(), os.getegid()),
+    fs = CacheFS(engine, ds, inodes=inodes, journal=journal, access=access or ReadAccess(os.geteuid(), os.getegid()),
                  backing=DeviceBacking(fd), prefill=prefill)
     session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens, on_init=on_init)
     quiet_collector()  # the engine, the manifest and the origin client are built: set them aside
@@ -134,6 +141,9 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     finally:
         forget_mount(cache_dir, mountpoint)
         journal.close()
+        inodes.close()
+        if not is_fuse_mount(mountpoint):  # (ended, not left for a next daemon to resume)
+            InodeTable.remove(inodes_path)
         os.close(fd)
     return session
 

@@ -3,9 +3,11 @@ engine. Nothing here knows the wire format; :mod:`.session` decodes requests and
 which return plain values or raise (translated to errno by :mod:`.errno_map`).
 
 Inodes: the root is 1; every other path gets a number derived from a hash of its path (so the same path keeps
-its number across forgets and daemon restarts) and a node while the kernel holds a reference (lookup count
-> 0). With a :class:`.journal.MountJournal`, what the kernel holds (inodes, passthrough opens, backing ids)
-is written down, and a restarted daemon picks it up (see :meth:`CacheFS.restore`).
+its number across forgets and daemon restarts). What the kernel holds is in the mount's
+:class:`.inode_table.InodeTable` on disk, so memory does not grow with it; a node (the inode's manifest entry and
+open state) is in memory while a file of it is open or its backing file is registered, and for the inodes used
+last. With a :class:`.journal.MountJournal` the rest of what a restarted daemon must know (INIT, backing ids) is
+written down, and a restarted daemon picks it up (see :meth:`CacheFS.restore`).
 
 Opens of a complete cached object are answered with passthrough (the kernel reads the local file itself)
 when the kernel and our privileges allow it; otherwise reads come through userspace from the engine, which
@@ -16,7 +18,6 @@ one is released (the kernel requires this).
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 import threading
@@ -27,22 +28,18 @@ from typing import Protocol
 from cachefs.base.types import Entry
 from cachefs.base.values import ReadAccess
 from cachefs.engine import WOULD_WAIT, Dataset, Engine, LocalRead, OpenFile
+from cachefs.fuse.inode_table import ROOT, InodeTable, path_ino
 from cachefs.fuse.journal import MountJournal
 
-__all__ = ["CacheFS", "Handle"]
+__all__ = ["ROOT", "CacheFS", "Handle", "path_ino"]
 
-ROOT = 1
 #: Backing files kept registered after their last close, so reopening a small cached file costs no ioctl: at
 #: most this many, for objects up to RETAIN_BACKING_BYTES. (A registered backing file holds its object's
 #: disk space even after eviction; :meth:`CacheFS.sweep` drops those of evicted objects.)
 RETAIN_BACKING = 32768
 RETAIN_BACKING_BYTES = 4 << 20
-
-
-def path_ino(path: str) -> int:
-    """The inode number a path asks for (a collision moves it to the next free number)."""
-    h = int.from_bytes(hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
-    return max(h >> 1, ROOT + 1)
+#: Nodes kept in memory beyond the pinned ones (open, or with a backing file): those used last.
+NODE_CACHE = 16384
 
 
 class BackingFiles(Protocol):
@@ -57,7 +54,6 @@ class BackingFiles(Protocol):
 class Node:
     path: str
     entry: Entry
-    lookups: int = 0
     opens: int = 0
     backing_id: int = 0  # registered with the kernel: every open of this inode is passthrough with it
     ino: int = 0
@@ -93,23 +89,24 @@ _OWNED_BY_ROOT = ReadAccess(0, 0)
 class CacheFS:
     """Read-only view of one dataset (``ds``) through ``engine``; thread-safe."""
 
-    def __init__(self, engine: Engine, ds: Dataset, *, access: ReadAccess = _OWNED_BY_ROOT,
+    def __init__(self, engine: Engine, ds: Dataset, *, inodes: InodeTable, access: ReadAccess = _OWNED_BY_ROOT,
                  journal: MountJournal | None = None, backing: BackingFiles | None = None,
                  prefill: bool = True) -> None:
-        """``backing``: the device's backing-file ioctls, used once INIT agreed on passthrough; ``prefill``: see
-        :attr:`prefill`."""
+        """``inodes``: the mount's inode table; ``backing``: the device's backing-file ioctls, used once INIT agreed
+        on passthrough; ``prefill``: see :attr:`prefill`."""
         self.engine, self.ds = engine, ds
-        self.journal = journal
+        self.journal, self.inodes = journal, inodes
         self.uid, self.gid = access.uid, access.gid
         self._file_mode, self._dir_mode = stat.S_IFREG | access.file_mode, stat.S_IFDIR | access.dir_mode
         info = ds.record.manifest(ds.version)
         root = Entry("", 0, "", info.created if info else 0.0, is_dir=True)
-        self._nodes: dict[int, Node] = {ROOT: Node("", root, lookups=1, ino=ROOT)}
-        self._restored: dict[int, str] = {}  # ino → path the previous daemon handed out, not yet looked at
+        # In memory: the pinned nodes and the NODE_CACHE used last (dict order: the oldest first).
+        self._nodes: dict[int, Node] = {ROOT: Node("", root, ino=ROOT)}
+        self._node_limit = NODE_CACHE
         self._handles: dict[int, Handle] = {}
         self._idle: OrderedDict[int, Node] = OrderedDict()  # small files with a backing id and no open file
         # File handles carry the daemon generation, so a restarted daemon never reuses an old handle's number.
-        self._next_fh = ((journal.state.generation if journal else 0) << 40) + 1
+        self._next_fh = (inodes.generation << 40) + 1
         self._lock = threading.Lock()
         #: Set by the session once INIT said passthrough is on.
         self.passthrough = False
@@ -124,35 +121,42 @@ class CacheFS:
     # -- inodes ---------------------------------------------------------------------------------------------
     def node(self, ino: int) -> Node:
         n = self._nodes.get(ino)
-        if n is None:
-            n = self._restore_node(ino)
-        return n
-
-    def _restore_node(self, ino: int) -> Node:
-        path = self._restored.get(ino)
-        if path is None:
+        if n is not None:
+            return n
+        with self._lock:
+            r = self.inodes.get(ino)
+        if r is None:
             raise OSError(errno.ESTALE, f"inode {ino} is not known")
-        entry = self.ds.stat(path)
-        shown = self.journal.state.versions.get(ino) if self.journal is not None else None
-        if shown and shown != entry.version:
+        entry = self.ds.stat(r.path)
+        if r.version and r.version != entry.version:
             # Handed out while the first listing ran, and the manifest taken since names another version: its
             # pages in the kernel are of the version shown, so never serve it the other one (never a mix).
-            raise OSError(errno.ESTALE, f"{path}: changed at the origin while the dataset was first listed")
+            raise OSError(errno.ESTALE, f"{r.path}: changed at the origin while the dataset was first listed")
         with self._lock:
             n = self._nodes.get(ino)
             if n is None:
-                n = self._nodes[ino] = Node(path, entry, ino=ino)
-            self._restored.pop(ino, None)
+                n = self._keep(Node(r.path, entry, ino=ino,
+                                    unopened=r.generation == self.inodes.generation and not r.opened))
+        return n
+
+    def _keep(self, n: Node) -> Node:
+        """Hold ``n`` in memory, letting go of the unpinned nodes used longest ago past the limit. With the lock held."""
+        nodes = self._nodes
+        nodes[n.ino] = n
+        if len(nodes) > self._node_limit:
+            unpinned = [i for i, m in nodes.items() if not (m.opens or m.backing_id or i == ROOT)]
+            for ino in unpinned[:len(nodes) - self._node_limit // 2]:
+                del nodes[ino]
+            if len(nodes) > self._node_limit * 3 // 4:  # (mostly pinned: grow, so that sweeps stay rare)
+                self._node_limit = 2 * len(nodes)
         return n
 
     def restore(self) -> None:
-        """Take over from a previous daemon: the inodes and backing ids its journal lists. Files it opened
-        stay open in the kernel, uncounted here, so inherited backing ids are dropped only when the kernel
-        forgets the inode (then no file of it can be open)."""
+        """Take over from a previous daemon: the backing ids its journal lists (its inodes are in the table).
+        Files it opened stay open in the kernel, uncounted here, so inherited backing ids are dropped only when
+        the kernel forgets the inode (then no file of it can be open)."""
         assert self.journal is not None, "a restored mount has its journal"
-        state = self.journal.state
-        self._restored = dict(state.inodes)
-        for ino, backing in state.backing.items():
+        for ino, backing in self.journal.state.backing.items():
             try:
                 n = self.node(ino)
             except OSError:
@@ -165,55 +169,38 @@ class CacheFS:
         if not p.entry.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, p.path)
         entry = self.ds.stat(f"{p.path}/{name}" if p.path else name)  # FileNotFoundError → ENOENT
-        return self.adopt(entry), entry
+        return self.adopt([entry])[0], entry
 
-    def adopt(self, entry: Entry) -> int:
-        """The inode of ``entry`` (a manifest entry the caller has in hand), counting one kernel lookup of it;
-        READDIRPLUS uses it directly, saving the manifest lookup per child."""
-        path = entry.path
+    def adopt(self, entries: list[Entry]) -> list[int]:
+        """The inodes of ``entries`` (manifest entries the caller has in hand), counting one kernel lookup of each;
+        READDIRPLUS hands a page of children at once, saving the manifest lookup per child."""
+        shown = self.ds.provisional
         with self._lock:
-            ino, n = self._find(path)
-            if n is None:
-                # An inode the previous daemon handed out may have cached pages and reads in flight.
-                fresh = ino not in self._restored
-                self._restored.pop(ino, None)
-                n = self._nodes[ino] = Node(path, entry, ino=ino, unopened=fresh)
-                if self.journal is not None:
-                    self.journal.inode(ino, path, entry.version if self.ds.provisional else "")
-            n.lookups += 1
-        return ino
+            found = self.inodes.looked_up([(e.path, e.version if shown else "") for e in entries])
+            for (ino, r), e in zip(found, entries, strict=True):
+                n = self._nodes.get(ino)
+                if n is None:
+                    # An inode a previous daemon handed out may have cached pages and reads in flight.
+                    self._keep(Node(e.path, e, ino=ino, unopened=r.generation == self.inodes.generation
+                                    and not r.opened))
+                else:  # (used now: last to go)
+                    del self._nodes[ino]
+                    self._nodes[ino] = n
+        return [ino for ino, _ in found]
 
-    def _find(self, path: str) -> tuple[int, Node | None]:
-        """``path``'s inode and node, or the inode it gets and None: the first number from :func:`path_ino` on that
-        is its own or free (no table from paths to inodes: a dataset walked whole would hold one entry per file).
-        Call with the lock held."""
-        if path == "":
-            return ROOT, self._nodes[ROOT]
-        ino = path_ino(path)
-        while True:
-            n = self._nodes.get(ino)
-            if n is not None:
-                if n.path == path:
-                    return ino, n
-            elif self._restored.get(ino, path) == path:
-                return ino, None
-            ino += 1
-
-    def forget(self, ino: int, nlookup: int) -> None:
-        if ino == ROOT:
-            return
+    def forget(self, items: list[tuple[int, int]]) -> None:
+        """The kernel dropped ``nlookup`` references to each (ino, nlookup)."""
+        drop = []
         with self._lock:
-            n = self._nodes.get(ino)
-            if n is None:
-                return
-            n.lookups -= nlookup
-            if n.lookups > 0 or n.opens:
-                return
-            del self._nodes[ino]
-            self._idle.pop(ino, None)
-            if self.journal is not None:
-                self.journal.forget(ino)
-        if n.backing_id:  # the kernel forgot the inode: none of its files is open
+            for ino in self.inodes.forget([(i, k) for i, k in items if i != ROOT]):
+                n = self._nodes.get(ino)
+                if n is None or n.opens:
+                    continue  # (one still open goes at its release)
+                del self._nodes[ino]
+                self._idle.pop(ino, None)
+                if n.backing_id:  # the kernel forgot the inode: none of its files is open
+                    drop.append(n)
+        for n in drop:
             self._drop_backing(n)
 
     def attr(self, ino: int) -> tuple[int, int, int, int]:
@@ -245,6 +232,8 @@ class CacheFS:
             self._handles[fh] = h
             n.opens += 1
             first, n.unopened = n.unopened, False
+            if first:
+                self.inodes.opened(n.ino)
             self._idle.pop(n.ino, None)
         if self.passthrough and (n.backing_id or self._register_backing(n, file)):
             h.passthrough = True
@@ -345,9 +334,11 @@ class CacheFS:
         else:
             h = self._handles.get(fh)
         if h is None:  # opened under a previous daemon: the request names the inode, which is all we need
-            h = Handle(self.node(ino))
+            fresh = Handle(self.node(ino))
             with self._lock:
-                h = self._handles.setdefault(fh, h)
+                h = self._handles.setdefault(fh, fresh)
+                if h is fresh:  # (counted as an open, so that its node stays in memory until the release)
+                    h.node.opens += 1
         if h.file is None:
             h.file = self.engine.open(self.ds, h.node.entry, pin=False)
         return h
@@ -365,9 +356,16 @@ class CacheFS:
         with self._lock:
             n = h.node
             n.opens = max(0, n.opens - 1)
-            if n.opens or not n.backing_id or n.inherited:
+            if n.opens:
                 return
-            if n.entry.size > RETAIN_BACKING_BYTES:
+            if n.ino != ROOT and self.inodes.get(n.ino) is None:  # forgotten while open: it goes now
+                if self._nodes.get(n.ino) is n:
+                    del self._nodes[n.ino]
+                if n.backing_id:
+                    close.append(n)
+            elif not n.backing_id or n.inherited:
+                return
+            elif n.entry.size > RETAIN_BACKING_BYTES:
                 close.append(n)
             else:
                 self._idle[n.ino] = n

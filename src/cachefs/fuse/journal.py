@@ -7,10 +7,11 @@ passthrough backing ids it registered. A new daemon cannot ask the kernel for an
 writes it down as it hands it out: one JSON line per fact, written with one unbuffered ``write`` (it survives
 SIGKILL; only a machine crash loses it, and that loses the mount too).
 
-Only what cannot be rebuilt is written, and nothing per open: inode numbers (→ path) when first handed out
-and backing ids when registered or dropped. File and directory handles are rebuilt on first use from the
-request itself (it carries the inode). A forgotten inode is written with the next record, not on its own: a
-daemon that dies first leaves its successor one inode too many, which the kernel never asks about.
+Only what cannot be rebuilt is written, and nothing per open: backing ids when registered or dropped. The
+inodes the kernel holds are in the mount's inode table (:mod:`.inode_table`); a journal written by a release that
+kept them here (``i`` and ``f`` records, hand-over version 1) is still read, and its inodes are moved to the table
+(:meth:`MountJournal.inodes_moved`). File and directory handles are rebuilt on first use from the request itself
+(it carries the inode).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring_ascii
 
 from cachefs.base.fallocate import allocate_ahead
 from cachefs.base.files import atomic_write
@@ -44,9 +44,9 @@ class JournalState:
 
     init: dict | None = None  # {"mode": "passthrough"|"userspace", "flags": int, "manifest_version": int}
     generation: int = 0  # how many daemons served this mount before
-    inodes: dict[int, str] = field(default_factory=dict)  # ino → path
-    #: ino → the version (ETag) the kernel was shown, for inodes handed out from a provisional tree: the manifest a
-    #: next daemon opens may name another version of that path (the object changed during the first listing).
+    #: ino → path and ino → the version the kernel was shown, as a journal of a release before the inode table
+    #: wrote them (empty otherwise): for the table to take.
+    inodes: dict[int, str] = field(default_factory=dict)
     versions: dict[int, str] = field(default_factory=dict)
     backing: dict[int, int] = field(default_factory=dict)  # ino → backing id registered with the kernel
     opens_skipped: bool = False  # OPEN was answered ENOSYS: the kernel sends no more OPEN or RELEASE
@@ -65,7 +65,6 @@ class MountJournal:
         #: The disk had no room for a record: the journal is kept in memory only from then on (a daemon
         #: restarted later may not know every inode the kernel holds; requests naming one get ESTALE).
         self.degraded = False
-        self._forgotten: list[int] = []  # inodes forgotten since the last write
         self.state = JournalState()
 
     @classmethod
@@ -98,23 +97,12 @@ class MountJournal:
         self.state.opens_skipped = True
         self._append(_line(["noopen"]))
 
-    def inode(self, ino: int, path: str, version: str = "") -> None:
-        """The kernel holds ``ino`` for ``path`` (``version``: the object version it was shown, where a next
-        daemon's manifest might name another)."""
-        if self.state.inodes.get(ino) != path or self.state.versions.get(ino, "") != version:
-            self.state.inodes[ino] = path
-            if version:
-                self.state.versions[ino] = version
-                self._append(_line(["i", ino, path, version]))
-            else:
-                self.state.versions.pop(ino, None)
-                self._append(b'["i",%d,%s]\n' % (ino, encode_basestring_ascii(path).encode()))
-
-    def forget(self, ino: int) -> None:
-        self.state.versions.pop(ino, None)
-        if self.state.inodes.pop(ino, None) is not None:
-            with self._lock:
-                self._forgotten.append(ino)
+    def inodes_moved(self) -> None:
+        """The inodes an earlier release journalled are in the inode table now: drop them here."""
+        if self.state.inodes:
+            self.state.inodes.clear()
+            self.state.versions.clear()
+            self._rewrite()
 
     def backing(self, ino: int, backing_id: int) -> None:
         self.state.backing[ino] = backing_id
@@ -127,17 +115,10 @@ class MountJournal:
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
-                if self._forgotten:
-                    self._write(self._take_forgotten())
                 os.close(self._fd)
                 self._fd = -1
 
     # -- file -----------------------------------------------------------------------------------------------
-    def _take_forgotten(self) -> bytes:
-        out = b"".join(b'["f",%d]\n' % ino for ino in self._forgotten)
-        self._forgotten.clear()
-        return out
-
     def _write(self, data: bytes) -> bool:
         """Append ``data``; False (and the journal degraded) if the disk has no room for it."""
         if self.degraded or self._fd < 0:
@@ -163,8 +144,6 @@ class MountJournal:
 
     def _append(self, line: bytes) -> None:
         with self._lock:
-            if self._forgotten:
-                line = self._take_forgotten() + line
             if not self._write(line):
                 return
             self._size += len(line)
@@ -189,7 +168,6 @@ class MountJournal:
         lines += [["i", ino, p, s.versions[ino]] if ino in s.versions else ["i", ino, p] for ino, p in s.inodes.items()]
         lines += [["b", ino, b] for ino, b in s.backing.items()]
         data = b"".join(_line(rec) for rec in lines)
-        self._forgotten.clear()  # (the state no longer holds them)
         try:
             atomic_write(self.path, data, dir_mode=0o700)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)

@@ -47,8 +47,9 @@ KEEPER_ENV = "CACHEFS_SESSION_KEEPER"
 #: serves: that generation's keeper socket (the holder takes the descriptor there and retires the old holder).
 PREDECESSOR_ENV = "CACHEFS_ADOPT_FROM"
 #: The version of what a kept session's meta says (and of the holder's retire): a node pod generation takes over
-#: only sessions of a version it knows, and leaves newer ones with the generation that serves them.
-HANDOVER_VERSION = 1
+#: only sessions of a version it knows, and leaves newer ones with the generation that serves them. 2: the kernel's
+#: inodes are in the mount's inode table (1: in the mount journal, which this release still reads).
+HANDOVER_VERSION = 2
 _MAX_MESSAGE = 256 * 1024
 #: Environment variables a kept session may carry (the volume's origin credentials, as the mounter passed them).
 KEPT_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")

@@ -111,8 +111,8 @@ class RequestLoop:
         """The answer to an opcode without a handler."""
         return errno.ENOSYS
 
-    def forget(self, nodeid: int, nlookup: int) -> None:
-        """The kernel dropped ``nlookup`` references to ``nodeid``."""
+    def forget(self, items: list[tuple[int, int]]) -> None:
+        """The kernel dropped ``nlookup`` references to each (nodeid, nlookup)."""
 
     # -- INIT, DESTROY, take-over ---------------------------------------------------------------------------------
     def _init(self, nodeid: int, unique: int, body: memoryview) -> bytes:
@@ -290,13 +290,12 @@ class RequestLoop:
     def _unanswered(self, opcode: int, nodeid: int, body: memoryview) -> None:
         """FORGET, BATCH_FORGET and INTERRUPT: the kernel waits for no answer."""
         if opcode == Op.FORGET:
-            self.forget(nodeid, abi.FORGET_IN.unpack_from(body)[0])
+            self.forget([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
         elif opcode == Op.BATCH_FORGET:
             count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
             count = min(count, (len(body) - abi.BATCH_FORGET_IN.size) // abi.FORGET_ONE.size)
-            for i in range(count):
-                ino, nlookup = abi.FORGET_ONE.unpack_from(body, abi.BATCH_FORGET_IN.size + i * abi.FORGET_ONE.size)
-                self.forget(ino, nlookup)
+            self.forget([abi.FORGET_ONE.unpack_from(body, abi.BATCH_FORGET_IN.size + i * abi.FORGET_ONE.size)
+                         for i in range(count)])
         else:
             self._interrupt(abi.INTERRUPT_IN.unpack_from(body)[0])
 

@@ -49,8 +49,8 @@ class FuseSession(RequestLoop):
     def unhandled_errno(self, opcode: int) -> int:
         return errno.EROFS if opcode in abi.WRITE_OPS else errno.ENOSYS
 
-    def forget(self, nodeid: int, nlookup: int) -> None:
-        self.fs.forget(nodeid, nlookup)
+    def forget(self, items: list[tuple[int, int]]) -> None:
+        self.fs.forget(items)
 
     def restored(self) -> bool:
         journal = self.fs.journal

@@ -78,19 +78,24 @@ class TreeReplies:
         entries = self._dirs.get(fh)
         if entries is None:  # opened under a previous daemon
             entries = self._dirs.setdefault(fh, self.fs.listdir(nodeid))
-        out = bytearray()
+        page, used = [], 0  # (position, entry or None for "." and "..", name) of what fits in ``size``
         for i in range(offset, len(entries) + 2):
             child = entries[i - 2] if i >= 2 else None
             name = child.name.encode("utf-8", "surrogateescape") if child else b"." * (i + 1)
-            if len(out) + abi.dirent_size(name, plus) > size:
+            used += abi.dirent_size(name, plus)
+            if used > size:
                 break
+            page.append((i, child, name))
+        inos = iter(self.fs.adopt([c for _, c, _ in page if c is not None]) if plus else ())
+        out = bytearray()
+        for i, child, name in page:
             dtype = abi.DT_REG if child and not child.is_dir else abi.DT_DIR
             if child is None:
                 ino = nodeid
                 if plus:
                     out += abi.pack_entry(0, bytes(abi.ATTR.size), 0, 0)
             elif plus:
-                ino = self.fs.adopt(child)
+                ino = next(inos)
                 out += self.entry(ino)
             else:
                 ino = 0xFFFFFFFF  # not looked up yet; readers must not rely on d_ino (stat gives the inode)
