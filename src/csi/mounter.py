@@ -44,6 +44,7 @@ from cachefs.fuse.keeper import KEEPER_ENV, PREDECESSOR_ENV
 from cachefs.index.mounts import mount_file, record_left_behind
 from cachefs.prefetch.samplers import parse_sampler
 from csi.generations import answers, predecessors, takeable
+from csi.publishes import sessions_in_use
 
 __all__ = ["LocalMounter", "MountRequest", "Mounter", "MounterUnavailable", "RemoteMounter", "serve_mounter"]
 
@@ -154,8 +155,6 @@ class LocalMounter:
         them."""
         if not self.keeper:
             return [], {}
-        from csi.sessions import sessions_in_use
-
         taken: list[str] = []
         left: dict[str, str] = {}
         # Sessions pods use first: each waits only for its own hand-over, and the idle ones can wait their turn.

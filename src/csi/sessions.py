@@ -25,6 +25,7 @@ from cachefs.base.files import atomic_write
 from cachefs.fuse.mount import bind_mount, is_fuse_mount, is_mount_point, is_stale_mount, other_mounts_of, unmount
 from cachefs.index.volumes import wait_uploaded
 from csi.mounter import LocalMounter, Mounter, MountRequest
+from csi.publishes import record_path, recorded_volume
 from csi.volume import DatasetVolume
 
 __all__ = ["SessionManager"]
@@ -53,7 +54,7 @@ class SessionManager:
         # a repair mounts with the node's own credentials, and the next publish of the volume brings them back).
         self._env: dict[str, dict[str, str]] = {}
         self._idle_since: dict[str, float] = {}  # session key → when it was first seen unused
-        self._record_path = os.path.join(self.state_dir, "publishes.json")
+        self._record_path = record_path(self.state_dir)
         self._lock = threading.Lock()  # guards the record file and session start-up
         self.publishes: dict[str, dict] = self._load()
 
@@ -85,7 +86,7 @@ class SessionManager:
     def stop_idle_sessions(self, idle_for: float) -> list[str]:
         """Unmount sessions that no recorded publish and no bind mount has used for ``idle_for`` seconds (their
         holders and daemons exit; the cache stays); returns their keys. Called by the repair loop."""
-        in_use = {_recorded_volume(rec).session_key for rec in self.publishes.values()}
+        in_use = {recorded_volume(rec).session_key for rec in self.publishes.values()}
         stopped, now = [], time.monotonic()
         with self._lock:
             for key in sorted(os.listdir(self.sessions_dir)):
@@ -131,9 +132,9 @@ class SessionManager:
         """Remove the bind mount at ``target`` and the directory; the shared session stays. The last pod of a
         writable volume on this node leaving waits (up to ``drain_timeout``) until what it wrote is uploaded."""
         rec = self.publishes.get(target)
-        vol = _recorded_volume(rec) if rec else None
+        vol = recorded_volume(rec) if rec else None
         if vol is not None and vol.writable and not any(
-                t != target and _recorded_volume(r).session_key == vol.session_key for t, r in self.publishes.items()):
+                t != target and recorded_volume(r).session_key == vol.session_key for t, r in self.publishes.items()):
             done, pending = wait_uploaded(self.cache_dir, self.session_path(vol), self.drain_timeout)
             if not done:
                 log.warning("%s: %d uploads still pending after %.0f s; they stay on this node and go on in the "
@@ -154,7 +155,7 @@ class SessionManager:
         targets."""
         repaired = []
         for target, rec in list(self.publishes.items()):
-            vol = _recorded_volume(rec)
+            vol = recorded_volume(rec)
             if self.is_published(target, vol) and self.session_healthy(vol):
                 continue
             if not os.path.isdir(os.path.dirname(target)):
@@ -195,18 +196,3 @@ class SessionManager:
                 self.publishes[target] = rec
             # The publish record must outlive the node's processes (kubelet asks again after a reboot).
             atomic_write(self._record_path, json.dumps(self.publishes, indent=1, sort_keys=True), fsync=True)
-
-
-def sessions_in_use(state_dir: str) -> set[str]:
-    """Keys of the sessions a recorded publish uses (a pod's volume), from the plugin's record in ``state_dir``."""
-    try:
-        with open(os.path.join(state_dir, "publishes.json")) as f:
-            publishes = json.load(f)
-        return {_recorded_volume(rec).session_key for rec in publishes.values()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return set()
-
-
-def _recorded_volume(rec: dict) -> DatasetVolume:
-    """The volume a publish record names, for the group it was published for."""
-    return DatasetVolume.from_attributes(rec["attributes"]).for_group(rec.get("group"))

@@ -57,7 +57,7 @@ def test_sessions_of_an_unknown_hand_over_version_stay_with_their_generation_and
     assert mounter.take_over(root)[0] == []
     left = left_behind(cache)
     assert set(left) == {f"{root}/newer/mnt", f"{root}/ancient/mnt"}
-    assert "version 2" in left[f"{root}/newer/mnt"] and "9.0.0" in left[f"{root}/newer/mnt"]
+    assert f"version {HANDOVER_VERSION + 1}" in left[f"{root}/newer/mnt"] and "9.0.0" in left[f"{root}/newer/mnt"]
     assert "predates the hand-over" in left[f"{root}/ancient/mnt"]
     assert len(kept_sessions(old.path)) == 3  # nothing taken: the old generation keeps serving them
     assert mounter.holders == []
@@ -116,7 +116,7 @@ def test_the_mounter_is_not_ready_while_an_earlier_pod_serves_a_session_it_could
 
 def test_the_sessions_pods_use_are_known_from_the_plugins_publish_record(tmp_path):
     """The next pod takes those over first (each waits only for its own hand-over; idle ones can wait)."""
-    from csi.sessions import sessions_in_use
+    from csi.publishes import sessions_in_use
     from csi.volume import DatasetVolume
 
     vol = DatasetVolume.from_attributes({"url": "s3://b/imagenet"})
