@@ -189,13 +189,15 @@ class Engine:
         """Take a new manifest snapshot; readers that open the dataset afterwards see it. In a cache group the
         members that know the dataset take the same snapshot (:meth:`GroupLink.push_manifest`)."""
         ref = DatasetRef.from_url(url)
-        rec = await take_snapshot(self.index, source or self.source_for(ref.url, storage_options), ref)
+        rec = await take_snapshot(self.index, source or self.source_for(ref.url, storage_options), ref,
+                                  concurrency=self.config.origin.list_concurrency)
         await self.group.push_manifest(ref, self.manifests, rec.current)
         return rec
 
     async def adopt_manifest(self, url: str, entries: list[Entry]) -> DatasetRecord:
         """Take ``entries`` (a snapshot a group member listed) as a new manifest version of ``url``."""
-        return await take_snapshot(self.index, ReceivedListing(entries), DatasetRef.from_url(url))
+        return await take_snapshot(self.index, ReceivedListing(entries), DatasetRef.from_url(url),
+                                   concurrency=self.config.origin.list_concurrency)
 
     def known_dataset_for(self, url: str) -> DatasetRecord | None:
         """The dataset on this node whose URL is the longest prefix of ``url``."""

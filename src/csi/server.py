@@ -123,6 +123,11 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
         pass
     if keeper is not None and handover_wait > 0:
         _wait_for_sessions(keeper, sessions, handover_wait)
+    _stop(server, path, bound, registration, keeper)
+
+
+def _stop(server: grpc.Server, path: str, bound: tuple[int, int], registration: Registration | None,
+          keeper: SessionKeeper | None) -> None:
     if superseded(path, bound) or (registration is not None and registration.superseded()):
         # The next node pod's plugin bound these paths and kubelet talks to it. Stopping a gRPC server removes the
         # socket at the path it bound, whoever's it is now: so this one is not stopped, the process just ends.

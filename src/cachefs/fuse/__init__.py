@@ -71,14 +71,8 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
     sys.setswitchinterval(0.0002)
     fd, info = receive_fd(attach)
     cache_dir = config.cache.dir
-    journal_path = mount_file(cache_dir, mountpoint, ".journal")
     resume = info.get("generation", 0) > 0
-    journal = MountJournal.resume(journal_path) if resume else MountJournal.start(journal_path)
-    inodes_path = mount_file(cache_dir, mountpoint, ".inodes")
-    inodes = InodeTable(inodes_path, generation=journal.state.generation, fresh=not resume)
-    if journal.state.inodes:  # (journalled by a release before the inode table: hand-over version 1)
-        inodes.adopt(journal.state.inodes, journal.state.versions)
-        journal.inodes_moved()
+    journal, inodes = _kernel_state(cache_dir, mountpoint, resume)
     engine = get_engine(config)
     init = journal.state.init
     version = init["manifest_version"] if init else None
@@ -89,8 +83,7 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
         ds = run_sync(engine.open_dataset(url, manifest_version=version, lazy=sampler is None))
     except (OSError, ValueError) as exc:
         announce_failure(attach, str(exc))
-        journal.close()
-        inodes.close()
+        _close_kernel_state(journal, inodes, mountpoint)
         os.close(fd)
         raise
     if not record_pin(cache_dir, mountpoint, ds.ref.url, ds.version, os.getppid()):  # (the holder is our parent)
@@ -140,12 +133,29 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
         session.serve(resume=resume)
     finally:
         forget_mount(cache_dir, mountpoint)
-        journal.close()
-        inodes.close()
-        if not is_fuse_mount(mountpoint):  # (ended, not left for a next daemon to resume)
-            InodeTable.remove(inodes_path)
+        _close_kernel_state(journal, inodes, mountpoint)
         os.close(fd)
     return session
+
+
+def _kernel_state(cache_dir: str, mountpoint: str, resume: bool) -> tuple[MountJournal, InodeTable]:
+    """What the kernel was told about the mount: its journal and inode table, new for its first daemon, taken up by
+    a later one (with the inodes a previous release journalled moved into the table: hand-over version 1)."""
+    path = mount_file(cache_dir, mountpoint, ".journal")
+    journal = MountJournal.resume(path) if resume else MountJournal.start(path)
+    inodes = InodeTable(mount_file(cache_dir, mountpoint, ".inodes"), generation=journal.state.generation,
+                        fresh=not resume)
+    if journal.state.inodes:
+        inodes.adopt(journal.state.inodes, journal.state.versions)
+        journal.inodes_moved()
+    return journal, inodes
+
+
+def _close_kernel_state(journal: MountJournal, inodes: InodeTable, mountpoint: str) -> None:
+    journal.close()
+    inodes.close()
+    if not is_fuse_mount(mountpoint):  # (the mount ended: not left for a next daemon to take up)
+        InodeTable.remove(inodes.path)
 
 
 def _log_connect_failure(fut) -> None:

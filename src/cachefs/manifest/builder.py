@@ -1,4 +1,5 @@
-"""Taking a dataset's manifest: one parallel listing of the origin, written as a new immutable version."""
+"""Taking a dataset's manifest: one parallel listing of the origin, written as a new immutable version. A listing
+whose process was killed is resumed by the next one (:mod:`.units`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import os
 from cachefs.base.errors import BucketNotFoundError, ObjectNotFoundError, bucket_of
 from cachefs.base.types import DatasetRef
 from cachefs.index import DatasetRecord, Index, ManifestInfo
-from cachefs.index.listings import ListingProgress
+from cachefs.index.listings import ListingProgress, interrupted_listing
 from cachefs.index.mounts import pinned_versions
 from cachefs.manifest.store import ManifestStore, ManifestWriter
+from cachefs.manifest.units import list_in_units
 from cachefs.sources import Source
 
 __all__ = ["KEEP_VERSIONS", "take_snapshot"]
@@ -24,8 +26,10 @@ log = logging.getLogger(__name__)
 KEEP_VERSIONS = 3
 
 
-async def take_snapshot(index: Index, source: Source, ds: DatasetRef, *, only_if_missing: bool = False) -> DatasetRecord:
-    """List ``ds`` once and store the listing as its new current manifest version.
+async def take_snapshot(index: Index, source: Source, ds: DatasetRef, *, concurrency: int,
+                        only_if_missing: bool = False) -> DatasetRecord:
+    """List ``ds`` once and store the listing as its new current manifest version (``concurrency``: parts of the
+    tree listed at a time, ``origin.list_concurrency``).
 
     Several processes may ask at once; a per-dataset file lock makes them take turns, and with
     ``only_if_missing`` a later one reuses the snapshot an earlier one just took instead of listing again.
@@ -38,7 +42,7 @@ async def take_snapshot(index: Index, source: Source, ds: DatasetRef, *, only_if
         rec = index.dataset(ds.id) or DatasetRecord(ds.id, ds.url)
         if only_if_missing and rec.manifests:
             return rec
-        return await _snapshot_locked(index, source, ds, rec)
+        return await _snapshot_locked(index, source, ds, rec, concurrency)
     finally:
         os.close(fd)
 
@@ -54,16 +58,22 @@ async def _lock(fd: int) -> None:
             await asyncio.sleep(0.05)
 
 
-async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: DatasetRecord) -> DatasetRecord:
+async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: DatasetRecord,
+                           concurrency: int) -> DatasetRecord:
     store = ManifestStore(index)
     version = max((m.version for m in rec.manifests), default=0) + 1
-    store.drop(ds.id, version)  # leftovers of a listing that crashed before it was committed
-    writer = ManifestWriter(index, ds.id, version)
-    progress = ListingProgress(os.path.dirname(index.path), ds.id, ds.url)  # (what `cachefs status` shows meanwhile)
+    cache_dir = os.path.dirname(index.path)
+    done = interrupted_listing(cache_dir, ds.id, version)
+    if done is None:
+        store.drop(ds.id, version)  # leftovers of a listing that crashed before it was committed
+    else:
+        log.info("%s: resuming the listing of manifest v%d (%d parts listed before)", ds.url, version, len(done))
+    writer = ManifestWriter(index, ds.id, version, resumed=done is not None)
+    progress = ListingProgress(cache_dir, ds.id, ds.url, version)  # (what `cachefs status` shows meanwhile)
+    progress.units_done.update(done or ())
+    ticker = asyncio.ensure_future(progress.keep_written())
     try:
-        async for batch in source.list_tree(ds.url):
-            writer.add(batch)
-            progress.note(writer.files, writer.bytes)
+        await list_in_units(source, ds.url, writer, progress, concurrency)
     except BucketNotFoundError:
         store.drop(ds.id, version)
         raise BucketNotFoundError(f"{ds.url}: bucket {bucket_of(ds.url)} not found: it does not exist at the "
@@ -75,7 +85,10 @@ async def _snapshot_locked(index: Index, source: Source, ds: DatasetRef, rec: Da
         store.drop(ds.id, version)
         raise
     finally:
+        ticker.cancel()
         progress.done()
+    if writer.resumed:
+        writer.recount()
     if writer.files == 0 and not writer.skipped:
         store.drop(ds.id, version)
         raise ObjectNotFoundError(f"{ds.url}: no objects under this prefix (is the URL right?)")

@@ -46,12 +46,13 @@ class FirstManifests:
             entries = await shipped(ref)  # listed once per group, not once per node
             if entries or not apart:
                 return await take_snapshot(self.index, ReceivedListing(entries) if entries else src, ref,
-                                           only_if_missing=True)
+                                           only_if_missing=True, concurrency=self.config.origin.list_concurrency)
 
             async def listed() -> DatasetRecord:
                 own = open_origin(ref.url, self.config, storage_options)  # (a client of that loop's own)
                 try:
-                    return await take_snapshot(self.index, own, ref, only_if_missing=True)
+                    return await take_snapshot(self.index, own, ref, only_if_missing=True,
+                                               concurrency=self.config.origin.list_concurrency)
                 finally:
                     await own.close()
 

@@ -152,11 +152,13 @@ class ManifestStore:
 
 
 class ManifestWriter:
-    """Writes one new manifest version batch by batch; files whose names POSIX cannot hold are skipped."""
+    """Writes one new manifest version batch by batch; files whose names POSIX cannot hold are skipped. With
+    ``resumed`` the version holds what an interrupted listing wrote: a file listed again replaces its entry, and
+    the totals are counted once the listing is done (:meth:`recount`)."""
 
-    def __init__(self, index: Index, ds_id: str, version: int) -> None:
+    def __init__(self, index: Index, ds_id: str, version: int, *, resumed: bool = False) -> None:
         self._index, self._db = index, index.manifest_db
-        self.ds_id, self.version = ds_id, version
+        self.ds_id, self.version, self.resumed = ds_id, version, resumed
         self.created = time.time()
         self.files = 0
         self.bytes = 0
@@ -203,12 +205,31 @@ class ManifestWriter:
             if path in self._dirs:
                 self._skip(path, "a directory of the same name exists")
                 continue
-            if not txn.put(_key(self.ds_id, self.version, path), _pack(e), db=self._db, overwrite=False):
-                self._skip(path, "listed twice")
+            key = _key(self.ds_id, self.version, path)
+            if not txn.put(key, _pack(e), db=self._db, overwrite=False):
+                if self.resumed:  # (written before the listing was interrupted: counted by recount)
+                    txn.put(key, _pack(e), db=self._db)
+                else:
+                    self._skip(path, "listed twice")
                 continue
             self.files += 1
             self.bytes += e.size
             self.largest = max(self.largest, e.size)
+
+    def recount(self) -> None:
+        """Count the files, bytes and largest file the version holds (a resumed listing: some were written before)."""
+        pfx = _prefix(self.ds_id, self.version)
+        files = nbytes = largest = 0
+        with self._index.env.begin(buffers=True) as txn:
+            cur = txn.cursor(db=self._db)
+            if cur.set_range(pfx):
+                for k, v in cur:
+                    if bytes(k[:len(pfx)]) != pfx:
+                        break
+                    kind, size, _ = _ENTRY.unpack_from(v)
+                    if kind == _FILE:
+                        files, nbytes, largest = files + 1, nbytes + size, max(largest, size)
+        self.files, self.bytes, self.largest = files, nbytes, largest
 
     def _add_dir(self, txn, path: str) -> None:
         while path not in self._dirs:

@@ -8,8 +8,9 @@ directory ``flat/`` of N more objects numbered after the others.
 Answers ListObjectsV2 and V1 (prefix, delimiter ``/``, continuation-token, start-after or marker, max-keys up to
 1000), GetObject
 (whole or one ``bytes=`` range), HeadObject and HeadBucket, unsigned (it checks no signature: loopback only). It
-counts what it answered at ``GET /_synthetic/requests``; with ``--hold-prefix P`` listings under ``P`` wait until
-``POST /_synthetic/release`` (a first listing held from finishing, for tests).
+counts what it answered at ``GET /_synthetic/requests`` (listings also by the prefix's first directory); with
+``--hold-prefix P`` listings under ``P`` wait until ``POST /_synthetic/release`` (a first listing held from
+finishing, for tests).
 
     python -m cachefs.testing.synthetic_s3 --objects 10000000 --port 0   # prints PORT <n>
 """
@@ -129,7 +130,7 @@ def _error(status: int, code: str, message: str) -> web.Response:
 
 
 def make_app(bucket: SyntheticBucket, hold_prefix: str | None = None) -> web.Application:
-    counts = {"list": 0, "get": 0, "head": 0, "held": 0}
+    counts: dict = {"list": 0, "get": 0, "head": 0, "held": 0, "lists_under": {}}
     released = asyncio.Event()
 
     async def requests(request: web.Request) -> web.Response:
@@ -148,6 +149,8 @@ def make_app(bucket: SyntheticBucket, hold_prefix: str | None = None) -> web.App
         v2 = q.get("list-type") == "2"
         counts["list"] += 1
         prefix, delimiter = q.get("prefix", ""), q.get("delimiter", "")
+        top = prefix.split("/", 1)[0] if "/" in prefix else ""
+        counts["lists_under"][top] = counts["lists_under"].get(top, 0) + 1
         if hold_prefix is not None and prefix.startswith(hold_prefix) and not released.is_set():
             counts["held"] += 1
             await released.wait()
