@@ -7,7 +7,9 @@ Printed per size N, for cachefs and rclone alike where it applies:
 * **mount ready**: from starting the mount command until ``ls`` of the root answers;
 * **first byte**: then, reading one byte of a file never looked up;
 * **walk cold / warm**: ``os.walk`` plus a ``stat`` of every file (what torchvision's ImageFolder does), twice;
-* **stat without listing**: ``stat`` of random paths on a fresh mount of a cache that holds the manifest;
+* **stat without listing**: ``stat`` of random paths on a fresh mount of a cache that holds the manifest, then a
+  walk + stat of the whole tree there (the kernel's caches cold, the manifest local: what a job's loader does at
+  its start on a node that listed the dataset before);
 * **memory**: resident memory of the mount's processes (the daemon and its holder) after the walk, and per object;
 * **manifest on disk** (cachefs): the index's bytes per object, and the listing's keys/s (``cachefs refresh``).
 
@@ -184,9 +186,14 @@ def measure(system: str, n: int, bucket, rng: random.Random, server: SyntheticSe
         secs = time.perf_counter() - t
         for k in keys[:20]:
             check(os.path.join(root, k), k)
+        t = time.perf_counter()
+        walked = walk(root)
+        local = time.perf_counter() - t
     finally:
         mount.close()
-    print(f"  {system:>7}: stat of {args.stats} paths never listed, fresh mount: {args.stats / secs:,.0f} stats/s")
+    assert walked == n, (walked, n)
+    print(f"  {system:>7}: stat of {args.stats} paths never listed, fresh mount: {args.stats / secs:,.0f} stats/s; "
+          f"then walk + stat with the listing local {local:6.1f} s ({n / local:,.0f} files/s)")
     if system == "cachefs":
         t = time.perf_counter()
         subprocess.run([*CLI, "refresh", "s3://synthetic", "--cache-dir", cache], check=True,

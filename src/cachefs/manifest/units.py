@@ -60,6 +60,8 @@ async def _units(source: Source, url: str, writer: ManifestWriter, progress: Lis
             files, dirs = await source.list_directory(url, path)
         if files:
             _write(writer, progress, files)
+        elif path and not dirs:  # nothing under it but its marker object ("dir/"): a directory all the same
+            _write(writer, progress, [Entry(path + "/", 0, "", 0.0)])
         if not dirs:
             progress.units_done.add(path)  # (listed whole)
         return [f"{path}/{d}" if path else d for d in dirs]
