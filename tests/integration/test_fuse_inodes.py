@@ -33,9 +33,10 @@ def _walk(fs: CacheFS) -> dict[str, int]:
     """What a `find` does through READDIRPLUS: every entry handed to the kernel once."""
     inos = {}
     for d in fs.listdir(ROOT):
-        (dino,) = fs.adopt([d])
+        ((dino, _),) = fs.adopt([d])
         children = fs.listdir(dino)
-        for child, ino in zip(children, fs.adopt(children), strict=True):
+        for child, (ino, shown) in zip(children, fs.adopt(children), strict=True):
+            assert shown == child
             inos[child.path] = ino
     return inos
 
@@ -46,11 +47,12 @@ def test_a_walk_keeps_a_bounded_set_of_nodes_and_every_inode_answers(tree, monke
     fs = CacheFS(engine, ds, inodes=InodeTable(path))
     inos = _walk(fs)
     assert len(inos) == 1000 and len(fs.inodes) == 1004  # (and the four directories)
-    assert len(fs._nodes) <= 64 + 1
-    for p, ino in inos.items():  # evicted or not, each answers with its own entry
+    assert len(fs._nodes) <= 64 + 1  # (a walk makes no node: READDIRPLUS answers from the entries it lists)
+    for p, ino in inos.items():  # made now, and let go of past the limit: each answers with its own entry
         assert fs.node(ino).entry.path == p
         d, f = p.split("/")
         assert fs.attr(ino)[1] == len(f"{int(d[1:])}/{int(f[1:])}")
+    assert len(fs._nodes) <= 64 + 1
 
 
 def test_the_kernel_forgetting_an_inode_ends_it_and_an_open_one_goes_at_its_release(tree):
@@ -80,5 +82,5 @@ def test_a_restarted_daemon_knows_what_the_kernel_held_and_which_were_opened(tre
     # handed out by the previous daemon: its pages may be cached, so nothing counts as never opened
     assert not second.node(untouched).unopened and not second.node(opened).unopened
     assert second.node(inos["d3/f249"]).entry.path == "d3/f249"
-    (again,) = second.adopt([second.node(untouched).entry])
+    ((again, _),) = second.adopt([second.node(untouched).entry])
     assert again == untouched and second.inodes.get(untouched).lookups == 2

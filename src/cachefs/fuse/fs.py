@@ -169,24 +169,18 @@ class CacheFS:
         if not p.entry.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, p.path)
         entry = self.ds.stat(f"{p.path}/{name}" if p.path else name)  # FileNotFoundError → ENOENT
-        return self.adopt([entry])[0], entry
+        return self.adopt([entry])[0]
 
-    def adopt(self, entries: list[Entry]) -> list[int]:
-        """The inodes of ``entries`` (manifest entries the caller has in hand), counting one kernel lookup of each;
-        READDIRPLUS hands a page of children at once, saving the manifest lookup per child."""
+    def adopt(self, entries: list[Entry]) -> list[tuple[int, Entry]]:
+        """The inodes of ``entries`` (manifest entries the caller has in hand), counting one kernel lookup of each,
+        with the entry to show for each (a node's in memory, else the one given); READDIRPLUS hands a page of
+        children at once, saving the manifest lookup per child. No node is made: a walk leaves memory as it was."""
         shown = self.ds.provisional
         with self._lock:
             found = self.inodes.looked_up([(e.path, e.version if shown else "") for e in entries])
-            for (ino, r), e in zip(found, entries, strict=True):
-                n = self._nodes.get(ino)
-                if n is None:
-                    # An inode a previous daemon handed out may have cached pages and reads in flight.
-                    self._keep(Node(e.path, e, ino=ino, unopened=r.generation == self.inodes.generation
-                                    and not r.opened))
-                else:  # (used now: last to go)
-                    del self._nodes[ino]
-                    self._nodes[ino] = n
-        return [ino for ino, _ in found]
+            nodes = self._nodes
+            return [(ino, e if (n := nodes.get(ino)) is None else n.entry)
+                    for (ino, _), e in zip(found, entries, strict=True)]
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         """The kernel dropped ``nlookup`` references to each (ino, nlookup)."""
@@ -205,7 +199,10 @@ class CacheFS:
 
     def attr(self, ino: int) -> tuple[int, int, int, int]:
         """(mode, size, mtime_ns, nlink)"""
-        e = self.node(ino).entry
+        return self.attr_of(self.node(ino).entry)
+
+    def attr_of(self, e: Entry) -> tuple[int, int, int, int]:
+        """(mode, size, mtime_ns, nlink) of a manifest entry."""
         mtime_ns = int(e.mtime * 1e9)
         if e.is_dir:
             return self._dir_mode, 0, mtime_ns, 2

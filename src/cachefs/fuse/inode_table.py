@@ -125,21 +125,43 @@ class InodeTable:
             ino, r = self._find(txn, {}, path)
         return ino, None if r is None or r.lookups == 0 else r
 
-    def looked_up(self, items: Iterable[tuple[str, str]]) -> list[tuple[int, InodeRecord]]:
+    def looked_up(self, items: list[tuple[str, str]]) -> list[tuple[int, InodeRecord]]:
         """The kernel was handed these (path, version shown) once more each: their numbers and records, the count
         raised (a new record where there was none), in one transaction."""
+        if not self.degraded and self._env is not None:
+            try:
+                return self._looked_up_on_disk(items)
+            except lmdb.Error as exc:  # (the disk or the map full: nothing of the transaction was written)
+                self._degrade(exc)
         out: list[tuple[int, InodeRecord]] = []
         changes: dict[int, InodeRecord | None] = {}
         with self._reading() as txn:
             for path, version in items:
                 ino, r = self._find(txn, changes, path)
-                # (one the kernel holds keeps the version it was shown first: its pages are of that one)
-                r = InodeRecord(path, 1, self.generation, False, version) if r is None or r.lookups == 0 else \
-                    r._replace(lookups=r.lookups + 1)
+                r = self._bumped(r, path, version)
                 changes[ino] = r
                 out.append((ino, r))
         self._apply(changes)
         return out
+
+    def _looked_up_on_disk(self, items: list[tuple[str, str]]) -> list[tuple[int, InodeRecord]]:
+        """:meth:`looked_up` in one write transaction that reads its own writes (a walk's hot path)."""
+        out = []
+        assert self._env is not None
+        with self._env.begin(write=True, buffers=True) as txn:  # (its reads see its own writes)
+            for path, version in items:
+                ino, r = self._find(txn, {}, path)
+                r = self._bumped(r, path, version)
+                txn.put(_KEY.pack(ino), _pack(r))
+                out.append((ino, r))
+        return out
+
+    def _bumped(self, r: InodeRecord | None, path: str, version: str) -> InodeRecord:
+        """``r`` looked up once more; a new record where there is none. (One the kernel holds keeps the version it
+        was shown first: its pages are of that one.)"""
+        if r is None or r.lookups == 0:
+            return InodeRecord(path, 1, self.generation, False, version)
+        return r._replace(lookups=r.lookups + 1)
 
     def opened(self, ino: int) -> None:
         """Mark ``ino`` opened (its page cache may hold pages from now on)."""

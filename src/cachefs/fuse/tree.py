@@ -48,15 +48,14 @@ class TreeReplies:
                 Op.STATFS: self.statfs, Op.ACCESS: self.access, Op.GETXATTR: self.getxattr,
                 Op.LISTXATTR: self.listxattr, Op.FSYNC: self.empty, Op.FSYNCDIR: self.empty}
 
-    def entry(self, ino: int) -> bytes:
-        mode, size, mtime_ns, nlink = self.fs.attr(ino)
+    def entry(self, ino: int, e: Entry) -> bytes:
+        mode, size, mtime_ns, nlink = self.fs.attr_of(e)
         attr = abi.pack_attr(ino, size, mode, mtime_ns, nlink, self.fs.uid, self.fs.gid)
         return abi.pack_entry(ino, attr, self.timeout, self.timeout)
 
     def lookup(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         name = bytes(body).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        ino, _ = self.fs.lookup(nodeid, name)
-        return self.entry(ino)
+        return self.entry(*self.fs.lookup(nodeid, name))
 
     def getattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         mode, size, mtime_ns, nlink = self.fs.attr(nodeid)
@@ -95,8 +94,8 @@ class TreeReplies:
                 if plus:
                     out += abi.pack_entry(0, bytes(abi.ATTR.size), 0, 0)
             elif plus:
-                ino = next(inos)
-                out += self.entry(ino)
+                ino, shown = next(inos)
+                out += self.entry(ino, shown)
             else:
                 ino = 0xFFFFFFFF  # not looked up yet; readers must not rely on d_ino (stat gives the inode)
             out += abi.pack_dirent(ino, i + 1, name, dtype)
