@@ -14,6 +14,7 @@ import pytest
 
 from cachefs.base.types import dataset_id
 from cachefs.kube import ApiError, KubeClient, KubeConfig
+from cachefs.testing import waiting
 from scheduler_hints.labels import DatasetCache, NodeCacheSummary, dataset_key, desired_metadata
 from scheduler_hints.publisher import Publisher
 from scheduler_hints.summary import StaticSummary
@@ -24,13 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def wait_for(check, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    return waiting.wait_for(check, timeout, what, interval=0.25)
 
 
 def make_node(k8s, name: str, *, gpus: int = 0, labels: dict[str, str] | None = None) -> None:
@@ -119,7 +114,20 @@ def test_publisher_writes_only_its_own_node_under_shipped_rbac(k8s, tmp_path):
             assert dataset_key(DS) in gone.labels_removed
             node = k8s.request("GET", "/api/v1/nodes/pub-a")["metadata"]
             assert dataset_key(DS) not in node["labels"] and dataset_key(DS) not in node.get("annotations", {})
-            # The same credentials on another node: refused by the shipped admission policy.
+            # The same credentials on another node: refused by the shipped admission policy, once the API server
+            # enforces it (it loads policies in the background: a dry run, which policies judge, says when).
+            async def policy_enforced() -> bool:
+                try:
+                    await client.request("PATCH", "/api/v1/nodes/pub-b", {"metadata": {"labels": {"probe": "x"}}},
+                                         content_type="application/merge-patch+json", params={"dryRun": "All"})
+                except ApiError as exc:
+                    return exc.status == 403
+                return False
+
+            deadline = time.monotonic() + 60
+            while not await policy_enforced():
+                assert time.monotonic() < deadline, "the node-agent admission policy was never enforced"
+                await asyncio.sleep(0.25)
             with pytest.raises(ApiError) as refused:
                 await Publisher(client, "pub-b", StaticSummary(summary(500)), min_interval=0).publish_once()
             assert refused.value.status == 403 and "only change the Node it runs on" in refused.value.message
@@ -340,7 +348,6 @@ def test_a_pod_that_asks_for_warm_data_stays_pending_saying_why_until_its_node_h
     extender's reason (how warm the best node is) and the pod binds once the node's labels say 90 %."""
     make_node(k8s, "warmwait-a", labels={"e2e": "warmwait"})
     label_node(k8s, "warmwait-a", 300 * 2**30, 1000 * 2**30)
-    time.sleep(1)  # let the extender's node watch see the labels
     pod = make_pod("warmwait", selector={"e2e": "warmwait"},
                    annotations={"cachefs.io/datasets": URL, "cachefs.io/wait-warm": "80"})
     k8s.apply(pod)
@@ -349,8 +356,10 @@ def test_a_pod_that_asks_for_warm_data_stays_pending_saying_why_until_its_node_h
         events = k8s.request("GET", "/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3Dwarmwait")
         return " ".join(e.get("message", "") for e in events["items"] if e.get("reason") == "FailedScheduling")
 
-    message = wait_for(said, 60, "a FailedScheduling event")
-    assert "30 percent cached in node warmwait-a" in message and "MISSING" not in message, message
+    # (the first attempts may come before the extender's node watch saw the labels: kube-scheduler retries)
+    message = wait_for(lambda: "30 percent cached in node warmwait-a" in (m := said()) and m, 60,
+                       "a FailedScheduling event saying how warm the node is")
+    assert "MISSING" not in message, message
     assert node_of(k8s, "warmwait") is None
     label_node(k8s, "warmwait-a", 900 * 2**30, 1000 * 2**30)
     assert wait_for(lambda: node_of(k8s, "warmwait"), 90, "bound once warm") == "warmwait-a"

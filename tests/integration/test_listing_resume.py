@@ -8,12 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from cachefs.testing.synthetic_s3 import SyntheticBucket
+from cachefs.testing.waiting import wait_for
 
 N = 20_000  # 20 directories of 1,000: each a unit of the listing
 HELD = "d000013"
@@ -42,16 +42,6 @@ def _cli(*args: str, env: dict) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(what, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 def _record(cache: str) -> dict | None:
     try:
         (name,) = os.listdir(os.path.join(cache, "listings"))
@@ -68,7 +58,7 @@ def test_a_killed_listing_is_resumed_without_listing_again_what_it_had_listed(sy
     first = _cli("refresh", "s3://synthetic", "--cache-dir", cache, env=env)
     try:
         # Every unit but the held one gets listed; the record says so (written about once a second).
-        rec = _wait_for(lambda: (r := _record(cache)) and len(r["units_done"]) == 19 and r)
+        rec = wait_for(lambda: (r := _record(cache)) and len(r["units_done"]) == 19 and r, what="19 parts listed")
         assert HELD not in rec["units_done"] and _server(synthetic, "requests")["held"] >= 1
     finally:
         first.send_signal(signal.SIGKILL)
