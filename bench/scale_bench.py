@@ -201,8 +201,24 @@ def measure(system: str, n: int, bucket, rng: random.Random, server: SyntheticSe
         secs = time.perf_counter() - t
         index = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache) for f in fs
                     if f.endswith(".mdb"))
+        used = manifest_pages(os.path.join(cache, "index"))
         print(f"  {system:>7}: listing (cachefs refresh) {secs:6.1f} s = {n / secs:,.0f} keys/s; index on disk "
-              f"{index / 2**20:,.0f} MiB for two manifest versions ({index / n / 2:,.0f} B per object per version)")
+              f"{index / 2**20:,.0f} MiB for two manifest versions ({index / n / 2:,.0f} B per object per version), "
+              f"of it the manifests' pages in use {used / 2**20:,.0f} MiB ({used / n / 2:,.0f} B per object per "
+              f"version; the rest is free pages a provisional tree left, reused by later writes)")
+
+
+def manifest_pages(index_dir: str) -> int:
+    """Bytes of the pages the index's manifest table uses (its B-tree), free pages of the file not counted."""
+    import lmdb
+
+    env = lmdb.open(index_dir, readonly=True, lock=False, max_dbs=32)
+    try:
+        with env.begin() as txn:
+            st = txn.stat(env.open_db(b"manifest", txn=txn, create=False))
+        return (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"]
+    finally:
+        env.close()
 
 
 if __name__ == "__main__":

@@ -147,9 +147,9 @@ class MountJournal:
             if not self._write(line):
                 return
             self._size += len(line)
-            # Compact once the file is twice what the last compaction left (at least COMPACT_BYTES): when the
-            # kernel holds many inodes the live state alone is large, and a fixed limit would rewrite it all
-            # on every append.
+            # Compact once the file is twice what the last compaction left (at least COMPACT_BYTES): with many
+            # backing files registered the live state alone is large, and a fixed limit would rewrite it all on
+            # every append.
             if self._size > max(COMPACT_BYTES, 2 * self._live_size):
                 self._rewrite_locked()
 
