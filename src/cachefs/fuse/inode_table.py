@@ -86,7 +86,7 @@ class InodeTable:
             # sync off: a kill -9 loses nothing (committed pages are in the page cache), as for the mount journal.
             self._env: lmdb.Environment | None = lmdb.open(
                 path, subdir=False, map_size=_MAP_SIZE, max_dbs=0, sync=False, metasync=False, readahead=False,
-                meminit=False, lock=True)
+                meminit=False, lock=True, mode=0o600)
         except lmdb.Error as exc:
             if not fresh:  # (what a previous daemon wrote is there and cannot be read)
                 raise CacheFSError(f"cannot open the mount's inode table {path}: {exc}") from None
