@@ -169,7 +169,15 @@ class CacheFS:
         if not p.entry.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, p.path)
         entry = self.ds.stat(f"{p.path}/{name}" if p.path else name)  # FileNotFoundError → ENOENT
-        return self.adopt([entry])[0]
+        with self._lock:
+            ((ino, r),) = self.inodes.looked_up([(entry.path, entry.version if self.ds.provisional else "")])
+            n = self._nodes.get(ino)
+            if n is None and (not r.version or r.version == entry.version):
+                # A LOOKUP is followed by the inode's GETATTR, OPEN or READ: keep its node (a walk's READDIRPLUS
+                # makes none). An inode a previous daemon handed out may have cached pages and reads in flight.
+                n = self._keep(Node(entry.path, entry, ino=ino,
+                                    unopened=r.generation == self.inodes.generation and not r.opened))
+        return ino, entry if n is None else n.entry
 
     def adopt(self, entries: list[Entry]) -> list[tuple[int, Entry]]:
         """The inodes of ``entries`` (manifest entries the caller has in hand), counting one kernel lookup of each,
