@@ -725,3 +725,50 @@ def test_a_mount_whose_packed_mirror_cannot_be_used_says_so_in_status(s3, cache_
         assert "packed mirror cannot be used" in table, table
     finally:
         m.close()
+
+
+def test_a_daemon_of_this_release_takes_the_inodes_a_previous_release_journalled(mounted, cache_dir):
+    """Hand-over version 1 (a release before the inode table kept the kernel's inodes in the mount journal): the
+    next daemon moves them into the table, and every inode the kernel holds goes on answering."""
+    from cachefs.fuse.inode_table import InodeTable
+    from cachefs.fuse.journal import replay
+    from cachefs.index.mounts import mount_file
+
+    m, files = mounted
+    held = {rel: os.open(m.path(rel), os.O_RDONLY) for rel in list(files)[:20]}  # inodes the kernel holds open
+    try:
+        for d, _, names in os.walk(m.mountpoint):  # and the rest, looked up by a walk
+            for name in names:
+                os.stat(os.path.join(d, name))
+        holder, daemon = m.proc.pid, m.wait_for_daemon()["pid"]
+        os.kill(holder, signal.SIGSTOP)  # (so that it restarts the daemon only once the state is as a v1 left it)
+        try:
+            os.kill(daemon, signal.SIGKILL)
+            while Path(f"/proc/{daemon}").exists() and "Z" not in Path(f"/proc/{daemon}/stat").read_text().split()[2]:
+                time.sleep(0.02)
+            table_path = mount_file(cache_dir, m.mountpoint, ".inodes")
+            table = InodeTable(table_path, fresh=False)
+            records = {}
+            with table._env.begin() as txn:
+                for key, _ in txn.cursor():
+                    ino = int.from_bytes(key, "big")
+                    records[ino] = table.get(ino)
+            table.close()
+            InodeTable.remove(table_path)
+            assert len(records) > len(files)  # (the files and their directories)
+            with open(mount_file(cache_dir, m.mountpoint, ".journal"), "a") as journal:
+                for ino, r in records.items():
+                    journal.write(json.dumps(["i", ino, r.path]) + "\n")
+        finally:
+            os.kill(holder, signal.SIGCONT)
+        m.wait_for_daemon(other_than=daemon)
+        for rel, fd in held.items():  # the kernel reads through the inodes it held, its page cache dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            assert os.pread(fd, len(files[rel]) + 1, 0) == files[rel], rel
+        for rel, data in files.items():
+            with open(m.path(rel), "rb") as f:
+                assert f.read() == data, rel
+        assert replay(mount_file(cache_dir, m.mountpoint, ".journal")).inodes == {}  # (moved into the table)
+    finally:
+        for fd in held.values():
+            os.close(fd)
