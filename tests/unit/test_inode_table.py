@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cachefs.fuse import inode_table
-from cachefs.fuse.inode_table import ROOT, InodeTable, path_ino
+from cachefs.fuse.inode_table import InodeTable, path_ino
 
 
 def test_lookups_are_counted_and_a_record_goes_when_the_kernel_forgets_the_last(tmp_path):
@@ -37,12 +37,11 @@ def test_paths_whose_numbers_collide_each_get_their_own(tmp_path, monkeypatch):
     t = InodeTable(str(tmp_path / "m.inodes"))
     got = t.looked_up([("a", ""), ("b", ""), ("a", "")])  # (a collision within one transaction too)
     assert [ino for ino, _ in got] == [100, 101, 100]
-    assert t.find("b") == (101, got[1][1]) and t.find("c") == (102, None)
+    assert t.get(101) == got[1][1] and t.get(102) is None
     assert t.forget([(100, 2)]) == [100] and t.get(100) is None
-    assert t.find("b")[0] == 101  # (a freed number before it does not move what came after)
+    assert t.looked_up([("b", "")])[0][0] == 101  # (a freed number before it does not move what came after)
     assert t.looked_up([("a", "")])[0][0] == 100 and t.get(100).lookups == 1  # (its number again)
-    assert t.forget([(101, 1)]) == [101] and t.find("b") == (101, None)
-    assert t.find("") == (ROOT, None)
+    assert t.forget([(101, 2)]) == [101] and t.get(101) is None
 
 
 def test_a_previous_releases_journalled_inodes_are_taken_as_handed_out_before(tmp_path):

@@ -58,6 +58,7 @@ class Node:
     backing_id: int = 0  # registered with the kernel: every open of this inode is passthrough with it
     ino: int = 0
     inherited: bool = False  # backing id taken over from a previous daemon (its opens are not counted here)
+    forgotten: bool = False  # the kernel forgot it while a file of it was open: it goes at the last release
     #: Never opened since the kernel first looked it up from this daemon: its page cache is empty and no read
     #: of it can be in flight, so its bytes may be stored there before the open is answered (Handle.prefill).
     unopened: bool = False
@@ -172,7 +173,9 @@ class CacheFS:
         with self._lock:
             ((ino, r),) = self.inodes.looked_up([(entry.path, entry.version if self.ds.provisional else "")])
             n = self._nodes.get(ino)
-            if n is None and (not r.version or r.version == entry.version):
+            if n is not None:
+                n.forgotten = False  # (the kernel holds it again)
+            elif not r.version or r.version == entry.version:
                 # A LOOKUP is followed by the inode's GETATTR, OPEN or READ: keep its node (a walk's READDIRPLUS
                 # makes none). An inode a previous daemon handed out may have cached pages and reads in flight.
                 n = self._keep(Node(entry.path, entry, ino=ino,
@@ -186,9 +189,13 @@ class CacheFS:
         shown = self.ds.provisional
         with self._lock:
             found = self.inodes.looked_up([(e.path, e.version if shown else "") for e in entries])
-            nodes = self._nodes
-            return [(ino, e if (n := nodes.get(ino)) is None else n.entry)
-                    for (ino, _), e in zip(found, entries, strict=True)]
+            out = []
+            for (ino, _), e in zip(found, entries, strict=True):
+                n = self._nodes.get(ino)
+                if n is not None:
+                    n.forgotten = False  # (the kernel holds it again)
+                out.append((ino, e if n is None else n.entry))
+            return out
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         """The kernel dropped ``nlookup`` references to each (ino, nlookup)."""
@@ -196,8 +203,11 @@ class CacheFS:
         with self._lock:
             for ino in self.inodes.forget([(i, k) for i, k in items if i != ROOT]):
                 n = self._nodes.get(ino)
-                if n is None or n.opens:
-                    continue  # (one still open goes at its release)
+                if n is None:
+                    continue
+                if n.opens:
+                    n.forgotten = True  # (it goes at its last release)
+                    continue
                 del self._nodes[ino]
                 self._idle.pop(ino, None)
                 if n.backing_id:  # the kernel forgot the inode: none of its files is open
@@ -363,7 +373,7 @@ class CacheFS:
             n.opens = max(0, n.opens - 1)
             if n.opens:
                 return
-            if n.ino != ROOT and self.inodes.get(n.ino) is None:  # forgotten while open: it goes now
+            if n.forgotten:
                 if self._nodes.get(n.ino) is n:
                     del self._nodes[n.ino]
                 if n.backing_id:

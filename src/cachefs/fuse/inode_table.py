@@ -119,12 +119,6 @@ class InodeTable:
             r = self._record(txn, {}, ino)
         return None if r is None or r.lookups == 0 else r
 
-    def find(self, path: str) -> tuple[int, InodeRecord | None]:
-        """``path``'s number and record, or the number it would get and None."""
-        with self._reading() as txn:
-            ino, r = self._find(txn, {}, path)
-        return ino, None if r is None or r.lookups == 0 else r
-
     def looked_up(self, items: list[tuple[str, str]]) -> list[tuple[int, InodeRecord]]:
         """The kernel was handed these (path, version shown) once more each: their numbers and records, the count
         raised (a new record where there was none), in one transaction."""
