@@ -8,6 +8,7 @@ daemon it runs, which serves the mount until it is unmounted and can be killed a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -156,6 +157,8 @@ def _close_kernel_state(journal: MountJournal, inodes: InodeTable, mountpoint: s
     inodes.close()
     if not is_fuse_mount(mountpoint):  # (the mount ended: not left for a next daemon to take up)
         InodeTable.remove(inodes.path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(journal.path)
 
 
 def _log_connect_failure(fut) -> None:
