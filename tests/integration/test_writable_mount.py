@@ -265,7 +265,7 @@ def test_two_writers_racing_on_one_checkpoint_one_wins_and_nothing_mixes(s3, cac
         for i in range(2):  # two nodes' volumes over the same prefix (two cache directories)
             mnt = tmp_path / f"mnt{i}"
             mnt.mkdir()
-            mounts.append(Mounted(f"{cache_dir}-{i}", f"s3://{bucket}/ck", str(mnt), "--writable", env=ENV))
+            mounts.append(Mounted(f"{cache_dir}-{i}", f"s3://{bucket}/ck", str(mnt), "--writable", "-v", env=ENV))
         payloads = []
         for i, m in enumerate(mounts):
             data = {"a": bytes([i]) * 300_000, "b": bytes([i + 10]) * 200_000}
@@ -276,12 +276,17 @@ def test_two_writers_racing_on_one_checkpoint_one_wins_and_nothing_mixes(s3, cac
         for m in mounts:
             os.rename(m.path("step-9.tmp"), m.path("step-9"))
         results = [cli(m.cache_dir, "sync", m.mountpoint, "--timeout", "60") for m in mounts]
-        assert sorted(r.returncode for r in results) == [0, 1]
+
+        def evidence() -> str:  # (a race: what each writer said and logged, should it ever fail again)
+            return "\n".join(f"writer {i}: sync rc {r.returncode} {r.stderr!r}\n{m.read_output()[-4000:]}"
+                             for i, (r, m) in enumerate(zip(results, mounts, strict=True)))
+
+        assert sorted(r.returncode for r in results) == [0, 1], evidence()
         loser = next(r for r in results if r.returncode == 1)
         assert "committed by another writer" in loser.stderr
         winner = payloads[[r.returncode for r in results].index(0)]
         got = objects(client, bucket, "ck/step-9/")
-        assert got == {k: Body(v) for k, v in winner.items()}  # the loser wrote none of its objects
+        assert got == {k: Body(v) for k, v in winner.items()}, evidence()  # the loser wrote none of its objects
         record = json.loads(objects(client, bucket, "ck/.cachefs/commits/")["step-9.json"])
         assert {f["path"]: f["size"] for f in record["files"]} == {k: len(v) for k, v in winner.items()}
     finally:
@@ -298,7 +303,7 @@ def test_a_rename_after_the_upload_copies_this_writers_object_not_anothers_of_th
         for i in range(2):
             mnt = tmp_path / f"mnt{i}"
             mnt.mkdir()
-            mounts.append(Mounted(f"{cache_dir}-{i}", f"s3://{bucket}/ck", str(mnt), "--writable", env=ENV))
+            mounts.append(Mounted(f"{cache_dir}-{i}", f"s3://{bucket}/ck", str(mnt), "--writable", "-v", env=ENV))
         mine, theirs = (Body(bytes([i]) * 100_000) for i in (7, 8))
         for m, body in zip(mounts, (mine, theirs), strict=True):
             os.mkdir(m.path("step-3.tmp"))

@@ -20,7 +20,7 @@ def test_entries_come_back_in_order_after_a_crash_with_moves_drops_and_insertion
     q.add("commit", "step")
     q.drop(log)
     done = q.add("delete", "old")
-    q.started(done)
+    assert not q.start(done)  # (not the head: the uploader takes entries in order)
     q.finished(done)
     before = [(e.kind, e.key, e.size, e.snap) for e in q.entries]
     # (no close: the process died) and the last line was cut in half by the crash
@@ -51,7 +51,7 @@ def test_a_multipart_upload_begun_is_remembered_and_a_finished_queue_leaves_an_e
     again = UploadQueue(path)
     assert again.entries[0].begun == ["big.tmp", "big"]
     again.close()
-    q.started(e)
+    assert q.start(e)
     q.finished(e)
     assert q.done_through(e.seq)
     with open(path) as f:
@@ -78,3 +78,23 @@ def test_under():
 
 def test_the_journal_reader_below_the_write_path_knows_every_entry_kind():
     assert {k.value for k in EntryKind} == ENTRY_KINDS
+
+
+def test_an_entry_taken_as_the_head_starts_only_while_it_still_is_one(tmp_path):
+    """The uploader reads the head, then starts it; a rename between the two (another thread) moves the entry to
+    the end under the checkpoint's name and puts the checkpoint's claim before it. Started anyway, the object would
+    reach the origin before its claim: a writer that then loses the claim leaves its object in the winner's
+    checkpoint."""
+    q = UploadQueue(str(tmp_path / "journal"))
+    a = q.add("put", "step-9.tmp/a", size=10, snap=q.reserve_seq())
+    b = q.add("put", "step-9.tmp/b", size=10, snap=q.reserve_seq())
+    head = q.head(1)[0]
+    assert head is a
+    q.move(a, "step-9/a")  # the rename, meanwhile
+    q.move(b, "step-9/b")
+    claim = q.add("claim", "step-9", before=a)
+    assert not q.start(head) and not head.running
+    assert q.head(1)[0] is claim and q.start(claim) and claim.running
+    q.finished(claim)
+    assert q.start(q.head(1)[0]) and a.running and a.key == "step-9/a"
+    q.close()

@@ -43,7 +43,7 @@ class EntryKind(enum.StrEnum):
 
 
 
-@dataclass
+@dataclass(eq=False)  # (an entry is itself: two are never "equal", list.remove/index find this one)
 class QueueEntry:
     seq: int
     kind: EntryKind
@@ -177,10 +177,15 @@ class UploadQueue:
         with self.lock:
             return self.entries[:n]
 
-    def started(self, e: QueueEntry) -> None:
-        """``e`` is finishing: from now on a rename or delete of its key follows it instead of changing it."""
+    def start(self, e: QueueEntry) -> bool:
+        """Mark ``e`` finishing if it is still first in the queue: from now on a rename or delete of its key follows
+        it instead of changing it. False if a rename moved it meanwhile, or an entry was put before it (a
+        checkpoint's claim): the uploader takes the queue's head again."""
         with self.lock:
+            if not self.entries or self.entries[0] is not e:
+                return False
             e.running = True
+            return True
 
     def held(self, e: QueueEntry, members: list[str]) -> None:
         """Other members hold a copy of ``e``'s snapshot (dropped after its upload), durably."""

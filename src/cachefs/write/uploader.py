@@ -124,7 +124,7 @@ class Uploader:
             try:
                 await self._finish(first)
             except _Renamed:
-                continue  # its parts went up under a name it no longer has: prepare again
+                continue  # moved or preceded meanwhile (its parts, if any, went up under an old name): the head again
             except CommitConflictError as exc:
                 self._give_up(first, str(exc))
                 continue
@@ -194,7 +194,7 @@ class Uploader:
             if e.size > self.part_size:
                 await self._complete(e)
             else:
-                self.queue.started(e)
+                self._start(e)
                 async with self._memory(e.size):
                     data = await asyncio.to_thread(_pread, self.owner.snapshot(e.snap), 0, e.size)
                     e.etag = await self.writes.put(self._url(e.key), data)
@@ -202,7 +202,7 @@ class Uploader:
             self.rate = e.size / seconds if seconds > 0 else 0.0
             safely(lambda: CHECKPOINT_UPLOADED_BYTES.inc(e.size))
             return
-        self.queue.started(e)
+        self._start(e)
         if e.kind is EntryKind.COPY:
             etag = self.owner.origin_etag(e.src)
             try:
@@ -218,6 +218,11 @@ class Uploader:
         elif e.kind is EntryKind.COMMIT:
             await commits.write_record(self.writes, self.source, self._url(e.key), self.writer)
 
+    def _start(self, e: QueueEntry) -> None:
+        """``e`` is going to the origin now, if it is still the queue's head (see WriteQueue.start)."""
+        if not self.queue.start(e):
+            raise _Renamed
+
     async def _complete(self, e: QueueEntry) -> None:
         task = self._prepared.get(e.seq)
         if task is None:
@@ -231,7 +236,7 @@ class Uploader:
         except BaseException:
             self._prepared.pop(e.seq, None)  # (failed: begun again at the next try)
             raise
-        self.queue.started(e)
+        self._start(e)
         if key != e.key:  # renamed in the instant its last part went up
             self._prepared.pop(e.seq, None)
             e.running = False
@@ -278,7 +283,8 @@ class Uploader:
 
 
 class _Renamed(Exception):
-    """The entry's parts went up under a name it no longer has."""
+    """The entry is no longer the queue's head (a rename moved it, a claim went before it), or its parts went up
+    under a name it no longer has."""
 
 
 class _SourceReplaced(Exception):
