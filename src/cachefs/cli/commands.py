@@ -78,6 +78,8 @@ async def status(args: argparse.Namespace, config: Config) -> int:
                   f"holder pid {m.get('holder_pid')}")
             continue
         opens = ", opens skipped" if m.get("opens_skipped") else ""
+        if (m.get("stats") or {}).get("io_uring_queues"):
+            opens += f", io_uring ({m['stats']['io_uring_queues']} queues)"
         serving = f"mode {m['mode']}{opens}  pid {m['pid']}" if m.get("pid") else m.get("state", "starting")
         print(f"mount      {m['mountpoint']}  {m['url']}  {serving}")
         if m.get("mirror_problem"):
@@ -293,6 +295,7 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
 
     from cachefs.fuse import hold_mount, serve_mount
     from cachefs.fuse.holder_process import start_holder
+    from cachefs.fuse.uring import uring_enabled
 
     mnt = os.path.abspath(args.mountpoint)
     if args.workers < 1:
@@ -312,7 +315,8 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     if args.attach:  # the serving daemon, started (and restarted) by the holder below
         await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 passthrough=not args.no_passthrough, prefill=not args.no_prefill,
-                                skip_opens=not args.keep_opens, access=access, sampler=sampler)
+                                skip_opens=not args.keep_opens, io_uring=args.io_uring == "auto" and uring_enabled(),
+                                access=access, sampler=sampler)
         return 0
     argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
             *mount_options(args, config)]

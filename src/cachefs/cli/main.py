@@ -161,6 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     mt.add_argument("--keep-opens", action="store_true",
                     help="have the kernel send OPEN and RELEASE for every file (by default they stop once every "
                          "file of the dataset is a packed small file on this node: then no open needs an answer)")
+    mt.add_argument("--io-uring", choices=("off", "auto"), default="off",
+                    help="auto: take requests from the kernel through io_uring where the fuse module allows it "
+                         "(root: echo Y > /sys/module/fuse/parameters/enable_uring; Linux 6.14+), else /dev/fuse. "
+                         "Default off: measured slower here, and a daemon that dies loses the requests it held "
+                         "(docs/SEMANTICS.md); read-only mounts")
     mt.add_argument("--answer-after", type=float, default=10.0, metavar="SECONDS",
                     help="when the serving daemon dies and cannot be started again, readers wait this long, then "
                          "get errors (EIO; ENOTCONN for statfs) until it can (default 10)")

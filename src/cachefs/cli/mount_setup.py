@@ -59,7 +59,8 @@ def mount_options(args: argparse.Namespace, config: Config) -> list[str]:
             out += [flag, value]
     out += [f"--{name.replace('_', '-')}" for name in ("no_passthrough", "no_prefill", "keep_opens", "allow_other",
                                                        "nonempty", "writable") if getattr(args, name)]
-    for flag, value in (("--group", args.group), ("--mode", args.mode), ("--sampler", args.sampler)):
+    for flag, value in (("--group", args.group), ("--mode", args.mode), ("--sampler", args.sampler),
+                        ("--io-uring", getattr(args, "io_uring", None))):
         if value:
             out += [flag, value]
     if args.verbose:

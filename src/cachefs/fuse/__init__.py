@@ -60,7 +60,7 @@ def hold_mount(config: Config, url: str, mountpoint: str, daemon_argv: list[str]
 
 
 def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, workers: int = 4,
-                passthrough: bool = True, prefill: bool = True, skip_opens: bool = True,
+                passthrough: bool = True, prefill: bool = True, skip_opens: bool = True, io_uring: bool = False,
                 access: ReadAccess | None = None, ready=None, sampler: SamplerSpec | None = None) -> FuseSession:
     """Serve ``url`` on the mount whose descriptor the holder at socket ``attach`` owns, until unmounted.
     The first daemon of a mount answers the kernel's INIT; a later one resumes from the mount journal.
@@ -127,7 +127,8 @@ def serve_mount(config: Config, url: str, mountpoint: str, *, attach: str, worke
 
     fs = CacheFS(engine, ds, inodes=inodes, journal=journal, access=access or ReadAccess(os.geteuid(), os.getegid()),
                  backing=DeviceBacking(fd), prefill=prefill)
-    session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens, on_init=on_init)
+    session = FuseSession(fs, fd, workers=workers, passthrough=passthrough, skip_opens=skip_opens, io_uring=io_uring,
+                          on_init=on_init)
     quiet_collector()  # the engine, the manifest and the origin client are built: set them aside
     try:
         announce_ready(attach)  # the holder stops answering requests itself before we read the first one

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import errno
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -25,6 +26,7 @@ from cachefs.fuse.errno_map import to_errno
 from cachefs.fuse.kernel_abi import Op
 from cachefs.fuse.order_channel import CALLER
 from cachefs.fuse.request_metrics import RequestMetrics
+from cachefs.fuse.uring import FUSE_OVER_IO_URING, FuseRing, RingEntry, possible_cpus
 
 __all__ = ["DEFERRED", "Answer", "Call", "Deferred", "RequestLoop"]
 
@@ -44,6 +46,9 @@ Answer: TypeAlias = "bytes | bytearray | Literal[Deferred.DEFERRED]"
 UNIQUE_RESEND = 1 << 63
 #: The most pages in one request (READ, WRITE) asked for at INIT.
 MAX_PAGES = 256
+#: Ring entries per CPU queue with FUSE over io_uring: a request waiting on the origin holds its entry until it is
+#: answered, so this is also how many such requests one CPU's callers can have before the next one waits.
+RING_DEPTH = 16
 
 
 class Call:
@@ -78,6 +83,8 @@ class RequestLoop:
         self.workers = max(1, workers)
         self.timeout = timeout
         self.mode = "starting"
+        #: What status says about the request path beside ``mode`` (a ring that could not be set up).
+        self.mode_notes: list[str] = []
         self.stopped = threading.Event()
         #: Called with the session once INIT is answered (the mount is usable, ``mode`` is known).
         self.on_init = on_init
@@ -91,6 +98,14 @@ class RequestLoop:
         self.metrics = RequestMetrics()
         #: Handlers by opcode (a file system adds its own).
         self.ops: dict[int, Callable[[int, int, memoryview], Any]] = {Op.INIT: self._init, Op.DESTROY: self._destroy}
+        #: Ask the kernel for FUSE over io_uring at INIT (it offers it only when the fuse module allows it).
+        self.want_uring = False
+        #: The INIT flags agreed (by this daemon, or by the one it took over from: see :meth:`restored`).
+        self.agreed = 0
+        self.ring: FuseRing | None = None
+        self._ring_turn = threading.Lock()  # held by the thread waiting on the ring (see _ring_worker)
+        self._ring_held: dict[int, RingEntry] = {}  # requests that came through the ring, by unique
+        self._ring_leader = 0  # the thread holding _ring_turn
 
     # -- what a file system says (hooks) --------------------------------------------------------------------------
     def init_wants(self) -> int:
@@ -122,7 +137,8 @@ class RequestLoop:
         offered = flags
         if flags & abi.InitFlag.INIT_EXT and len(body) >= abi.INIT_IN.size:
             offered |= abi.INIT_IN.unpack_from(body)[4] << 32
-        agreed = int(self.init_wants()) & offered
+        agreed = (int(self.init_wants()) | (FUSE_OVER_IO_URING if self.want_uring else 0)) & offered
+        self.agreed = agreed
         stack_depth = self.initialized(agreed)
         log.info("FUSE %d.%d, flags 0x%x, mode %s", major, minor, agreed, self.mode)
         return abi.INIT_OUT.pack(abi.KERNEL_VERSION, abi.KERNEL_MINOR_VERSION, max_readahead, agreed & 0xFFFFFFFF,
@@ -136,6 +152,8 @@ class RequestLoop:
         """Take over from a daemon that died: its state (:meth:`restored`), then the kernel asked to send again
         every request the dead daemon had read but not answered."""
         answered_init = self.restored()
+        if answered_init and self.agreed & FUSE_OVER_IO_URING:
+            self._start_ring()  # (before the resend: the kernel sends those through the ring once it is ready)
         try:
             os.write(self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size, abi.NOTIFY_RESEND, 0))
         except OSError as exc:  # kernels before 6.9: requests the old daemon had read stay unanswered
@@ -154,6 +172,8 @@ class RequestLoop:
             while True:
                 try:
                     self.metrics.flush(self.stats)
+                    if self.ring is not None:
+                        self.stats["io_uring_requests"] = self.ring.taken
                     publish(tick)
                 except Exception:
                     log.exception("mount statistics")
@@ -203,6 +223,49 @@ class RequestLoop:
                     if not n:
                         break
                     later = self._handle(view[:n])
+            if later is not None:
+                later.finish(self)
+
+    # -- FUSE over io_uring ---------------------------------------------------------------------------------------
+    def _start_ring(self) -> None:
+        """Register ring entries on every CPU's queue and serve them beside ``/dev/fuse`` (which still brings
+        FORGET and INTERRUPT). A ring that cannot be set up leaves every request on ``/dev/fuse``: the kernel
+        switches to the ring only once each queue has an entry."""
+        try:
+            self.ring = FuseRing(self.fd, queues=possible_cpus(), depth=RING_DEPTH,
+                                 payload_size=max(abi.MAX_WRITE, MAX_PAGES * mmap.PAGESIZE))
+        except OSError as exc:
+            log.warning("FUSE over io_uring agreed but not set up (%s): requests stay on /dev/fuse", exc)
+            self.mode_notes.append(f"io_uring not set up: {exc.strerror or exc}")
+            return
+        self.stats["io_uring_queues"] = possible_cpus()
+        log.info("serving through io_uring: %d queues of %d entries", possible_cpus(), RING_DEPTH)
+        for i in range(self.workers):
+            threading.Thread(target=self._ring_worker, name=f"cachefs-fuse-ring-{i}", daemon=True).start()
+
+    def _ring_worker(self) -> None:
+        """:meth:`_worker` for the ring: one thread at a time waits for the ring's next request and answers what
+        is quick itself; a :class:`Call` is finished after the ring is handed to another thread."""
+        ring = self.ring
+        assert ring is not None
+        buf = bytearray(abi.MAX_REQUEST)
+        view = memoryview(buf)
+        while not self.stopped.is_set():
+            later = None
+            with self._ring_turn:
+                self._ring_leader = threading.get_ident()
+                while later is None:
+                    try:
+                        got = ring.next_request(buf)
+                    except OSError as exc:
+                        log.error("FUSE ring: %s", exc)
+                        got = None
+                    if got is None:
+                        return  # the connection ended (unmounted, or aborted): /dev/fuse says so too
+                    self._ring_held[abi.IN_HEADER.unpack_from(buf)[2]] = got.entry
+                    later = self._handle(view[:got.size])
+                self._ring_leader = 0
+                ring.submit()  # (answers this thread queued: the next leader may be a while)
             if later is not None:
                 later.finish(self)
 
@@ -260,8 +323,11 @@ class RequestLoop:
         if payload is not None:
             self.reply(unique, 0, payload)
         self.answered(unique, opcode, started)
-        if opcode == Op.INIT and self.on_init is not None:
-            self.on_init(self)
+        if opcode == Op.INIT:
+            if self.agreed & FUSE_OVER_IO_URING:
+                self._start_ring()
+            if self.on_init is not None:
+                self.on_init(self)
         return None
 
     def _interrupt(self, unique: int) -> None:
@@ -275,6 +341,14 @@ class RequestLoop:
         self.reply(unique, errno.EINTR)
 
     def reply(self, unique: int, err: int, payload: bytes | bytearray = b"") -> None:
+        entry = self._ring_held.pop(unique, None) if self._ring_held else None
+        if entry is not None:
+            assert self.ring is not None
+            try:  # (the thread that takes the ring's next request sends its own answers with that wait)
+                self.ring.commit(entry, unique, err, payload, submit=threading.get_ident() != self._ring_leader)
+            except OSError as exc:
+                log.warning("replying to request %d through the ring: %s", unique, exc)
+            return
         try:
             head = abi.OUT_HEADER.pack(abi.OUT_HEADER.size + len(payload), -err, unique)
             if len(payload) > 4096:  # large READ answers: gather, do not copy the payload behind the header

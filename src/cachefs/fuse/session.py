@@ -33,9 +33,10 @@ class FuseSession(RequestLoop):
     """Serves ``fs`` on the mounted ``/dev/fuse`` descriptor ``fd`` with ``workers`` threads."""
 
     def __init__(self, fs: CacheFS, fd: int, *, workers: int = 2, timeout: float = 3600.0,
-                 passthrough: bool = True, skip_opens: bool = True,
+                 passthrough: bool = True, skip_opens: bool = True, io_uring: bool = False,
                  on_init: Callable[[FuseSession], None] | None = None) -> None:
         super().__init__(fd, workers=workers, timeout=timeout, on_init=on_init)
+        self.want_uring = io_uring
         self.fs = fs
         self.stats = fs.stats
         self.want_passthrough = passthrough
@@ -59,6 +60,7 @@ class FuseSession(RequestLoop):
         if init is not None:  # the previous daemon answered INIT; the kernel will not send it again
             self.fs.passthrough = init["mode"] == "passthrough"
             self.mode = init["mode"]
+            self.agreed = int(init["flags"])
             self.fs.restore()
         # Whether a previous daemon refused an OPEN (then the kernel sends none, whatever we decide now).
         self.opens_skipped = journal.state.opens_skipped
