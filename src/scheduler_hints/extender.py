@@ -35,6 +35,7 @@ from scheduler_hints.cluster_state import ClusterState
 from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender_wire import NodeItems, NodeNames, as_sent
 from scheduler_hints.gang import GangManager
+from scheduler_hints.memo import room
 from scheduler_hints.node_cache import NodeCache
 from scheduler_hints.pods import VolumeIndex, pod_gang, pod_key, pod_wait_warm
 from scheduler_hints.priorities import Priorities
@@ -104,6 +105,10 @@ class Extender:
                                    locality_wait, locality_slack, clock)
         self.priorities = Priorities(self.state.node_cache, self.state.gangs, self.weights)
         self.guard = BindingGuard(clock)
+        #: Pods refused only while their data is not warm enough, by key: asked again when nodes change
+        #: (:meth:`warm_now`), so that kube-scheduler tries the ones that may run now without waiting for its next
+        #: event (the cluster watch touches them).
+        self.warm_waiting: dict[str, Mapping[str, Any]] = {}
 
     # -- the state, by its old names (callers and tests read and set them) ---------------------------------------
     @property
@@ -222,7 +227,9 @@ class Extender:
             reason = self.admission.warm_refusal(f"gang {gang.key}" if gang is not None else f"pod {pod_key(pod)}",
                                                  share, state.needs(pod), where, state.node_cache.cluster()[1])
             if reason:
+                room(self.warm_waiting, 10_000)[pod_key(pod)] = pod
                 return reason
+            self.warm_waiting.pop(pod_key(pod), None)
         if gang is not None:
             if state.gangs.admitted(gang):
                 return None
@@ -311,3 +318,16 @@ class Extender:
         """A pod was deleted or finished: its GPUs are free again, and it is no longer held for binding."""
         self.state.pod_gone(key)
         self.guard.forget(key)
+        self.warm_waiting.pop(key, None)
+
+    def warm_now(self) -> list[Mapping[str, Any]]:
+        """The pods of :attr:`warm_waiting` whose data is now as warm as they ask on a node they could run on (by
+        its selector; the filter decides): no longer kept here, for the cluster watch to have tried again."""
+        groups = self.state.node_cache.cluster()[1]
+        ready = []
+        for key, pod in list(self.warm_waiting.items()):
+            share = pod_wait_warm(pod)
+            if share is None or self.admission.warm_refusal(key, share, self.state.needs(pod),
+                                                            self._cluster_for(pod, {}), groups) is None:
+                ready.append(self.warm_waiting.pop(key))
+        return ready

@@ -16,6 +16,7 @@ __all__ = [
     "DATASETS_ANNOTATION",
     "GPU_RESOURCE",
     "WAIT_WARM_ANNOTATION",
+    "WARM_READY_ANNOTATION",
     "GangRef",
     "StaticVolumes",
     "VolumeIndex",
@@ -41,6 +42,9 @@ KUEUE_TAS_LABEL = "kueue.x-k8s.io/tas"  # … placed by Kueue's topology-aware s
 GANG_ANNOTATION = "cachefs.io/gang"  # ours
 #: A pod (or gang) that should not start before this percentage of its data is cached where it lands.
 WAIT_WARM_ANNOTATION = "cachefs.io/wait-warm"
+#: Set by the extender on a pod that waited for warm data once a node it could run on holds enough of it (the time,
+#: RFC 3339): the pod's update has kube-scheduler try it again at once.
+WARM_READY_ANNOTATION = "cachefs.io/warm-ready"
 GANG_SIZE_ANNOTATION = "cachefs.io/gang-size"
 #: Volume attribute keys that carry the dataset URL (PV spec.csi.volumeAttributes or inline csi.volumeAttributes).
 URL_ATTRIBUTES = ("url", "dataset")

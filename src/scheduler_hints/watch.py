@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from cachefs.kube import KubeClient, Reflector
+from cachefs.kube import ApiError, KubeClient, Reflector
 from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender import Binder, Extender
-from scheduler_hints.pods import CSI_DRIVER, URL_ATTRIBUTES, VolumeIndex, pod_gpus, pod_key
+from scheduler_hints.pods import CSI_DRIVER, URL_ATTRIBUTES, WARM_READY_ANNOTATION, VolumeIndex, pod_gpus, pod_key
 
 __all__ = ["ClusterWatch", "KubeBinder", "Reflector", "WatchedVolumes"]
 
@@ -99,6 +100,12 @@ class ClusterWatch:
             Reflector(client, f"{self.DRA}/resourceslices", self._on_slice, optional=True),
         ]
         self._tasks: list[asyncio.Task] = []
+        self._touching: asyncio.Task | None = None
+
+    #: Node changes come in bursts (every agent publishes about once a second during a warm-up): the pods waiting
+    #: for warm data are asked again this long after the first change of a burst, or once the extender's cluster
+    #: view follows it (``NodeCache.refresh_interval``), whichever is later: the filter asks that view too.
+    TOUCH_DELAY = 0.5
 
     def _on_slice(self, kind: str, obj: Mapping[str, Any]) -> None:
         assert self.ext.dra is not None
@@ -114,6 +121,25 @@ class ClusterWatch:
             self.ext.node_cache.remove(str((node.get("metadata") or {}).get("name", "")))
         elif kind in ("ADDED", "MODIFIED"):
             self.ext.node_cache.update(node)
+            if self.ext.warm_waiting and self._touching is None:
+                self._touching = asyncio.get_running_loop().create_task(self._touch_warm())
+
+    async def _touch_warm(self) -> None:
+        """Pods that waited for warm data and may run now get :data:`WARM_READY_ANNOTATION`: kube-scheduler tries
+        a refused pod again on the next event, and one that came before this watch saw the node's new labels was
+        refused again and would wait for the change after (or kube-scheduler's five-minute flush)."""
+        try:
+            await asyncio.sleep(max(self.TOUCH_DELAY, self.ext.node_cache.refresh_interval))
+            for pod in self.ext.warm_now():
+                meta = pod.get("metadata") or {}
+                path = f"/api/v1/namespaces/{meta.get('namespace', 'default')}/pods/{meta.get('name', '')}"
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                try:
+                    await self.client.merge_patch(path, {"metadata": {"annotations": {WARM_READY_ANNOTATION: stamp}}})
+                except (TimeoutError, ApiError, OSError) as exc:  # (deleted meanwhile; or no right to patch)
+                    log.info("could not mark %s warm: %s", path, exc)
+        finally:
+            self._touching = None
 
     def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
@@ -166,6 +192,8 @@ class ClusterWatch:
         await asyncio.wait_for(asyncio.gather(*(r.synced.wait() for r in self.reflectors)), timeout)
 
     async def aclose(self) -> None:
+        if self._touching is not None:
+            self._tasks.append(self._touching)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

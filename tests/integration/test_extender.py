@@ -600,6 +600,7 @@ def test_a_pod_that_waits_for_warm_data_runs_once_that_share_is_cached_where_it_
     dataset is cached on a node it could run on; a pod without it runs at once (locality waits aside)."""
     base, ext = server
     ext.admission.locality_wait = 0  # (only the wait asked for)
+    ext.node_cache.refresh_interval = 0  # (cache labels followed at once)
     nodes = [node("w1", fraction=0.6), node("w2", fraction=0.3)]
     for n in nodes:
         ext.node_cache.update(n)
@@ -608,8 +609,13 @@ def test_a_pod_that_waits_for_warm_data_runs_once_that_share_is_cached_where_it_
     assert not out["Nodes"]["items"] and "wait-warm 90 percent" in reason and "60 percent cached in node w1" in reason, out
     _, out = post(base, "filter", args(pod("q", annotation=URL), nodes))
     assert len(out["Nodes"]["items"]) == 2
+    waiting = [p["metadata"]["name"] for p in ext.warm_waiting.values()]
+    assert waiting == ["p"]  # kept, to be asked again when nodes change
+    assert ext.warm_now() == [] and len(ext.warm_waiting) == 1  # (nothing changed: still waiting)
     warm = node("w1", fraction=0.95)
     ext.node_cache.update(warm)
+    ready = ext.warm_now()  # what the cluster watch marks cachefs.io/warm-ready, for kube-scheduler to try again
+    assert [r["metadata"]["name"] for r in ready] == ["p"] and not ext.warm_waiting
     _, out = post(base, "filter", args(_waiting(pod("p", annotation=URL), "90"), [warm, nodes[1]]))
     assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["w1", "w2"]
     _, out = post(base, "filter", args(_waiting(pod("r", annotation=URL), "not a number"), nodes))
@@ -650,3 +656,44 @@ def test_a_pod_does_not_wait_for_nodes_its_node_selector_rules_out(server):
     assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["near"], out["FailedNodes"]
     _, out = post(base, "filter", args(pod("anywhere", annotation=URL), [near]))  # free to wait for "far"
     assert not out["Nodes"]["items"] and "waits up to" in out["FailedNodes"]["near"]
+
+
+class _PatchRecorder:
+    """Stands in for the API server's pod updates (the e2e run has the real one): the patches asked for."""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, dict]] = []
+
+    async def merge_patch(self, path: str, patch: dict) -> dict:
+        self.patches.append((path, patch))
+        return {}
+
+
+def test_a_node_change_that_makes_a_waiting_pod_warm_marks_the_pod_for_kube_scheduler():
+    """kube-scheduler tries a refused pod again on its next event; if that came before the extender's node watch saw
+    the node turn warm, the pod was refused again. The watch marks such a pod once it has seen the change (a pod
+    update is an event for kube-scheduler), and only such a pod."""
+    from scheduler_hints.watch import ClusterWatch
+
+    async def run() -> list[tuple[str, dict]]:
+        ext = Extender()
+        ext.admission.locality_wait = 0
+        ext.node_cache.refresh_interval = 0  # (cache labels followed at once)
+        client = _PatchRecorder()
+        watch = ClusterWatch(client, ext)  # (its reflectors never start here)
+        watch.TOUCH_DELAY = 0
+        cold = node("w1", fraction=0.3)
+        watch._on_node("ADDED", cold)
+        for name in ("p", "q"):
+            out = ext.filter(args(_waiting(pod(name, annotation=URL), "90" if name == "p" else "99"), [cold]))
+            assert not out["Nodes"]["items"]
+        watch._on_node("MODIFIED", node("w1", fraction=0.95))  # warm enough for p (90 %), not for q (99 %)
+        assert watch._touching is not None
+        await watch._touching
+        assert [p["metadata"]["name"] for p in ext.warm_waiting.values()] == ["q"]
+        return client.patches
+
+    patches = asyncio.run(run())
+    assert len(patches) == 1
+    path, patch = patches[0]
+    assert path.endswith("/pods/p") and patch["metadata"]["annotations"]["cachefs.io/warm-ready"].endswith("Z")
