@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from cachefs.base.errors import ConfigError
-from cachefs.fuse.sockets import SUN_PATH_MAX
+from cachefs.base.sockets import SUN_PATH_MAX
 from csi.gen import pluginregistration_pb2 as pb
 from csi.gen import pluginregistration_pb2_grpc as rpc
 

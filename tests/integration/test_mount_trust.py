@@ -51,7 +51,7 @@ def _no_mount_left(mnt: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["no-bucket", "malformed-url", "unreachable", "unknown-key", "wrong-secret",
-                                  "empty-prefix", "no-mountpoint", "background"])
+                                  "empty-prefix", "no-mountpoint", "background", "background-no-bucket"])
 def test_a_dataset_that_cannot_open_is_refused_before_mounting(secured, tmp_path, case):
     _, env = secured
     mnt = tmp_path / "mnt"
@@ -73,7 +73,9 @@ def test_a_dataset_that_cannot_open_is_refused_before_mounting(secured, tmp_path
         url, want_rc, want = "s3://secured/nope", 6, "no objects under this prefix"
     elif case == "no-mountpoint":
         mnt, want_rc, want = tmp_path / "no" / "such" / "dir", 2, "does not exist"
-    fg = [] if case == "background" else ["--foreground"]
+    elif case == "background-no-bucket":  # (the holder, started at once, checks: its error is the command's)
+        url, want_rc, want = "s3://nosuchbucket/ds", 6, "not found"
+    fg = [] if case.startswith("background") else ["--foreground"]
     env = {**env, "CACHEFS_CACHE_LOG_DIR": str(tmp_path / "logs")}
     start = time.monotonic()
     r = cli("mount", url, str(mnt), "--cache-dir", str(tmp_path / "cache"), *fg, *extra, env=env, timeout=120)

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from cachefs.fuse.sockets import socket_path_for
+from cachefs.base.sockets import socket_path_for
 from cachefs.index.mounts import mount_file
 from tests.conftest import put_tree
 from tests.integration.test_fuse import Mounted

@@ -8,8 +8,7 @@ import sys
 from cachefs.base.config import Config
 from cachefs.base.errors import CacheFSError, ConfigError, ObjectNotFoundError
 from cachefs.base.types import DatasetRef
-from cachefs.base.values import ReadAccess, human_bytes, parse_group, parse_read_mode
-from cachefs.cli.mount_setup import check_mountpoint, mount_log_path, mount_options
+from cachefs.base.values import human_bytes
 from cachefs.cli.output import print_json
 from cachefs.cli.progress import ProgressPrinter
 from cachefs.engine import Engine
@@ -17,7 +16,7 @@ from cachefs.jobs import select_files, warm
 from cachefs.prefetch.publish import publish_order
 from cachefs.status.summary import NodeSummary, status_report
 
-__all__ = ["demo", "evict", "metrics", "mount", "order", "pack", "prefetch", "refresh", "status", "umount"]
+__all__ = ["demo", "evict", "metrics", "order", "pack", "prefetch", "refresh", "status"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -286,90 +285,6 @@ async def pack(args: argparse.Namespace, config: Config) -> int:
         print(f"\n{ds.ref.url}: {summary.files} small files ({human_bytes(summary.bytes)}) packed into "
               f"{summary.packs} packs at {summary.url} in {summary.seconds:.1f}s, verified against manifest "
               f"{ds.version}; {summary.skipped_large} larger files are read from the source as they are")
-    return 0
-
-
-async def mount(args: argparse.Namespace, config: Config) -> int:
-    import asyncio
-    import os
-
-    from cachefs.fuse import hold_mount, serve_mount
-    from cachefs.fuse.holder_process import start_holder
-    from cachefs.fuse.uring import uring_enabled
-
-    mnt = os.path.abspath(args.mountpoint)
-    if args.workers < 1:
-        raise ConfigError("--workers must be at least 1")
-    if not args.answer_after >= 0:
-        raise ConfigError("--answer-after must be 0 or more seconds")
-    if args.writable:
-        from cachefs.cli.volumes import mount_writable
-
-        return await mount_writable(args, config, mnt)
-    access = _read_access(args)
-    sampler = None
-    if args.sampler:
-        from cachefs.prefetch.samplers import parse_sampler
-
-        sampler = parse_sampler(args.sampler)
-    if args.attach:  # the serving daemon, started (and restarted) by the holder below
-        await asyncio.to_thread(serve_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
-                                passthrough=not args.no_passthrough, prefill=not args.no_prefill,
-                                skip_opens=not args.keep_opens, io_uring=args.io_uring == "auto" and uring_enabled(),
-                                access=access, sampler=sampler)
-        return 0
-    argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
-            *mount_options(args, config)]
-    if args.adopt:  # a holder for a mount whose holder died (the session keeper's copy): mounted and checked
-        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
-                          nonempty=args.nonempty, adopt=True)
-    await asyncio.to_thread(check_mountpoint, config, mnt, args.nonempty)
-    # The dataset opens (credentials, bucket, a manifest on this node) before anything is mounted, so a typo
-    # is one line and an exit code, never a mount that hangs.
-    engine = Engine(config)
-    try:
-        # (with no manifest here yet: one listing of the root, as the daemon will serve the tree while it lists)
-        ds = await engine.open_dataset(args.url, lazy=sampler is None)
-        if sampler is not None:  # (one line now, rather than a daemon that cannot start)
-            from cachefs.prefetch.samplers import sampler_files
-
-            sampler_files((e.path for e in ds.walk_files()), sampler, args.url)
-    finally:
-        await engine.aclose()
-    if args.foreground:  # this process holds the mount; the daemon serving it is its child
-        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
-                          nonempty=args.nonempty)
-    # Background: the same command in the foreground, in its own session; return once it serves.
-    log_path = mount_log_path(config, mnt)
-    proc = await asyncio.to_thread(start_holder, argv, mnt, log_path, cache_dir=config.cache.dir)
-    print(f"mounted {args.url} at {mnt} (pid {proc.pid}, log {log_path})")
-    return 0
-
-
-def _read_access(args: argparse.Namespace) -> ReadAccess:
-    """Who may read the mount's files (``--group``, ``--mode``): owned by this user."""
-    import os
-
-    gid = parse_group(args.group) if args.group else os.getegid()
-    mode = parse_read_mode(args.mode) if args.mode else (0o440 if args.group else 0o444)
-    return ReadAccess(os.geteuid(), gid, mode)
-
-
-async def umount(args: argparse.Namespace, config: Config) -> int:
-    import os
-
-    from cachefs.fuse.mount import is_fuse_mount, unmount
-
-    mnt = os.path.abspath(args.mountpoint)
-    if not is_fuse_mount(mnt):
-        raise ConfigError(f"{args.mountpoint}: not a cachefs mount")
-    if not args.no_sync:
-        from cachefs.cli.volumes import drain_mount
-
-        if args.timeout < 0:
-            raise ConfigError(f"--timeout {args.timeout:g}: must not be negative")
-        await drain_mount(config, mnt, args.timeout)
-    unmount(mnt)
     return 0
 
 

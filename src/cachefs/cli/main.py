@@ -248,7 +248,8 @@ def _parser() -> argparse.ArgumentParser:
     ag.add_argument("--ready-file", help=argparse.SUPPRESS)  # internal (tests): written once membership is known
     for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("evict", ev), ("order", od), ("refresh", rf),
                       ("mount", mt), ("umount", um), ("demo", dm), ("metrics", mx), ("agent", ag)):
-        cmd.set_defaults(run=f"cachefs.cli.commands:{name}", node_process=name in ("mount", "metrics", "agent"))
+        module = "mounting" if name in ("mount", "umount") else "commands"
+        cmd.set_defaults(run=f"cachefs.cli.{module}:{name}", node_process=name in ("mount", "metrics", "agent"))
     for name, cmd in (("sync", sy), ("checkpoints", ck)):
         cmd.set_defaults(run=f"cachefs.cli.volumes:{name}", node_process=name == "sync")
     # Commands of the other packages (csi, scheduler_hints) register themselves: cachefs imports neither.
@@ -290,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc)
     if getattr(args, "node_process", False):
         _metrics_dir(config)  # before anything imports prometheus-client
+    if command == "mount":  # the process a mount starts next begins before this one imports the rest
+        from cachefs.cli.mount_setup import start_early
+
+        args.started_early = start_early(args, config)
     module, _, name = args.run.partition(":")
     handler = getattr(importlib.import_module(module), name)
     quiet_collector()  # after the imports: what they made is never walked again

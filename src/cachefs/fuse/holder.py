@@ -38,6 +38,7 @@ import time
 
 from cachefs import __version__
 from cachefs.base import metrics
+from cachefs.base.early_start import EarlyChild
 from cachefs.base.errors import (
     CacheFSError,
     ConfigError,
@@ -58,8 +59,8 @@ KEEPER_CHECK = 3.0
 class MountHolder:
     """Owns the FUSE descriptor of one mount for the mount's whole life.
 
-    ``daemon_argv`` is the command of the serving daemon; it is started with ``CACHEFS_FUSE_HOLDER`` set to
-    the socket path and restarted whenever it dies while the file system is still mounted. It exits 0 once
+    ``daemon_argv`` is the command of the serving daemon (it names the holder's socket); it is started and
+    restarted whenever it dies while the file system is still mounted. It exits 0 once
     the file system is unmounted, and then the holder is done too. With ``cache_dir``, the holder's state is
     recorded for ``cachefs status`` (see :mod:`cachefs.index.mounts`).
     """
@@ -269,9 +270,10 @@ class MountHolder:
                 record_holder(self.cache_dir, self.mountpoint, self.url, state, reason)
 
     # -- daemon ---------------------------------------------------------------------------------------------
-    def run(self, daemon_argv: list[str], *, env: dict | None = None) -> int:
+    def run(self, daemon_argv: list[str], *, env: dict | None = None, first: EarlyChild | None = None) -> int:
         """Start the daemon and restart it until the file system is unmounted; returns the last exit code.
-        If the very first daemon cannot serve, the mount is taken down again and its exit code returned."""
+        If the very first daemon cannot serve, the mount is taken down again and its exit code returned.
+        ``first``: the first daemon, already started (it attaches now)."""
         delay = self.restart_delay
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -290,8 +292,10 @@ class MountHolder:
                 if self.keeper and self.generation > 1:  # (the keeper's copy names the generation to resume)
                     with contextlib.suppress(CacheFSError):
                         self._deposit()
-                self.daemon = subprocess.Popen(daemon_argv, env={**(env or os.environ),
-                                                                 "CACHEFS_FUSE_HOLDER": self.socket_path})
+                if first is not None:  # (started while this process checked; it attaches now)
+                    self.daemon, first = first.go(), None
+                else:
+                    self.daemon = subprocess.Popen(daemon_argv, env=env)
                 rc = self._wait_daemon(down_since)
                 served = self._ready.is_set()
                 if rc == 0 or self._stopping.is_set() or not is_fuse_mount(self.mountpoint):

@@ -6,6 +6,7 @@ import os
 import subprocess
 import time
 
+from cachefs.base.early_start import start_detached
 from cachefs.base.errors import (
     CacheFSError,
     CacheFullError,
@@ -35,15 +36,14 @@ _EXIT_ERRORS: dict[int, type[CacheFSError]] = {2: ConfigError, 3: CredentialsErr
 
 
 def start_holder(argv: list[str], mountpoint: str, log_path: str, *, cache_dir: str | None = None,
-                 env: dict[str, str] | None = None, timeout: float = 120.0) -> subprocess.Popen:
+                 env: dict[str, str] | None = None, timeout: float = 120.0,
+                 started: subprocess.Popen | None = None) -> subprocess.Popen:
     """Run ``argv`` (a ``cachefs mount … --foreground`` command: a holder) in its own session, its output
     appended to ``log_path``, and return it once ``mountpoint`` is mounted and served (with ``cache_dir``,
     the holder's record says so; without, once it is mounted). The caller owns the child (and reaps it). If
-    it exits first, the error its exit code stands for, with the log's last line; CacheFSError on a timeout."""
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
-                                start_new_session=True)
+    it exits first, the error its exit code stands for, with the log's last line; CacheFSError on a timeout.
+    ``started``: that holder, started already (:func:`~cachefs.base.early_start.start_detached`)."""
+    proc = started if started is not None else start_detached(argv, log_path, env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rc = proc.poll()

@@ -21,9 +21,10 @@ import os
 import time
 
 from cachefs.base.files import atomic_write
+from cachefs.base.sockets import socket_path_for
 
-__all__ = ["forget_holder", "forget_mount", "holder_state", "left_behind", "list_mounts", "mount_file", "process_alive",
-           "record_holder", "record_left_behind", "record_mount", "write_record"]
+__all__ = ["forget_holder", "forget_mount", "holder_socket", "holder_state", "left_behind", "list_mounts",
+           "mount_file", "process_alive", "record_holder", "record_left_behind", "record_mount", "write_record"]
 
 log = logging.getLogger("cachefs.fuse")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -38,6 +39,12 @@ def mount_file(cache_dir: str, mountpoint: str, suffix: str) -> str:
     ``.holder.json``), journal (``.journal``) and hand-over socket (``.sock``) live."""
     key = hashlib.blake2b(os.path.abspath(mountpoint).encode(), digest_size=8).hexdigest()
     return os.path.join(_dir(cache_dir), key + suffix)
+
+
+def holder_socket(cache_dir: str, mountpoint: str) -> str:
+    """Where the mount's holder listens for its daemons (beside its records, or in the runtime directory when that
+    path is too long for a unix socket)."""
+    return socket_path_for(mount_file(cache_dir, mountpoint, ".sock"))
 
 
 def mount_record_path(cache_dir: str, mountpoint: str) -> str:
