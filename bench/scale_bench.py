@@ -46,16 +46,26 @@ def main() -> None:
     p.add_argument("--systems", default="cachefs,rclone")
     p.add_argument("--rclone-max", type=int, default=200_000, help="the largest N rclone is measured at (its cold "
                    "walk lists each directory on the way: minutes at 10^6)")
+    p.add_argument("--flat", type=int, default=0, help="instead: one flat directory of this many objects (ls cold, "
+                   "then a stat of every file)")
+    p.add_argument("--listing-only", action="store_true", help="instead: only the listing (cachefs refresh) and the "
+                   "manifest on disk, for each size (10^8 takes minutes and ~15 GB of cache disk)")
     args = p.parse_args()
+    if args.flat:
+        run_flat(args.flat)
+        return
     systems = [s for s in args.systems.split(",") if s != "rclone" or shutil.which("rclone")]
     for n in (int(x) for x in args.sizes.split(",")):
-        run_size(n, args, systems)
+        if args.listing_only:
+            run_listing(n)
+        else:
+            run_size(n, args, systems)
 
 
 class SyntheticServer:
-    def __init__(self, objects: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.testing.synthetic_s3", "--objects", str(objects)],
-                                     stdout=subprocess.PIPE, text=True)
+    def __init__(self, objects: int, flat: int = 0) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "cachefs.testing.synthetic_s3", "--objects", str(objects),
+                                      "--flat", str(flat)], stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("PORT "):
             raise RuntimeError("the synthetic S3 server did not start")
@@ -92,6 +102,84 @@ def tree_rss(pid: int) -> tuple[int, int]:
             total += int(fields["VmRSS"].split()[0]) * 1024
             anon += int(fields["RssAnon"].split()[0]) * 1024
     return total, anon
+
+
+def run_flat(n: int) -> None:
+    """One directory of ``n`` objects (``flat/``): ``ls`` of it cold (the directory listed on demand while the
+    manifest is taken beside it), a stat of every file, the memory after."""
+    server = SyntheticServer(1, flat=n)
+    work = tempfile.mkdtemp(prefix="cachefs-scale-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
+    os.environ.update({"AWS_ENDPOINT_URL": server.endpoint, **CREDS})
+    print(f"# one flat directory of {n:,} objects; synthetic S3 on loopback; {os.cpu_count()} CPUs")
+    try:
+        mnt, cache = os.path.join(work, "mnt"), os.path.join(work, "cache")
+        t = time.perf_counter()
+        mount, root = _mount("cachefs", server, mnt, cache)
+        try:
+            os.listdir(root)
+            ready = time.perf_counter() - t
+            t = time.perf_counter()
+            names = os.listdir(os.path.join(root, "flat"))
+            listed = time.perf_counter() - t
+            t = time.perf_counter()
+            for name in names:
+                os.stat(os.path.join(root, "flat", name))
+            stat_secs = time.perf_counter() - t
+            check(os.path.join(root, "flat", names[len(names) // 2]), f"flat/{names[len(names) // 2]}")
+            rss, anon = tree_rss(mount.proc.pid)
+        finally:
+            mount.close()
+        assert len(names) == n, (len(names), n)
+        print(f"  cachefs: mount ready {ready:.2f} s; ls of flat/ cold {listed:.1f} s ({n / listed:,.0f} entries/s); "
+              f"stat of every file {stat_secs:.1f} s ({n / stat_secs:,.0f}/s); memory after {rss / 2**20:,.0f} MiB, "
+              f"of it anonymous {anon / 2**20:,.0f} MiB ({anon / n:,.0f} B per object)")
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_listing(n: int) -> None:
+    """Only ``cachefs refresh`` of ``n`` objects into a fresh cache: keys/s and the manifest's bytes on disk."""
+    server = SyntheticServer(n)
+    work = tempfile.mkdtemp(prefix="cachefs-scale-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
+    os.environ.update({"AWS_ENDPOINT_URL": server.endpoint, **CREDS})
+    try:
+        cache = os.path.join(work, "cache")
+        t = time.perf_counter()
+        subprocess.run([*CLI, "refresh", "s3://synthetic", "--cache-dir", cache], check=True, stdout=subprocess.DEVNULL)
+        secs = time.perf_counter() - t
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache) for f in fs if f.endswith(".mdb"))
+        in_use = manifest_pages(os.path.join(cache, "index"))
+        print(f"# N = {n:,}: listing (cachefs refresh) {secs:6.1f} s = {n / secs:,.0f} keys/s; index on disk "
+              f"{size / 2**20:,.0f} MiB ({size / n:.0f} B per object), the manifest's pages in use {in_use / n:.0f} B "
+              "per object")
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def floor_rates(bucket, keys: list[str], mnt: str) -> tuple[float, float]:
+    """(stat of ``keys`` never listed per second, walk + stat files per second) through bench.fuse_floor's
+    arithmetic tree of ``bucket``'s shape, each on a fresh mount."""
+    from bench.fuse_floor import FloorMount
+
+    os.makedirs(mnt, exist_ok=True)
+    m = FloorMount(mnt, bucket.dirs, bucket.per_dir)
+    try:
+        t = time.perf_counter()
+        for k in keys:
+            os.stat(os.path.join(mnt, k))
+        stat_rate = len(keys) / (time.perf_counter() - t)
+    finally:
+        m.close()
+    m = FloorMount(mnt, bucket.dirs, bucket.per_dir)
+    try:
+        t = time.perf_counter()
+        n = walk(mnt)
+        walk_rate = n / (time.perf_counter() - t)
+    finally:
+        m.close()
+    return stat_rate, walk_rate
 
 
 def walk(root: str) -> int:
@@ -195,6 +283,11 @@ def measure(system: str, n: int, bucket, rng: random.Random, server: SyntheticSe
     assert walked == n, (walked, n)
     print(f"  {system:>7}: stat of {args.stats} paths never listed, fresh mount: {args.stats / secs:,.0f} stats/s; "
           f"then walk + stat with the listing local {local:6.1f} s ({n / local:,.0f} files/s)")
+    if system == "cachefs":  # the bound: the same requests answered by our FUSE layer from arithmetic alone
+        floor_stat, floor_walk = floor_rates(bucket, keys, mnt + "-floor")
+        print(f"  {system:>7}: the same through our FUSE layer answering from arithmetic (bench/fuse_floor.py, no "
+              f"manifest): stat never listed {floor_stat:,.0f}/s (ours {args.stats / secs / floor_stat:.2f}x of it), "
+              f"walk + stat {floor_walk:,.0f} files/s (ours with the listing local {n / local / floor_walk:.2f}x)")
     if system == "cachefs":
         # `cachefs mount` as users run it (in the background; it returns once the mount serves), on a fresh cache
         fresh = os.path.join(work, "cache-background")

@@ -1,0 +1,174 @@
+"""The least a FUSE daemon in Python does for a walk: our request loop (``cachefs.fuse.request_loop``, the same
+threads, decoding and replies as a cachefs mount) over a tree that is arithmetic, not a manifest. ``dirs``
+directories ``d000000`` … of ``per_dir`` empty files ``f0000000000.bin`` …, named as the synthetic S3 endpoint
+names them; every LOOKUP, GETATTR and READDIRPLUS is answered from the name alone (no index, no inode table, no
+memory per inode). What a walk through it costs is the kernel's round trips plus our protocol layer in Python on
+this machine: the bound a cachefs walk with its manifest local is measured against (bench/scale_bench.py).
+
+    python -m bench.fuse_floor --dirs 1000 --per-dir 1000     # mounts at a temporary directory, walks, prints
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from cachefs.fuse import kernel_abi as abi
+from cachefs.fuse.kernel_abi import InitFlag, Op, OpenFlag
+from cachefs.fuse.request_loop import RequestLoop
+
+TIMEOUT = 3600.0  # (as a cachefs mount's entries and attributes: a frozen tree)
+ROOT = 1
+
+
+class ArithmeticTree(RequestLoop):
+    """A read-only tree of ``dirs`` × ``per_dir`` empty files, inode numbers computed from names."""
+
+    def __init__(self, fd: int, dirs: int, per_dir: int, workers: int = 4) -> None:
+        super().__init__(fd, workers=workers, timeout=TIMEOUT)
+        self.dirs, self.per_dir = dirs, per_dir
+        self.ops.update({Op.LOOKUP: self.lookup, Op.GETATTR: self.getattr, Op.OPENDIR: self.opendir,
+                         Op.READDIRPLUS: self.readdirplus, Op.RELEASEDIR: self.empty, Op.STATFS: self.statfs,
+                         Op.ACCESS: self.empty})
+
+    def init_wants(self) -> int:
+        return int(InitFlag.ASYNC_READ | InitFlag.PARALLEL_DIROPS | InitFlag.MAX_PAGES | InitFlag.DO_READDIRPLUS
+                   | InitFlag.INIT_EXT)
+
+    def initialized(self, agreed: int) -> int:
+        self.mode = "userspace"
+        return 0
+
+    # -- the tree -------------------------------------------------------------------------------------------------
+    def _file_ino(self, d: int, f: int) -> int:
+        return 2 + self.dirs + d * self.per_dir + f
+
+    def _attr(self, ino: int) -> bytes:
+        is_dir = ino < 2 + self.dirs
+        return abi.pack_attr(ino, 0, (0o40555 if is_dir else 0o100444), 0, 2 if is_dir else 1)
+
+    def lookup(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        name = bytes(body).split(b"\0", 1)[0]
+        try:
+            if nodeid == ROOT and name.startswith(b"d"):
+                d = int(name[1:])
+                ino = 2 + d if d < self.dirs else 0
+            elif 2 <= nodeid < 2 + self.dirs and name.startswith(b"f") and name.endswith(b".bin"):
+                d, i = nodeid - 2, int(name[1:-4])
+                ino = self._file_ino(d, i - d * self.per_dir) if d * self.per_dir <= i < (d + 1) * self.per_dir else 0
+            else:
+                ino = 0
+        except ValueError:
+            ino = 0
+        if not ino:
+            raise OSError(errno.ENOENT, "no such entry")
+        return abi.pack_entry(ino, self._attr(ino), TIMEOUT, TIMEOUT)
+
+    def getattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return abi.pack_attr_out(self._attr(nodeid), TIMEOUT)
+
+    def opendir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return abi.OPEN_OUT.pack(nodeid, OpenFlag.CACHE_DIR | OpenFlag.KEEP_CACHE, 0)
+
+    def readdirplus(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        _fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
+        if nodeid == ROOT:
+            count = self.dirs
+            names = [f"d{d:06d}".encode() for d in range(count)]
+            first_ino = 2
+        else:
+            d = nodeid - 2
+            count = self.per_dir
+            names = [f"f{d * self.per_dir + f:010d}.bin".encode() for f in range(count)]
+            first_ino = self._file_ino(d, 0)
+        out, used = bytearray(), 0
+        for i in range(offset, count + 2):
+            name = b"." * (i + 1) if i < 2 else names[i - 2]
+            used += abi.dirent_size(name, True)
+            if used > size:
+                break
+            if i < 2:
+                out += abi.pack_entry(0, bytes(abi.ATTR.size), 0, 0)
+                out += abi.pack_dirent(nodeid, i + 1, name, abi.DT_DIR)
+            else:
+                ino = first_ino + i - 2
+                out += abi.pack_entry(ino, self._attr(ino), TIMEOUT, TIMEOUT)
+                out += abi.pack_dirent(ino, i + 1, name, abi.DT_DIR if nodeid == ROOT else abi.DT_REG)
+        return bytes(out)
+
+    def statfs(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return abi.KSTATFS.pack(0, 0, 0, self.dirs * (self.per_dir + 1), 0, 4096, 255, 4096)
+
+    def empty(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return b""
+
+
+def serve(mountpoint: str, dirs: int, per_dir: int) -> None:
+    """Mount the arithmetic tree at ``mountpoint`` and serve it until unmounted (root)."""
+    from cachefs.fuse.mount import open_and_mount
+
+    fd = open_and_mount(mountpoint, allow_other=False, writable=False)
+    try:
+        ArithmeticTree(fd, dirs, per_dir).serve()
+    finally:
+        os.close(fd)
+
+
+class FloorMount:
+    """The arithmetic tree served by a process of its own (as a cachefs daemon is), mounted at ``mountpoint``."""
+
+    def __init__(self, mountpoint: str, dirs: int, per_dir: int) -> None:
+        self.mountpoint = mountpoint
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.fuse_floor", "--serve", mountpoint, "--dirs",
+                                      str(dirs), "--per-dir", str(per_dir)])
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mountpoint):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the arithmetic tree did not mount")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", self.mountpoint], capture_output=True)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def drop_dentries() -> None:
+    """The kernel forgets what it looked up (so a stat is a LOOKUP again)."""
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dirs", type=int, default=1000)
+    p.add_argument("--per-dir", type=int, default=1000)
+    p.add_argument("--serve", metavar="MOUNTPOINT", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        serve(args.serve, args.dirs, args.per_dir)
+        return
+    from bench.scale_bench import walk
+
+    mnt = tempfile.mkdtemp(prefix="cachefs-floor-")
+    m = FloorMount(mnt, args.dirs, args.per_dir)
+    try:
+        t = time.perf_counter()
+        n = walk(mnt)
+        secs = time.perf_counter() - t
+    finally:
+        m.close()
+        os.rmdir(mnt)
+    print(f"arithmetic tree through our FUSE layer: walk + stat of {n:,} files {secs:.2f} s ({n / secs:,.0f} files/s)")
+
+
+if __name__ == "__main__":
+    main()
