@@ -326,6 +326,40 @@ def test_eviction_prefers_objects_read_once(config, s3):
     run(engine, scenario, src)
 
 
+def test_a_pinned_dataset_outlives_an_overflowing_scan_of_another_and_an_explicit_purge_still_takes_it(config, s3):
+    """A pin (``cachefs pin``, a CacheDataset's ``spec.pin`` through the agent) makes eviction pass a dataset over:
+    another dataset read once over the cache's whole capacity evicts its own files, not the pinned ones, even those
+    read once and least recently used; ``cachefs evict`` of the pinned dataset still removes it."""
+    from cachefs.index.hints import HintStore
+
+    kept = {f"k{i}.bin": bytes([i]) * 100_000 for i in range(3)}
+    engine, src, url = small_cache(config, s3, "kept", kept)
+    _, client, bucket = s3
+    scan = {f"s{i}.bin": bytes([100 + i]) * 150_000 for i in range(10)}
+    put_tree(client, bucket, "scan", scan)
+
+    async def scenario():
+        ds = await engine.open_dataset(url, source=src)
+        other = await engine.open_dataset(f"s3://{bucket}/scan", source=src)
+        HintStore(engine.index).pin(ds.ref.id)
+        for path, data in kept.items():  # read once, first: the two-touch LRU's first victims
+            assert await engine.read(ds, ds.file(path), 0, len(data)) == data
+        for path, data in scan.items():
+            assert await engine.read(other, other.file(path), 0, len(data)) == data
+            await engine.prefetcher.drain()
+            if (background := engine.eviction.trimming()) is not None:
+                await background
+        engine.close()
+        await engine.trim()
+        assert all(engine.cached_bytes(ds, ds.file(p)) == len(d) for p, d in kept.items())
+        assert engine.index.totals()[0] <= engine.capacity
+        assert sum(engine.cached_bytes(other, other.file(p)) for p in scan) < sum(map(len, scan.values()))
+        assert engine.purge_sync(ds.ref.id) >= sum(map(len, kept.values()))  # an explicit purge takes it
+        assert all(engine.cached_bytes(ds, ds.file(p)) == 0 for p in kept)
+
+    run(engine, scenario, src)
+
+
 def test_a_reader_moving_through_blocks_gets_every_byte_and_a_corrupt_block_is_still_caught(config, s3):
     """Blocks of several verification pieces (2 MiB blocks, 1 MiB pieces) read by one open file in reads that
     straddle pieces and blocks: each block is read and verified once and its pieces serve the next reads; a block

@@ -96,9 +96,16 @@ def test_prefetch_status_evict_refresh(dataset, cache_dir):
     assert url in table and "100.0%" in table
     r = cli("refresh", url, "--cache-dir", cache_dir)
     assert r.returncode == 0 and "manifest v2" in r.stdout
+    r = cli("pin", url, "--cache-dir", cache_dir)  # kept from eviction on this node; an explicit evict still takes it
+    assert r.returncode == 0 and "pinned on this node" in r.stdout, r.stderr
+    assert json.loads(cli("status", "--cache-dir", cache_dir, "--json").stdout)["datasets"][0]["pinned_by"] == ["cli"]
+    assert "pin,lru" in cli("status", "--cache-dir", cache_dir).stdout
     r = cli("evict", url, "--cache-dir", cache_dir)
     assert r.returncode == 0, r.stderr
     assert json.loads(cli("status", "--cache-dir", cache_dir, "--json").stdout)["used_bytes"] == 0
+    r = cli("pin", "--remove", url, "--cache-dir", cache_dir)
+    assert r.returncode == 0 and "no longer pinned" in r.stdout, r.stderr
+    assert json.loads(cli("status", "--cache-dir", cache_dir, "--json").stdout)["datasets"][0]["pinned_by"] == []
 
 
 @pytest.mark.parametrize(("args", "code", "words"), [

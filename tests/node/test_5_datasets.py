@@ -14,6 +14,14 @@ from .conftest import REPORT
 from .test_3_faults import cold_dataset, origin_gets_under, reader_result, start_reader
 
 
+def node_pins(url: str) -> list[str] | None:
+    """Who pins ``url`` in the node's cache (``cachefs status``), None if the cache does not know it."""
+    out = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "status", "--json", "--cache-dir", CACHE_DIR],
+                         capture_output=True, text=True, timeout=120)
+    got = [d for d in json.loads(out.stdout).get("datasets", []) if d["url"] == url] if out.returncode == 0 else []
+    return got[0].get("pinned_by") if got else None
+
+
 def status(cluster) -> dict:
     return cluster.get("cachedataset", "warm-me").get("status") or {}
 
@@ -32,7 +40,7 @@ def test_a_cachedataset_is_warmed_by_the_agent_and_its_status_follows_the_cache(
     cluster.apply({"apiVersion": "cachefs.io/v1alpha1", "kind": "CacheDataset",
                    "metadata": {"name": "warm-me", "namespace": "default"},
                    "spec": {"url": url, "endpointUrl": cluster.s3.endpoint, "region": "us-east-1",
-                            "credentialsSecret": "dataset-credentials", "warmup": {"enabled": True}}})
+                            "credentialsSecret": "dataset-credentials", "warmup": {"enabled": True}, "pin": True}})
     cluster.wait(lambda: status(cluster).get("phase") == "Ready", "the dataset warmed and Ready", 240)
     st = status(cluster)
     REPORT["CacheDataset warmed by the agent"] = (
@@ -48,7 +56,10 @@ def test_a_cachedataset_is_warmed_by_the_agent_and_its_status_follows_the_cache(
     read = reader_result(cluster, "cds-reader")
     cluster.delete_pod("cds-reader")
     assert read["errors"] == 0 and read["wrong"] == 0 and origin_gets_under(cluster, url) == gets
-    # Evicted from the node's disk: the status follows (it never claims bytes that are not there).
+    # spec.pin: the agent keeps the dataset from eviction on its node (cachefs status says who pins it).
+    cluster.wait(lambda: node_pins(url) == ["cachedatasets"], "the agent's pin on the node", 60)
+    # Evicted from the node's disk (an explicit purge takes a pinned dataset too): the status follows (it never
+    # claims bytes that are not there).
     out = subprocess.run([sys.executable, "-m", "cachefs.cli.main", "evict", url, "--cache-dir", CACHE_DIR],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -56,3 +67,4 @@ def test_a_cachedataset_is_warmed_by_the_agent_and_its_status_follows_the_cache(
     REPORT["CacheDataset after `cachefs evict` on the node"] = json.dumps(
         {k: status(cluster).get(k) for k in ("phase", "cachedBytes", "cachedPercentage")})
     cluster.kubectl("delete", "cachedataset", "warm-me")
+    cluster.wait(lambda: not node_pins(url), "the pin gone with the dataset", 60)

@@ -54,6 +54,31 @@ def test_staged_bytes_and_what_a_prefetch_brought_are_never_candidates(name):
     assert policy_named(name).order([old, recent, staged, pack], hints) == [old]
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_pinned_datasets_objects_and_packs_are_never_candidates(name):
+    mine = Candidate(bytes([1]) * 16, ObjectRecord("other", "f1", "v", 10, 10, 5.0, 1))
+    pinned = _object(2, 1, 1.0)  # dataset "ds", the oldest
+    pack = Candidate(None, PackRecord("ds", 9, 100, 100, 3, 2.0, 0))
+    assert policy_named(name).order([mine, pinned, pack], EvictionHints(pinned=frozenset({"ds"}))) == [mine]
+
+
+def test_pins_of_one_source_never_touch_another_sources():
+    import tempfile
+
+    from cachefs.index import Index
+    from cachefs.index.hints import HintStore
+
+    with tempfile.TemporaryDirectory() as d:
+        hints = HintStore(Index(d))
+        hints.pin("a")  # cachefs pin
+        hints.set_pins("cachedatasets", {"a", "b"})
+        assert hints.pins() == {"a": ["cachedatasets", "cli"], "b": ["cachedatasets"]}
+        hints.set_pins("cachedatasets", set())  # the objects went: the agent's pins go, the CLI's stays
+        assert hints.pinned() == frozenset({"a"}) and hints.pins_of("cli") == frozenset({"a"})
+        hints.unpin("a")
+        assert hints.pinned() == frozenset()
+
+
 def test_an_unknown_policy_is_a_config_error():
     with pytest.raises(ConfigError, match=r"unknown policy 'mru'.*two-touch-lru"):
         policy_named("mru")

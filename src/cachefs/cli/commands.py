@@ -16,7 +16,7 @@ from cachefs.jobs import select_files, warm
 from cachefs.prefetch.publish import publish_order
 from cachefs.status.summary import NodeSummary, status_report
 
-__all__ = ["demo", "evict", "metrics", "order", "pack", "prefetch", "refresh", "status"]
+__all__ = ["demo", "evict", "metrics", "order", "pack", "pin", "prefetch", "refresh", "status"]
 
 
 async def prefetch(args: argparse.Namespace, config: Config) -> int:
@@ -117,7 +117,8 @@ async def status(args: argparse.Namespace, config: Config) -> int:
     rows = [("DATASET", "ID", "MANIFEST", "FILES", "SIZE", "CACHED", "HIT RATIO", "POLICY", "EPOCH HITS (NOW/LAST)")]
     for d in rep["datasets"]:
         epochs = "-" if d["policy"] == "lru" else f"{pct(d['epoch_hit_ratio'])}/{pct(d['last_epoch_hit_ratio'])}"
-        policy = d["policy"] + (f"+ordered({len(d['orders'])})" if d["orders"] else "")
+        policy = ("pin," if d.get("pinned_by") else "") + d["policy"] + (
+            f"+ordered({len(d['orders'])})" if d["orders"] else "")
         rows.append((d["url"], d["id"], f"v{d['manifest_version']}", str(d["files"]), human_bytes(d["total_bytes"]),
                      f"{100 * d['cached_fraction']:.1f}%", pct(d["hit_ratio"]), policy, epochs))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -127,6 +128,26 @@ async def status(args: argparse.Namespace, config: Config) -> int:
         if d.get("old_version_bytes"):
             print(f"{d['url']}: {human_bytes(d['old_version_bytes'])} more cached of earlier manifests (versions changed "
                   "or deleted at the origin since; readers that started before the refresh still read them)")
+    return 0
+
+
+async def pin(args: argparse.Namespace, config: Config) -> int:
+    from cachefs.index.hints import HintStore
+
+    NodeSummary(config)  # a cache directory that does not exist is an error, not one to create
+    ref = DatasetRef.from_url(args.url)
+    engine = Engine(config)
+    try:
+        hints = HintStore(engine.index)
+        (hints.unpin if args.remove else hints.pin)(ref.id)
+        others = [s for s in hints.pins().get(ref.id, []) if s != "cli"]
+    finally:
+        await engine.aclose()
+    if args.remove:
+        print(f"{ref.url}: no longer pinned here" + (f" (still pinned by {', '.join(others)})" if others else ""))
+    else:
+        print(f"{ref.url}: pinned on this node: eviction passes over what is cached of it (cachefs evict still "
+              "removes it; cachefs pin --remove undoes this)")
     return 0
 
 

@@ -120,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
                          "--cache-dir)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
 
+    pn = sub.add_parser("pin", parents=[base, cache],
+                        help="keep a dataset on this node: eviction passes it over (cachefs evict still removes it)")
+    pn.add_argument("url", help="the dataset")
+    pn.add_argument("--remove", action="store_true", help="let eviction take it again")
     ev = sub.add_parser("evict", parents=[base, cache], help="remove cached data (objects in use are kept)")
     ev.add_argument("url", nargs="?", help="dataset whose data to evict")
     ev.add_argument("--all", action="store_true", help="evict every dataset")
@@ -246,7 +250,8 @@ def _parser() -> argparse.ArgumentParser:
     ag.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then $KUBECONFIG)")
     ag.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve the node's metrics here")
     ag.add_argument("--ready-file", help=argparse.SUPPRESS)  # internal (tests): written once membership is known
-    for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("evict", ev), ("order", od), ("refresh", rf),
+    for name, cmd in (("prefetch", pf), ("pack", pk), ("status", st), ("pin", pn), ("evict", ev), ("order", od),
+                      ("refresh", rf),
                       ("mount", mt), ("umount", um), ("demo", dm), ("metrics", mx), ("agent", ag)):
         module = "mounting" if name in ("mount", "umount") else "commands"
         cmd.set_defaults(run=f"cachefs.cli.{module}:{name}", node_process=name in ("mount", "metrics", "agent"))

@@ -19,7 +19,7 @@ __all__ = ["cache_for", "caches_holding", "other_caches"]
 
 #: The commands that look for their cache, and the argument naming what they are about.
 TARGETS = {"sync": "target", "status": "target", "order": "dataset", "umount": "mountpoint", "evict": "url",
-           "refresh": "url", "prefetch": "url", "mount": "url", "pack": "url"}
+           "refresh": "url", "prefetch": "url", "mount": "url", "pack": "url", "pin": "url"}
 #: Those that go on with the default cache when theirs is not found: the ones that fill a cache (a dataset no cache
 #: holds yet goes to the default one), and umount (it needs a cache only to drain a writable mount's uploads).
 LENIENT = {"umount", "prefetch", "mount", "pack"}

@@ -3,11 +3,14 @@
 * **Leases** on "keep what was used since T": a prefetch job takes one while it runs (renewing it) and drops it when
   it ends; one that dies leaves a lease that expires on its own, so a killed job never pins the cache for long.
 * **Staged keys**: bytes written on this node and not yet uploaded, which eviction never takes.
+* **Pins**: datasets eviction passes over (an explicit purge still takes them), each set by a source (``cli`` for
+  ``cachefs pin``, ``cachedatasets`` for the agent following CacheDatasets' ``spec.pin``) that replaces its own.
 * **Scans**: datasets some process sees read as an epoch scan (:mod:`cachefs.node.scan`), since when, until when
   the claim lasts, and the hit and miss bytes of the current and the last pass (what ``cachefs status`` shows).
 
 Layouts (docs/FORMAT.md): ``hints``: key = ``b"keep:" + lease name``; value = since, expires (two float64);
-key = ``b"scan:" + dataset id``; value = JSON (:class:`ScanRecord`). ``staged``: key = object key; value = bytes
+key = ``b"scan:" + dataset id``; value = JSON (:class:`ScanRecord`); key = ``b"pin:" + dataset id + b"\0" +
+source``; value = since (float64). ``staged``: key = object key; value = bytes
 staged (u64).
 """
 
@@ -27,6 +30,8 @@ LEASE = struct.Struct("<dd")
 _STAGED = struct.Struct("<Q")
 _KEEP = b"keep:"
 _SCAN = b"scan:"
+_PIN = b"pin:"
+_SINCE = struct.Struct("<d")
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,44 @@ class HintStore:
                 continue
             if rec.until > now:
                 out[ds_id.decode()] = rec
+        return out
+
+    # -- pins -----------------------------------------------------------------------------------------------
+    def set_pins(self, source: str, datasets: set[str] | frozenset[str]) -> None:
+        """``source``'s pins are ``datasets`` from now on (pins of other sources stay)."""
+        mine = {k for k, _ in self._prefixed(_PIN) if k.rpartition(b"\0")[2] == source.encode()}
+        want = {d.encode() + b"\0" + source.encode() for d in datasets}
+        if mine == want:
+            return
+
+        def put(txn) -> None:
+            for k in mine - want:
+                txn.delete(_PIN + k, db=self._hints)
+            for k in want - mine:
+                txn.put(_PIN + k, _SINCE.pack(time.time()), db=self._hints)
+
+        self.index.write_txn(put)
+
+    def pin(self, dataset: str, source: str = "cli") -> None:
+        self.set_pins(source, self.pins_of(source) | {dataset})
+
+    def unpin(self, dataset: str, source: str = "cli") -> None:
+        self.set_pins(source, self.pins_of(source) - {dataset})
+
+    def pins_of(self, source: str) -> frozenset[str]:
+        return frozenset(k.rpartition(b"\0")[0].decode() for k, _ in self._prefixed(_PIN)
+                         if k.rpartition(b"\0")[2] == source.encode())
+
+    def pinned(self) -> frozenset[str]:
+        """Every dataset some source pins."""
+        return frozenset(self.pins())
+
+    def pins(self) -> dict[str, list[str]]:
+        """The pinned datasets and, for each, the sources that pin it."""
+        out: dict[str, list[str]] = {}
+        for k, _ in self._prefixed(_PIN):
+            ds, _, source = k.rpartition(b"\0")
+            out.setdefault(ds.decode(), []).append(source.decode())
         return out
 
     # -- staged bytes ---------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ group each member warms the files whose placement key (a small file's directory 
 it owns, and fetches the rest of a large file through the group as a reader would: the origin is read about once per
 byte. A warm-up whose dataset is deleted, turned off or placed elsewhere is cancelled.
 
+The same look keeps the node's pins (eviction passes a pinned dataset over) equal to the CacheDatasets with
+``spec.pin`` placed on this node.
+
 Progress is this node's annotation ``warm.cachefs.io/<dataset id>`` (JSON: ``state`` running, done or failed,
 ``filesDone``, ``filesTotal``, ``bytesDone``, ``bytesTotal``, ``errors``, ``reason``), which the dataset controller
 adds up into the object's status. Credentials: the dataset's ``credentialsSecret`` in its namespace
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between looks at the CacheDatasets, and at most one progress PATCH per warm-up this often.
 POLL, REPORT_EVERY = 5.0, 3.0
+#: The source of the pins this task sets in the index (``cachefs pin`` sets ``cli``).
+PIN_SOURCE = "cachedatasets"
 
 
 class Warmups:
@@ -67,6 +72,7 @@ class Warmups:
                 self._said_forbidden = True
             raise
         node = await kube.get(f"/api/v1/nodes/{self.ctx.node}")
+        await asyncio.to_thread(self._pin, objs, node)
         wanted: dict[str, tuple[str, Mapping[str, Any]]] = {}
         for obj in objs:
             spec, meta = obj.get("spec") or {}, obj.get("metadata") or {}
@@ -109,6 +115,17 @@ class Warmups:
             log.warning("warm-up of %s: %s", url, exc)
             await report.send(report.last or Progress(), "failed", str(exc)[:500], force=True)
             raise
+
+    def _pin(self, objs: list[Mapping[str, Any]], node: Mapping[str, Any]) -> None:
+        """The datasets placed on this node with ``spec.pin`` are the ones eviction passes over here (the source
+        ``cachedatasets`` of the index's pins: a pin whose object is gone, changed or placed elsewhere goes too)."""
+        from cachefs.engine import get_engine
+        from cachefs.index.hints import HintStore
+
+        pins = {dataset_id(str(spec["url"])) for obj in objs if (spec := obj.get("spec") or {}).get("pin")
+                and spec.get("url") and placed_on(spec, node)}
+        engine = self.ctx.engine or get_engine(self.ctx.config)
+        HintStore(engine.index).set_pins(PIN_SOURCE, pins)
 
     def _share(self, engine, ds):
         """This member's share of a group's dataset (None: the whole of it, outside a group)."""

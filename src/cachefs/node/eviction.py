@@ -74,8 +74,10 @@ class Eviction:
         self.scans.publish()
 
     def current_hints(self, *, keep: bool = True) -> EvictionHints:
-        """The node's eviction hints now (``keep``: with the prefetch jobs' leases)."""
-        return EvictionHints(self.hints.kept_newer_than() if keep else None, self.hints.staged())
+        """The node's eviction hints now (``keep``: with the prefetch jobs' leases and the pinned datasets; an
+        explicit purge asks without)."""
+        return EvictionHints(self.hints.kept_newer_than() if keep else None, self.hints.staged(),
+                             self.hints.pinned() if keep else frozenset())
 
     @contextlib.asynccontextmanager
     async def keeping_newer_than(self, since: float) -> AsyncIterator[None]:

@@ -71,6 +71,8 @@ class EvictionHints:
     keep_newer_than: float | None = None
     #: Keys of staged bytes (written on this node, not yet uploaded): never evicted.
     staged: frozenset[bytes] = field(default_factory=frozenset)
+    #: Datasets pinned on this node (a CacheDataset's ``spec.pin``, ``cachefs pin``): left to an explicit purge.
+    pinned: frozenset[str] = field(default_factory=frozenset)
 
 
 class EvictionPolicy(abc.ABC):
@@ -80,11 +82,12 @@ class EvictionPolicy(abc.ABC):
     name: ClassVar[str]
 
     def order(self, candidates: Iterable[Candidate], hints: EvictionHints) -> list[Candidate]:
-        """The candidates this policy lets go, victims first; staged bytes and what a running prefetch job brought
-        are left out whatever the policy."""
-        keep_newer = hints.keep_newer_than
+        """The candidates this policy lets go, victims first; staged bytes, pinned datasets and what a running
+        prefetch job brought are left out whatever the policy."""
+        keep_newer, pinned = hints.keep_newer_than, hints.pinned
         allowed = [c for c in candidates
-                   if (keep_newer is None or c.last_access < keep_newer) and c.key not in hints.staged]
+                   if (keep_newer is None or c.last_access < keep_newer) and c.key not in hints.staged
+                   and (not pinned or c.record.dataset not in pinned)]
         return self.rank(allowed, hints)
 
     @abc.abstractmethod

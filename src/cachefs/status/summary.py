@@ -129,7 +129,9 @@ class NodeSummary:
         datasets = []
         urls = {}
         guests = self.index.guest_bytes_by_dataset()
-        scans = HintStore(self.index).scans() if c.scan_admission else {}
+        hints = HintStore(self.index)
+        scans = hints.scans() if c.scan_admission else {}
+        pins = hints.pins()
         for rec in self.index.datasets():
             urls[rec.id] = rec.url
             m = rec.manifest()
@@ -159,6 +161,8 @@ class NodeSummary:
                 "miss_bytes": st.miss_bytes,
                 "hit_ratio": round(st.hit_bytes / served, 4) if served else None,
                 **_epoch_figures(scans.get(rec.id), cached),
+                # Who keeps it from eviction (cachefs pin: "cli"; a CacheDataset's spec.pin: "cachedatasets").
+                "pinned_by": sorted(pins.get(rec.id, [])),
                 # Read orders jobs published for it (cachefs order): each publisher's epoch and length.
                 "orders": _orders(c.dir, rec.id),
             })
