@@ -81,3 +81,38 @@ def test_a_writer_past_the_staging_limit_gets_enospc_when_the_upload_makes_no_pr
         volume.room.take(101)
     assert volume.room.waits == 1 and volume.room.waiting == 0
     volume.queue.close()
+
+
+def test_a_rename_while_an_upload_is_being_recorded_still_copies_that_object_into_place(s3, config, tmp_path):
+    """The uploader records a finished PUT in two steps: the object is on the origin (origin_keys) and its entry
+    leaves the queue. A rename of its directory between the two saw neither, queued no copy, and the renamed
+    checkpoint lacked that file on the origin for good (chaos of kill -9 and the two-writers race showed it). The
+    rename here is made to come in just then: with the two steps under the volume's lock it waits for both."""
+    import threading
+
+    _, client, bucket = s3
+    volume = _volume(config, bucket, tmp_path)
+    _write(volume, "step.tmp/a.pt", b"a" * 100)
+    recording = volume.uploaded
+    renamed = threading.Event()
+
+    def uploaded(e, failed):
+        if e.key == "step.tmp/a.pt" and not renamed.is_set():
+            def rename():
+                _write(volume, "step.tmp/b.pt", b"b" * 200)
+                volume.rename("step.tmp", "step")
+                renamed.set()
+            threading.Thread(target=rename, daemon=True).start()
+            renamed.wait(0.5)  # (the rename comes in now; under the lock it cannot until both steps are done)
+        recording(e, failed)
+
+    volume.uploaded = uploaded  # type: ignore[method-assign]
+    run_sync(volume.start())
+    try:
+        assert renamed.wait(60)
+        assert volume.wait_until(lambda: not volume.queue.entries, timeout=60)
+    finally:
+        run_sync(volume.stop())
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert {"v/step/a.pt", "v/step/b.pt"} <= keys, keys
+    assert client.get_object(Bucket=bucket, Key="v/step/a.pt")["Body"].read() == b"a" * 100

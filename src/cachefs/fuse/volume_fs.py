@@ -110,6 +110,10 @@ class VolumeFS:
                 h = _Handle(os.open(path, os.O_RDWR | os.O_CLOEXEC), nodeid, True)
             except PermissionError:
                 h = _Handle(os.open(path, os.O_RDONLY | os.O_CLOEXEC), nodeid, False)
+            # The previous daemon may have taken writes through it that no close queued yet: its next FLUSH or
+            # RELEASE asks the volume, which knows by the file's dirty mark (a handle counted clean here lost
+            # those bytes: never uploaded, and a rename of their directory moved nothing to the origin).
+            h.wrote = h.writable
             self._handles[fh] = h
         return h
 
@@ -241,10 +245,16 @@ class VolumeFS:
             h.wrote = False
 
     # -- the namespace --------------------------------------------------------------------------------------------
-    def mkdir(self, parent: int, name: str, mode: int) -> tuple[int, os.stat_result]:
+    def mkdir(self, parent: int, name: str, mode: int, *, resent: bool = False) -> tuple[int, os.stat_result]:
+        """``resent``: the kernel sent it again after a daemon died (it may have made the directory already)."""
         rel = self._child(parent, name)
         path = self.volume.path(rel)
-        os.mkdir(path, mode)
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:
+            if resent and os.path.isdir(path) and not os.path.islink(path):
+                return self._entry(rel)
+            raise
         self._own(path, mode)
         return self._entry(rel)
 
@@ -263,15 +273,31 @@ class VolumeFS:
             os.close(fd)
         return self._entry(rel)
 
-    def unlink(self, parent: int, name: str) -> None:
-        self.volume.unlink(self._child(parent, name))
+    # A request the kernel sends again after a daemon died (``resent``) may have been carried out by that daemon
+    # before it could answer; one whose outcome is there already answers as done, not with the error a second try
+    # of it meets (the writer saw "No such file or directory" for a rename that had happened).
+    def unlink(self, parent: int, name: str, *, resent: bool = False) -> None:
+        try:
+            self.volume.unlink(self._child(parent, name))
+        except FileNotFoundError:
+            if not resent:
+                raise
 
-    def rmdir(self, parent: int, name: str) -> None:
-        os.rmdir(self.volume.path(self._child(parent, name)))
+    def rmdir(self, parent: int, name: str, *, resent: bool = False) -> None:
+        try:
+            os.rmdir(self.volume.path(self._child(parent, name)))
+        except FileNotFoundError:
+            if not resent:
+                raise
 
-    def rename(self, olddir: int, old: str, newdir: int, new: str, *, noreplace: bool) -> None:
+    def rename(self, olddir: int, old: str, newdir: int, new: str, *, noreplace: bool, resent: bool = False) -> None:
         src, dst = self._child(olddir, old), self._child(newdir, new)
-        self.volume.rename(src, dst, noreplace=noreplace)
+        try:
+            self.volume.rename(src, dst, noreplace=noreplace)
+        except (FileNotFoundError, FileExistsError):
+            if not (resent and not os.path.lexists(self.volume.path(src)) and os.path.lexists(self.volume.path(dst))):
+                raise
+            self.volume.renamed_already(src, dst)
         self._moved(src, dst)
 
     def commit(self, nodeid: int) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.kernel_abi import InitFlag, Op
-from cachefs.fuse.request_loop import Call, RequestLoop
+from cachefs.fuse.request_loop import UNIQUE_RESEND, Call, RequestLoop
 from cachefs.fuse.volume_fs import AttrChange, VolumeFS
 from cachefs.write.volume import WritableVolume
 
@@ -150,33 +150,35 @@ class WritableSession(RequestLoop):
 
     def _mkdir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         mode, umask = abi.MKDIR_IN.unpack_from(body)
-        return _entry(*self.fs.mkdir(nodeid, _name(body[abi.MKDIR_IN.size:]), stat.S_IMODE(mode) & ~umask))
+        return _entry(*self.fs.mkdir(nodeid, _name(body[abi.MKDIR_IN.size:]), stat.S_IMODE(mode) & ~umask,
+                                     resent=_resent(unique)))
 
     def _mknod(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         mode, _rdev, umask, _ = abi.MKNOD_IN.unpack_from(body)
         return _entry(*self.fs.mknod(nodeid, _name(body[abi.MKNOD_IN.size:]), mode & ~umask))
 
     def _unlink(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        self.fs.unlink(nodeid, _name(body))
+        self.fs.unlink(nodeid, _name(body), resent=_resent(unique))
         return b""
 
     def _rmdir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        self.fs.rmdir(nodeid, _name(body))
+        self.fs.rmdir(nodeid, _name(body), resent=_resent(unique))
         return b""
 
     def _rename(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         (newdir,) = abi.RENAME_IN.unpack_from(body)
-        return self._rename_names(nodeid, newdir, bytes(body[abi.RENAME_IN.size:]), 0)
+        return self._rename_names(nodeid, newdir, bytes(body[abi.RENAME_IN.size:]), 0, _resent(unique))
 
     def _rename2(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         newdir, flags, _ = abi.RENAME2_IN.unpack_from(body)
-        return self._rename_names(nodeid, newdir, bytes(body[abi.RENAME2_IN.size:]), flags)
+        return self._rename_names(nodeid, newdir, bytes(body[abi.RENAME2_IN.size:]), flags, _resent(unique))
 
-    def _rename_names(self, olddir: int, newdir: int, names: bytes, flags: int) -> bytes:
+    def _rename_names(self, olddir: int, newdir: int, names: bytes, flags: int, resent: bool) -> bytes:
         if flags & ~abi.RENAME_NOREPLACE:
             raise OSError(errno.EINVAL, "only RENAME_NOREPLACE is supported (no RENAME_EXCHANGE or WHITEOUT)")
         old, new = names.split(b"\0")[:2]
-        self.fs.rename(olddir, _name(old), newdir, _name(new), noreplace=bool(flags & abi.RENAME_NOREPLACE))
+        self.fs.rename(olddir, _name(old), newdir, _name(new), noreplace=bool(flags & abi.RENAME_NOREPLACE),
+                       resent=resent)
         return b""
 
     def _refuse_link(self, nodeid: int, unique: int, body: memoryview) -> bytes:
@@ -234,3 +236,8 @@ class WritableSession(RequestLoop):
             raise OSError(errno.EOPNOTSUPP, "only plain fallocate is supported")
         self.fs.fallocate(nodeid, fh, offset, length)
         return b""
+
+
+def _resent(unique: int) -> bool:
+    """The kernel sent this request again after a daemon died (FUSE_NOTIFY_RESEND): it may have been done."""
+    return bool(unique & UNIQUE_RESEND)

@@ -144,8 +144,10 @@ class Uploader:
             delay = 0.0
             self.last_error = ""
             self.last_progress = time.monotonic()
-            self.queue.finished(first)
-            self.owner.uploaded(first, "")
+            with self.queue.lock:  # (the volume's: a rename sees the object either queued or on the origin, never
+                # neither: between the two it moved nothing, and the renamed checkpoint lacked that file)
+                self.owner.uploaded(first, "")
+                self.queue.finished(first)
 
     def _failed(self, e: QueueEntry, exc: BaseException) -> None:
         self.failures += 1

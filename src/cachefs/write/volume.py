@@ -237,30 +237,40 @@ class WritableVolume:
                 raise FileExistsError(17, "File exists", dst)
             was_dir = os.path.isdir(sp)
             os.rename(sp, dp)
+            self._queue_rename(src, dst, was_dir)
 
-            def moved(key: str) -> str:
-                return dst + key[len(src):]
+    def renamed_already(self, src: str, dst: str) -> None:
+        """``src`` was renamed to ``dst`` in the tree by a daemon that died before it could answer: queue what the
+        origin must see, again (what that daemon queued already is found done, or done twice alike: a copy of the
+        same bytes, a claim and a commit record by the same writer)."""
+        with self.lock:
+            self._queue_rename(src, dst, os.path.isdir(self.path(dst)))
 
-            targets = set()
-            for e in self.queue.pending(lambda e: not e.running and e.kind.makes_object and under(e.key, src)):
-                old = e.seq
-                self.queue.move(e, moved(e.key))
-                self.uploader.forget_prepared(old)
-                targets.add(e.key)
-                if e.held_by:
-                    run_soon(self.replicator.rekey(e.held_by, e.snap, e.key))
-            deleting = {e.key for e in self.queue.pending(lambda e: e.kind is EntryKind.DELETE)}
-            there = {k: n for k, (n, _) in self.origin_keys.items() if under(k, src) and k not in deleting}
-            for e in self.queue.pending(lambda e: e.running and e.kind.makes_object and under(e.key, src)):
-                there[e.key] = e.size
-            for key, size in sorted(there.items()):
-                if moved(key) not in targets:  # (a newer version goes up under that name anyway)
-                    self.queue.add(EntryKind.COPY, moved(key), src=key, size=size)
-                self.queue.add(EntryKind.DELETE, key)
-            if os.path.basename(src) == ".metadata.tmp" and os.path.basename(dst) == ".metadata":
-                self.commit(os.path.dirname(dst))
-            elif was_dir and src == dst + ".tmp":
-                self.commit(dst)
+    def _queue_rename(self, src: str, dst: str, was_dir: bool) -> None:
+        """The queue's side of a rename (the lock held)."""
+        def moved(key: str) -> str:
+            return dst + key[len(src):]
+
+        targets = set()
+        for e in self.queue.pending(lambda e: not e.running and e.kind.makes_object and under(e.key, src)):
+            old = e.seq
+            self.queue.move(e, moved(e.key))
+            self.uploader.forget_prepared(old)
+            targets.add(e.key)
+            if e.held_by:
+                run_soon(self.replicator.rekey(e.held_by, e.snap, e.key))
+        deleting = {e.key for e in self.queue.pending(lambda e: e.kind is EntryKind.DELETE)}
+        there = {k: n for k, (n, _) in self.origin_keys.items() if under(k, src) and k not in deleting}
+        for e in self.queue.pending(lambda e: e.running and e.kind.makes_object and under(e.key, src)):
+            there[e.key] = e.size
+        for key, size in sorted(there.items()):
+            if moved(key) not in targets:  # (a newer version goes up under that name anyway)
+                self.queue.add(EntryKind.COPY, moved(key), src=key, size=size)
+            self.queue.add(EntryKind.DELETE, key)
+        if os.path.basename(src) == ".metadata.tmp" and os.path.basename(dst) == ".metadata":
+            self.commit(os.path.dirname(dst))
+        elif was_dir and src == dst + ".tmp":
+            self.commit(dst)
 
     def unlink(self, rel: str) -> None:
         with self.lock:
