@@ -187,6 +187,24 @@ def test_kill_9_of_the_daemon_after_close_loses_nothing(volume, stopped_origin):
         assert f.read() == data
 
 
+def test_kill_9_of_the_daemon_between_the_writes_and_the_close_loses_nothing(volume):
+    """Every byte written while one daemon served, the file closed after the next took over: its close is the one
+    that queues the upload (the next daemon counted the handle it had not opened clean, and the file never went
+    up; nor did the checkpoint directory it was renamed with)."""
+    m, client, bucket = volume
+    first = m.wait_for_daemon()
+    data = random.Random(8).randbytes(3 * MiB + 5)
+    os.mkdir(m.path("step-1.tmp"))
+    with open(m.path("step-1.tmp/model.pt"), "wb") as f:
+        f.write(data)
+        f.flush()  # (the WRITEs answered by the first daemon; no close yet)
+        os.kill(first["pid"], signal.SIGKILL)
+        m.wait_for_daemon(other_than=first["pid"])
+    os.rename(m.path("step-1.tmp"), m.path("step-1"))
+    sync(m)
+    assert objects(client, bucket, "ck/step-1/") == {"model.pt": data}
+
+
 def test_kill_9_during_a_multipart_upload_resumes_it_whole(volume, stopped_origin):  # noqa: F811
     m, client, bucket = volume
     first = m.wait_for_daemon()
