@@ -211,6 +211,9 @@ class Uploader:
                 e.etag = await self.writes.copy(self._url(e.src), self._url(e.key), e.size, if_match=etag)
             except (StaleObjectError, ObjectNotFoundError):
                 # (a renamed temporary name another writer used too: copy only the object this volume put there)
+                if done := await self._copied_before(e.key, etag):
+                    e.etag = done
+                    return
                 e.running = False
                 raise _SourceReplaced(etag) from None
         elif e.kind is EntryKind.DELETE:
@@ -224,6 +227,17 @@ class Uploader:
         """``e`` is going to the origin now, if it is still the queue's head (see WriteQueue.start)."""
         if not self.queue.start(e):
             raise _Renamed
+
+    async def _copied_before(self, key: str, etag: str) -> str:
+        """The ETag of ``key`` if it is already the copy of the object pinned as ``etag`` (a copy a daemon made
+        and died before recording, its source deleted since): the copy is done. Else ''."""
+        if not etag:
+            return ""
+        try:
+            there = await self.source.stat(self._url(key))
+        except ObjectNotFoundError:
+            return ""
+        return there.version if there.version == etag else ""
 
     async def _complete(self, e: QueueEntry) -> None:
         task = self._prepared.get(e.seq)

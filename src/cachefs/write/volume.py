@@ -10,6 +10,7 @@ Thread-safe: every change to the tree and the queue holds the queue's lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -84,6 +85,7 @@ class WritableVolume:
     async def start(self, *, list_origin: bool = True) -> None:
         """Show the origin's objects (unless ``list_origin`` is false) and start uploading what is queued."""
         remote.check_xattrs(self.tree)
+        self._drop_orphan_snapshots()
         for e in self.queue.pending(lambda e: e.kind is EntryKind.PUT):
             try:
                 self._snap_inode[e.snap] = os.stat(self.snapshot(e.snap)).st_ino
@@ -101,6 +103,17 @@ class WritableVolume:
         self.uploader.start()
         self._status_thread = threading.Thread(target=self._publish_status, name="cachefs-volume-status", daemon=True)
         self._status_thread.start()
+
+    def _drop_orphan_snapshots(self) -> None:
+        """Snapshots no queued upload names: linked by a close that died before its entry was journalled (that
+        close was never acknowledged: the kernel sends it again, and it queues the tree's file anew). Left there,
+        the next snapshot of the same number (numbers are taken again from the journal) met the file: EEXIST to
+        the writer's close."""
+        live = {str(e.snap) for e in self.queue.pending(lambda e: e.kind is EntryKind.PUT)}
+        for name in os.listdir(self.snapdir):
+            if name not in live:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.snapdir, name))
 
     async def stop(self) -> None:
         self._stopped.set()
