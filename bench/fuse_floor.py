@@ -5,7 +5,7 @@ names them; every LOOKUP, GETATTR and READDIRPLUS is answered from the name alon
 memory per inode). What a walk through it costs is the kernel's round trips plus our protocol layer in Python on
 this machine: the bound a cachefs walk with its manifest local is measured against (bench/scale_bench.py).
 
-    python -m bench.fuse_floor --dirs 1000 --per-dir 1000     # mounts at a temporary directory, walks, prints
+    python -m bench.scale_bench --sizes 1000000 --systems cachefs   # measures it beside a cachefs mount
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import subprocess
 import sys
-import tempfile
-import time
 
+from bench.fuse_bench import Mount
 from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.kernel_abi import InitFlag, Op, OpenFlag
 from cachefs.fuse.request_loop import RequestLoop
@@ -119,55 +117,19 @@ def serve(mountpoint: str, dirs: int, per_dir: int) -> None:
         os.close(fd)
 
 
-class FloorMount:
+def floor_mount(mountpoint: str, dirs: int, per_dir: int) -> Mount:
     """The arithmetic tree served by a process of its own (as a cachefs daemon is), mounted at ``mountpoint``."""
-
-    def __init__(self, mountpoint: str, dirs: int, per_dir: int) -> None:
-        self.mountpoint = mountpoint
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.fuse_floor", "--serve", mountpoint, "--dirs",
-                                      str(dirs), "--per-dir", str(per_dir)])
-        deadline = time.monotonic() + 30
-        while not os.path.ismount(mountpoint):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the arithmetic tree did not mount")
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        subprocess.run(["umount", "-l", self.mountpoint], capture_output=True)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def drop_dentries() -> None:
-    """The kernel forgets what it looked up (so a stat is a LOOKUP again)."""
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("2\n")
+    return Mount([sys.executable, "-m", "bench.fuse_floor", "--serve", mountpoint, "--dirs", str(dirs), "--per-dir",
+                  str(per_dir)], mountpoint)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dirs", type=int, default=1000)
     p.add_argument("--per-dir", type=int, default=1000)
-    p.add_argument("--serve", metavar="MOUNTPOINT", help=argparse.SUPPRESS)
+    p.add_argument("--serve", metavar="MOUNTPOINT", required=True, help="mount the tree there and serve it")
     args = p.parse_args()
-    if args.serve:
-        serve(args.serve, args.dirs, args.per_dir)
-        return
-    from bench.scale_bench import walk
-
-    mnt = tempfile.mkdtemp(prefix="cachefs-floor-")
-    m = FloorMount(mnt, args.dirs, args.per_dir)
-    try:
-        t = time.perf_counter()
-        n = walk(mnt)
-        secs = time.perf_counter() - t
-    finally:
-        m.close()
-        os.rmdir(mnt)
-    print(f"arithmetic tree through our FUSE layer: walk + stat of {n:,} files {secs:.2f} s ({n / secs:,.0f} files/s)")
+    serve(args.serve, args.dirs, args.per_dir)
 
 
 if __name__ == "__main__":
