@@ -607,13 +607,19 @@ def test_the_next_node_pod_generation_takes_every_session_over_while_a_pod_reads
         assert holder, "no holder in the second generation's container"
     finally:
         reading.set()
+        stuck = []
         try:
-            for proc in procs:
-                log += proc.stop()
+            for proc in procs:  # every process's log, even after one was stuck: the others say why
+                try:
+                    log += proc.stop()
+                except AssertionError as exc:
+                    stuck.append(str(exc))
+            print(log)  # (shown with a failure above, which would otherwise hide it)
         finally:
             unmount_under(tmp_path)
             for ct in cts.values():
                 ct.remove()
+    assert not stuck, "\n".join(stuck) + "\n" + log
     assert "took over 1 session(s)" in log, log
     assert "Traceback" not in log
 
