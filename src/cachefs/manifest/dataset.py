@@ -23,6 +23,8 @@ class ManifestReader(Protocol):
 
     def listdir(self, ds_id: str, version: int, path: str) -> Iterator[Entry]: ...
 
+    def listdir_page(self, ds_id: str, version: int, path: str, after: str | None, limit: int) -> list[Entry]: ...
+
     def walk_files(self, ds_id: str, version: int, path: str = "") -> Iterator[Entry]: ...
 
 
@@ -61,6 +63,10 @@ class Dataset:
 
     def listdir(self, path: str = "") -> list[Entry]:
         return list(self.manifests.listdir(self.ref.id, self.version, _norm(path)))
+
+    def listdir_page(self, path: str, after: str | None, limit: int) -> list[Entry]:
+        """At most ``limit`` entries of directory ``path`` whose names sort after ``after`` (None: from the first)."""
+        return self.manifests.listdir_page(self.ref.id, self.version, _norm(path), after, limit)
 
     def walk_files(self, path: str = "") -> Iterator[Entry]:
         return self.manifests.walk_files(self.ref.id, self.version, _norm(path))

@@ -55,7 +55,9 @@ class ProvisionalTree:
             # Held while this tree lives: whoever finds it free may drop the entries of a process that died.
             held = None if self.version in taken else try_lock(self._lock_path(self.version))
         self._held: int | None = held
-        self._writer = ManifestWriter(index, ref.id, self.version)
+        # (resumed: a directory whose listing failed part way is listed again from its first page, over the pages
+        # it wrote)
+        self._writer = ManifestWriter(index, ref.id, self.version, resumed=True)
         self._listed: set[str] = set()
         self._listing: dict[str, asyncio.Future] = {}  # directory → its listing under way
         self.lists = 0  # directories listed from the origin (the log says how many when the dataset settles)
@@ -76,13 +78,24 @@ class ProvisionalTree:
         return self._wait(self._lookup(path))
 
     def listdir(self, ds_id: str, version: int, path: str) -> Iterator[Entry]:
+        if not self._listed_now(ds_id, version, path):
+            return iter(())
+        return self.store.listdir(ds_id, version, path)
+
+    def listdir_page(self, ds_id: str, version: int, path: str, after: str | None, limit: int) -> list[Entry]:
+        if not self._listed_now(ds_id, version, path):
+            return []
+        return self.store.listdir_page(ds_id, version, path, after, limit)
+
+    def _listed_now(self, ds_id: str, version: int, path: str) -> bool:
+        """List directory ``path`` if it is not yet; False on the event loop, which must not wait for it."""
         if path not in self._listed:
             if self._on_loop():
-                return iter(())
+                return False
             if path and not self.lookup(ds_id, version, path).is_dir:
                 raise NotADirectoryError(20, f"{path}: not a directory")
             self._wait(self._list(path))
-        return self.store.listdir(ds_id, version, path)
+        return True
 
     def walk_files(self, ds_id: str, version: int, path: str = "") -> Iterator[Entry]:
         return walk_files(functools.partial(self.listdir, ds_id, version), path)
@@ -141,17 +154,21 @@ class ProvisionalTree:
 
     async def _list_now(self, path: str) -> None:
         self.lists += 1
+        base = path + "/" if path else ""
+        # Each page written as it comes (a directory of millions costs one page of memory); subdirectories as
+        # directory markers (the writer makes them directories), the directory itself too.
+        batch = [Entry(path + "/", 0, "", 0.0)] if path else []
         try:
-            files, dirs = await self.source.list_directory(self.ref.url, path)
+            async for files, dirs in self.source.list_directory(self.ref.url, path):
+                batch += files
+                batch += (Entry(base + d + "/", 0, "", 0.0) for d in dirs if d)
+                self._writer.add(batch)
+                batch = []
         except BucketNotFoundError:
             raise BucketNotFoundError(f"{self.ref.url}: bucket {bucket_of(self.ref.url)} not found: it does not "
                                       "exist at the origin") from None
-        base = path + "/" if path else ""
-        # Subdirectories as directory markers (the writer makes them directories), the directory itself too.
-        batch = [*files, *(Entry(base + d + "/", 0, "", 0.0) for d in dirs if d)]
-        if path:
-            batch.append(Entry(path + "/", 0, "", 0.0))
-        self._writer.add(batch)
+        if batch:
+            self._writer.add(batch)
         self._listed.add(path)
 
 

@@ -10,6 +10,7 @@ processes can open a multi-million-entry manifest at once.
 from __future__ import annotations
 
 import functools
+import itertools
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -98,14 +99,25 @@ class ManifestStore:
         """Entries of directory ``path`` in name order; raises ObjectNotFoundError / NotADirectoryError."""
         if path and not self.lookup(ds_id, version, path).is_dir:
             raise NotADirectoryError(20, f"{path}: not a directory")
+        return self._children(ds_id, version, path, None, None)
+
+    def listdir_page(self, ds_id: str, version: int, path: str, after: str | None, limit: int) -> list[Entry]:
+        """At most ``limit`` entries of directory ``path`` whose names sort after ``after`` (None: from the first),
+        in name order: a directory read page by page is never held whole. Raises as :meth:`listdir`."""
+        if path and not self.lookup(ds_id, version, path).is_dir:
+            raise NotADirectoryError(20, f"{path}: not a directory")
+        return list(self._children(ds_id, version, path, after, limit))
+
+    def _children(self, ds_id: str, version: int, path: str, after: str | None, limit: int | None) -> Iterator[Entry]:
         start = _prefix(ds_id, version) + path.encode() + b"\0"
         base = path + "/" if path else ""
         with self._env.begin(buffers=True) as txn:
             cur = txn.cursor(db=self._db)
-            if not cur.set_range(start):
+            # (names hold no NUL: the first key past ``after`` and every name it begins is at or past after + NUL)
+            if not cur.set_range(start if after is None else start + after.encode() + b"\0"):
                 return
             n = len(start)
-            for k, v in cur:
+            for k, v in itertools.islice(cur, limit):
                 if bytes(k[:n]) != start:
                     break
                 yield _unpack(base + bytes(k[n:]).decode(), v)

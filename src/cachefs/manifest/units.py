@@ -56,11 +56,15 @@ async def _units(source: Source, url: str, writer: ManifestWriter, progress: Lis
     async def split(path: str) -> list[str]:
         if path in progress.units_done:
             return []
+        dirs: list[str] = []
+        files_seen = False
         async with sem:
-            files, dirs = await source.list_directory(url, path)
-        if files:
-            _write(writer, progress, files)
-        elif path and not dirs:  # nothing under it but its marker object ("dir/"): a directory all the same
+            async for files, more in source.list_directory(url, path):
+                if files:
+                    _write(writer, progress, files)  # (page by page: a directory of millions costs one page)
+                    files_seen = True
+                dirs += more
+        if path and not files_seen and not dirs:  # nothing under it but its marker ("dir/"): a directory all the same
             _write(writer, progress, [Entry(path + "/", 0, "", 0.0)])
         if not dirs:
             progress.units_done.add(path)  # (listed whole)

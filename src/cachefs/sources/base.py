@@ -47,9 +47,10 @@ class Source(abc.ABC):
     async def stat(self, url: str) -> Entry:
         """The current entry of one object (``path`` is the full URL)."""
 
-    async def list_directory(self, root_url: str, path: str) -> tuple[list[Entry], list[str]]:
-        """One directory of the tree under ``root_url``: its files (paths relative to the root) and the names of
-        its subdirectories, every page of the listing. Only where :attr:`lists_directories`."""
+    def list_directory(self, root_url: str, path: str) -> AsyncIterator[tuple[list[Entry], list[str]]]:
+        """One directory of the tree under ``root_url``, page by page as the origin sends it: each page's files
+        (paths relative to the root) and names of subdirectories. A caller writes a page down before asking for the
+        next, so a directory of millions costs one page of memory. Only where :attr:`lists_directories`."""
         raise NotImplementedError(f"{type(self).__name__} lists whole trees only")
 
     @abc.abstractmethod
@@ -141,8 +142,8 @@ class RetryingSource(Source):
     def lists_directories(self) -> bool:  # type: ignore[override]
         return self.inner.lists_directories
 
-    async def list_directory(self, root_url: str, path: str) -> tuple[list[Entry], list[str]]:
-        return await self.inner.list_directory(root_url, path)
+    def list_directory(self, root_url: str, path: str) -> AsyncIterator[tuple[list[Entry], list[str]]]:
+        return self.inner.list_directory(root_url, path)  # (each page is retried where it is asked for)
 
     async def stat(self, url: str) -> Entry:
         return await with_retries(lambda: self.inner.stat(url), what=url, policy=self.policy, timeout=self.timeout,

@@ -205,30 +205,30 @@ class S3Source(Source):
 
     lists_directories = True
 
-    async def list_directory(self, root_url: str, path: str) -> tuple[list[Entry], list[str]]:
+    async def list_directory(self, root_url: str, path: str) -> AsyncIterator[tuple[list[Entry], list[str]]]:
         bucket, key = _split(root_url)
         client = await self._s3()
         base = key + "/" if key else ""
         prefix = base + (path + "/" if path else "")
-        files: list[Entry] = []
-        dirs: list[str] = []
-        token = None
+        token, anything = None, False
         while True:
             page = await with_retries(functools.partial(self._list_page, client, bucket, prefix, "/", token),
                                       what=f"list s3://{bucket}/{prefix}", policy=self._policy,
                                       timeout=self._origin.request_timeout, kind="list")
-            files.extend(Entry(path=obj["Key"][len(base):], size=int(obj["Size"]), version=_etag(obj.get("ETag")),
-                               mtime=obj["LastModified"].timestamp())
-                         for obj in page.get("Contents", ()) if obj["Key"] != prefix)
-            dirs.extend(cp["Prefix"][len(prefix):].rstrip("/") for cp in page.get("CommonPrefixes", ()))
+            files = [Entry(path=obj["Key"][len(base):], size=int(obj["Size"]), version=_etag(obj.get("ETag")),
+                           mtime=obj["LastModified"].timestamp())
+                     for obj in page.get("Contents", ()) if obj["Key"] != prefix]
+            dirs = [cp["Prefix"][len(prefix):].rstrip("/") for cp in page.get("CommonPrefixes", ())]
+            if files or dirs:
+                anything = True
+                yield files, dirs
             if not page.get("IsTruncated"):
                 break
             token = page.get("NextContinuationToken")
-        if not files and not dirs and not path:
+        if not anything and not path:
             # An empty root is either an empty prefix or a missing bucket; only the latter is an error here.
             await with_retries(lambda: client.head_bucket(Bucket=bucket), what=f"s3://{bucket}",
                                policy=self._policy, timeout=self._origin.request_timeout, kind="head")
-        return files, dirs
 
     async def _list_page(self, client, bucket: str, prefix: str, delimiter: str, token: str | None) -> dict:
         """One ListObjectsV2 page: signed and read by us once the bucket's listing route is known, else (and for
