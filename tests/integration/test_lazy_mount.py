@@ -165,3 +165,44 @@ def _served_version(cache: str, mnt: str) -> int | None:
     init = replay(mount_file(cache, mnt, ".journal")).init
     version = init["manifest_version"] if init else None
     return None if version is None or is_provisional(version) else version
+
+
+FLAT = 3_000  # three LIST pages, a dozen directory pages, some seventy READDIR answers
+
+
+@pytest.fixture(scope="module")
+def flat_origin():
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.testing.synthetic_s3", "--objects", "0", "--flat",
+                             str(FLAT)], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("PORT "), line
+    yield f"http://127.0.0.1:{int(line.split()[1])}"
+    proc.terminate()
+    proc.wait(10)
+    proc.stdout.close()
+
+
+def test_a_flat_directory_is_read_in_pages_across_a_daemon_restart(flat_origin, tmp_path):
+    """One directory of 3,000 objects, listed on demand and read by READDIR a page at a time: every name once, in
+    order; a daemon killed while the directory is open leaves the reader's handle to the next one, which reads on
+    from the kernel's offset."""
+    bucket, env = SyntheticBucket(0, flat=FLAT), _env(flat_origin)
+    want = [bucket.key(i).split("/")[1] for i in range(FLAT)]
+    cache, mnt = str(tmp_path / "cache"), str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    m = Mounted(cache, "s3://synthetic", mnt, env=env)
+    try:
+        with os.scandir(m.path("flat")) as it:  # (the first read of it: every page is a READDIR to the daemon)
+            seen = [next(it).name for _ in range(100)]
+            daemon = m.wait_for_daemon()
+            os.kill(daemon["pid"], signal.SIGKILL)
+            m.wait_for_daemon(other_than=daemon["pid"])
+            seen += [e.name for e in it]
+        assert seen == want  # (READDIR order: the manifest's, by name)
+        assert os.listdir(m.path("flat")) == want
+        for i in (0, FLAT // 2, FLAT - 1):
+            assert os.stat(m.path(bucket.key(i))).st_size == bucket.size(i)
+            with open(m.path(bucket.key(i)), "rb") as f:
+                assert f.read() == content(i, 0, bucket.size(i)), bucket.key(i)
+    finally:
+        m.close()

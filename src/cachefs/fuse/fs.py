@@ -226,11 +226,12 @@ class CacheFS:
             return self._dir_mode, 0, mtime_ns, 2
         return self._file_mode, e.size, mtime_ns, 1
 
-    def listdir(self, ino: int) -> list[Entry]:
+    def listdir_page(self, ino: int, after: str | None, limit: int) -> list[Entry]:
+        """At most ``limit`` children of directory ``ino`` whose names sort after ``after`` (None: from the first)."""
         n = self.node(ino)
         if not n.entry.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, n.path)
-        return self.ds.listdir(n.path)
+        return self.ds.listdir_page(n.path, after, limit)
 
     # -- files ----------------------------------------------------------------------------------------------
     def open(self, ino: int, flags: int) -> tuple[int, Handle]:

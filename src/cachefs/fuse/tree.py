@@ -5,6 +5,7 @@ the origin."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from cachefs.fuse.fs import ROOT, CacheFS
 from cachefs.fuse.kernel_abi import Op, OpenFlag
 from cachefs.fuse.order_channel import PUBLISH_PREFIX, publish_from_caller
 
-__all__ = ["XATTR_CACHED", "TreeReplies"]
+__all__ = ["DIR_PAGE", "XATTR_CACHED", "DirPages", "TreeReplies"]
 
 #: The one extended attribute: a file's bytes cached on this node.
 XATTR_CACHED = b"user.cachefs.cached"
@@ -30,14 +31,48 @@ def _xattr_reply(size: int, value: bytes) -> bytes:
     return value
 
 
+#: Children a directory handle holds at a time: a READDIR answer is a page of memory (about a hundred names, a few
+#: dozen with READDIRPLUS), so one manifest read serves several; a directory of millions is never held whole.
+DIR_PAGE = 512
+
+
+class DirPages:
+    """An open directory, read from the manifest a page at a time at the kernel's offsets (positions: "." 0,
+    ".." 1, child ``k`` at ``k + 2``). Reading on from where the last answer stopped costs one manifest read per
+    :data:`DIR_PAGE` children; an offset behind the page held (a rewind, a seekdir) reads again from the first."""
+
+    def __init__(self, fs: CacheFS, nodeid: int) -> None:
+        self.fs, self.nodeid = fs, nodeid
+        self.lock = threading.Lock()  # (the kernel reads one handle at a time; a handle shared after fork may not)
+        self._start = 0  # the position of _page[0] among the children
+        self._page: list[Entry] = []
+        self._read = False  # whether _page was read (an empty directory's page is empty)
+
+    def child(self, k: int) -> Entry | None:
+        """Child ``k`` in name order, or None past the last."""
+        if k < self._start:
+            self._start, self._page, self._read = 0, [], False
+        while k >= self._start + len(self._page):
+            if self._read and len(self._page) < DIR_PAGE:
+                return None
+            self.next_page()
+        return self._page[k - self._start]
+
+    def next_page(self) -> None:
+        after = self._page[-1].name if self._page else None
+        start = self._start + len(self._page)
+        self._page = self.fs.listdir_page(self.nodeid, after, DIR_PAGE)
+        self._start, self._read = start, True
+
+
 class TreeReplies:
     """Each method answers one request (``nodeid``, ``unique``, the request's body) with its reply's payload, or
-    raises OSError. Directory handles live here: the listing an OPENDIR took, read by READDIR(PLUS)."""
+    raises OSError. Directory handles live here (:class:`DirPages`), read by READDIR(PLUS)."""
 
     def __init__(self, fs: CacheFS, timeout: float) -> None:
         self.fs, self.timeout = fs, timeout
         self._lock = threading.Lock()
-        self._dirs: dict[int, list[Entry]] = {}
+        self._dirs: dict[int, DirPages] = {}
         # Directory handles carry the daemon generation, so a restarted daemon never reuses an old one's number.
         self._next_dir = ((fs.journal.state.generation if fs.journal else 0) << 40) + 1
 
@@ -63,28 +98,33 @@ class TreeReplies:
                                   self.timeout)
 
     def opendir(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        entries = self.fs.listdir(nodeid)
+        pages = DirPages(self.fs, nodeid)
+        pages.next_page()  # (a directory not listed yet is listed now; a file is refused here)
         with self._lock:
             fh = self._next_dir
             self._next_dir += 1
-            self._dirs[fh] = entries
+            self._dirs[fh] = pages
         return abi.OPEN_OUT.pack(fh, OpenFlag.CACHE_DIR | OpenFlag.KEEP_CACHE, 0)
 
     def dir_entries(self, nodeid: int, body: memoryview, plus: bool) -> bytes:
         """Entries from ``offset`` on ("." and ".." first), as many as fit in ``size``. With ``plus`` each
         carries its entry (a lookup the kernel will FORGET); "." and ".." carry none (nodeid 0)."""
         fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
-        entries = self._dirs.get(fh)
-        if entries is None:  # opened under a previous daemon
-            entries = self._dirs.setdefault(fh, self.fs.listdir(nodeid))
+        pages = self._dirs.get(fh)
+        if pages is None:  # opened under a previous daemon
+            with self._lock:
+                pages = self._dirs.setdefault(fh, DirPages(self.fs, nodeid))
         page, used = [], 0  # (position, entry or None for "." and "..", name) of what fits in ``size``
-        for i in range(offset, len(entries) + 2):
-            child = entries[i - 2] if i >= 2 else None
-            name = child.name.encode("utf-8", "surrogateescape") if child else b"." * (i + 1)
-            used += abi.dirent_size(name, plus)
-            if used > size:
-                break
-            page.append((i, child, name))
+        with pages.lock:
+            for i in itertools.count(offset):
+                child = pages.child(i - 2) if i >= 2 else None
+                if child is None and i >= 2:
+                    break
+                name = child.name.encode("utf-8", "surrogateescape") if child else b"." * (i + 1)
+                used += abi.dirent_size(name, plus)
+                if used > size:
+                    break
+                page.append((i, child, name))
         inos = iter(self.fs.adopt([c for _, c, _ in page if c is not None]) if plus else ())
         out = bytearray()
         for i, child, name in page:
