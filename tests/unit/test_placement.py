@@ -68,13 +68,18 @@ def test_small_groups_and_empty_ones():
 
 def test_small_files_are_placed_by_windows_of_their_directory():
     """Neighbours in a directory share an owner; a directory larger than a window spreads over the members."""
+    import bisect
     from types import SimpleNamespace
 
     from cachefs.cluster.keys import SMALL_WINDOW, DirectoryWindows
 
     names = [f"img_{i:06d}.jpg" for i in range(SMALL_WINDOW * 40)]
-    entries = [SimpleNamespace(path=f"train/{n}") for n in reversed(names)]  # whatever order the listing has
-    ds = SimpleNamespace(ref=SimpleNamespace(id="d" * 16), version=3, listdir=lambda parent: entries)
+
+    def listdir_page(parent, after, limit):  # (the manifest's: name order, from after a name)
+        first = 0 if after is None else bisect.bisect_right(names, after)
+        return [SimpleNamespace(name=n) for n in names[first:first + limit]]
+
+    ds = SimpleNamespace(ref=SimpleNamespace(id="d" * 16), version=3, listdir_page=listdir_page)
     windows = DirectoryWindows()
     keys = [windows.key(ds, f"train/{n}") for n in names]
     assert keys[0] == keys[SMALL_WINDOW - 1] != keys[SMALL_WINDOW]

@@ -48,21 +48,35 @@ def manifest_key(ds_id: str) -> bytes:
 
 
 class DirectoryWindows:
-    """The placement key of a small file (:func:`small_key`), from its position in its directory's sorted listing
-    in the reader's manifest version (sorted names kept for the last ``keep`` directories)."""
+    """The placement key of a small file (:func:`small_key`), from its position in its directory's listing (name
+    order) in the reader's manifest version. Kept for the last ``keep`` directories: the first name of each window,
+    so that a directory of millions costs a few thousand names."""
 
     def __init__(self, keep: int = 64) -> None:
         self.keep = keep
-        self._names: OrderedDict[tuple[str, int, str], list[str]] = OrderedDict()
+        self._firsts: OrderedDict[tuple[str, int, str], list[str]] = OrderedDict()
 
     def key(self, ds: Dataset, path: str) -> bytes:
         parent, _, name = path.rpartition("/")
         at = (ds.ref.id, ds.version, parent)
-        names = self._names.get(at)
-        if names is None:
-            names = self._names[at] = sorted(e.path.rpartition("/")[2] for e in ds.listdir(parent))
-            if len(self._names) > self.keep:
-                self._names.popitem(last=False)
+        firsts = self._firsts.get(at)
+        if firsts is None:
+            firsts = self._firsts[at] = _window_firsts(ds, parent)
+            if len(self._firsts) > self.keep:
+                self._firsts.popitem(last=False)
         else:
-            self._names.move_to_end(at)
-        return small_key(ds.ref.id, path, bisect.bisect_left(names, name) // SMALL_WINDOW)
+            self._firsts.move_to_end(at)
+        return small_key(ds.ref.id, path, max(bisect.bisect_right(firsts, name) - 1, 0))
+
+
+def _window_firsts(ds: Dataset, parent: str) -> list[str]:
+    """The first name of each window of directory ``parent``: every SMALL_WINDOW-th in name order."""
+    firsts: list[str] = []
+    after = None
+    while True:
+        page = ds.listdir_page(parent, after, SMALL_WINDOW)
+        if page:
+            firsts.append(page[0].name)
+        if len(page) < SMALL_WINDOW:
+            return firsts
+        after = page[-1].name
