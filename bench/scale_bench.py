@@ -106,7 +106,7 @@ def tree_rss(pid: int) -> tuple[int, int]:
 
 def run_flat(n: int) -> None:
     """One directory of ``n`` objects (``flat/``): ``ls`` of it cold (the directory listed on demand while the
-    manifest is taken beside it), a stat of every file, the memory after."""
+    manifest is taken beside it), a stat of every file, a read of one, the memory after (and at mount ready)."""
     server = SyntheticServer(1, flat=n)
     work = tempfile.mkdtemp(prefix="cachefs-scale-", dir=os.environ.get("CACHEFS_BENCH_DIR"))
     os.environ.update({"AWS_ENDPOINT_URL": server.endpoint, **CREDS})
@@ -118,6 +118,7 @@ def run_flat(n: int) -> None:
         try:
             os.listdir(root)
             ready = time.perf_counter() - t
+            _, anon_ready = tree_rss(mount.proc.pid)
             t = time.perf_counter()
             names = os.listdir(os.path.join(root, "flat"))
             listed = time.perf_counter() - t
@@ -132,7 +133,8 @@ def run_flat(n: int) -> None:
         assert len(names) == n, (len(names), n)
         print(f"  cachefs: mount ready {ready:.2f} s; ls of flat/ cold {listed:.1f} s ({n / listed:,.0f} entries/s); "
               f"stat of every file {stat_secs:.1f} s ({n / stat_secs:,.0f}/s); memory after {rss / 2**20:,.0f} MiB, "
-              f"of it anonymous {anon / 2**20:,.0f} MiB ({anon / n:,.0f} B per object)")
+              f"of it anonymous {anon / 2**20:,.0f} MiB ({anon / n:,.0f} B per object; "
+              f"{(anon - anon_ready) / n:,.0f} B per object more than at mount ready, {anon_ready / 2**20:,.0f} MiB)")
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
