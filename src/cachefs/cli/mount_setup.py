@@ -75,7 +75,7 @@ def mount_options(args: argparse.Namespace, config: Config) -> list[str]:
 
 
 def daemon_argv(args: argparse.Namespace, config: Config, mountpoint: str) -> list[str]:
-    """The command of the holder of a read-only mount, and of its daemons (with ``--attach``)."""
+    """The command of a mount's holder, and of its daemons (with ``--attach``)."""
     import sys
 
     return [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mountpoint, "--foreground",

@@ -20,7 +20,7 @@ __all__ = ["checkpoints", "drain_mount", "mount_writable", "sync"]
 
 
 async def mount_writable(args: argparse.Namespace, config: Config, mnt: str) -> int:
-    from cachefs.cli.mount_setup import check_mountpoint, mount_log_path, mount_options
+    from cachefs.cli.mount_setup import check_mountpoint, daemon_argv, mount_log_path
     from cachefs.fuse import hold_mount, serve_writable_mount
     from cachefs.fuse.holder_process import start_holder
 
@@ -32,8 +32,7 @@ async def mount_writable(args: argparse.Namespace, config: Config, mnt: str) -> 
         await asyncio.to_thread(serve_writable_mount, config, args.url, mnt, attach=args.attach, workers=args.workers,
                                 group=parse_group(args.group) if args.group else None, shared=args.allow_other)
         return 0
-    argv = [sys.executable, "-m", "cachefs.cli.main", "mount", args.url, mnt, "--foreground",
-            *mount_options(args, config)]
+    argv = daemon_argv(args, config, mnt)
     if args.adopt:  # a holder for a mount whose holder died (the session keeper's copy): mounted and checked
         return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
                           nonempty=args.nonempty, writable=True, adopt=True)

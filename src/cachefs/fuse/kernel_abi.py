@@ -92,6 +92,7 @@ class InitFlag(enum.IntFlag):
     INIT_EXT = 1 << 30
     DIRECT_IO_ALLOW_MMAP = 1 << 36
     PASSTHROUGH = 1 << 37
+    OVER_IO_URING = 1 << 41  # requests through io_uring (fuse/uring.py)
 
 
 class OpenFlag(enum.IntFlag):

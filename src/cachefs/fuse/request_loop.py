@@ -23,10 +23,10 @@ from typing import Any, Final, Literal, TypeAlias
 
 from cachefs.fuse import kernel_abi as abi
 from cachefs.fuse.errno_map import to_errno
-from cachefs.fuse.kernel_abi import Op
+from cachefs.fuse.kernel_abi import InitFlag, Op
 from cachefs.fuse.order_channel import CALLER
 from cachefs.fuse.request_metrics import RequestMetrics
-from cachefs.fuse.uring import FUSE_OVER_IO_URING, FuseRing, RingEntry, possible_cpus
+from cachefs.fuse.uring import FuseRing, RingEntry, possible_cpus
 
 __all__ = ["DEFERRED", "Answer", "Call", "Deferred", "RequestLoop"]
 
@@ -52,7 +52,7 @@ RING_DEPTH = 16
 
 
 class Call:
-    """A request answered after the device is handed to another thread (see RequestLoop._worker): ``work()`` may
+    """A request answered after the device is handed to another thread (see RequestLoop._lead): ``work()`` may
     wait (a read from the disk, a download, room for a write, an fsync) while the other threads go on reading
     requests. It answers the payload, DEFERRED (answered later by a callback of its own), or raises (an errno)."""
 
@@ -83,8 +83,6 @@ class RequestLoop:
         self.workers = max(1, workers)
         self.timeout = timeout
         self.mode = "starting"
-        #: What status says about the request path beside ``mode`` (a ring that could not be set up).
-        self.mode_notes: list[str] = []
         self.stopped = threading.Event()
         #: Called with the session once INIT is answered (the mount is usable, ``mode`` is known).
         self.on_init = on_init
@@ -103,7 +101,7 @@ class RequestLoop:
         #: The INIT flags agreed (by this daemon, or by the one it took over from: see :meth:`restored`).
         self.agreed = 0
         self.ring: FuseRing | None = None
-        self._ring_turn = threading.Lock()  # held by the thread waiting on the ring (see _ring_worker)
+        self._ring_turn = threading.Lock()  # held by the thread waiting on the ring (see _lead)
         self._ring_held: dict[int, RingEntry] = {}  # requests that came through the ring, by unique
         self._ring_leader = 0  # the thread holding _ring_turn
 
@@ -137,7 +135,7 @@ class RequestLoop:
         offered = flags
         if flags & abi.InitFlag.INIT_EXT and len(body) >= abi.INIT_IN.size:
             offered |= abi.INIT_IN.unpack_from(body)[4] << 32
-        agreed = (int(self.init_wants()) | (FUSE_OVER_IO_URING if self.want_uring else 0)) & offered
+        agreed = (int(self.init_wants()) | (InitFlag.OVER_IO_URING if self.want_uring else 0)) & offered
         self.agreed = agreed
         stack_depth = self.initialized(agreed)
         log.info("FUSE %d.%d, flags 0x%x, mode %s", major, minor, agreed, self.mode)
@@ -152,7 +150,7 @@ class RequestLoop:
         """Take over from a daemon that died: its state (:meth:`restored`), then the kernel asked to send again
         every request the dead daemon had read but not answered."""
         answered_init = self.restored()
-        if answered_init and self.agreed & FUSE_OVER_IO_URING:
+        if answered_init and self.agreed & InitFlag.OVER_IO_URING:
             self._start_ring()  # (before the resend: the kernel sends those through the ring once it is ready)
         try:
             os.write(self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size, abi.NOTIFY_RESEND, 0))
@@ -207,22 +205,31 @@ class RequestLoop:
             t.join(timeout=0.1)
 
     def _worker(self) -> None:
-        """Leader/followers: one thread at a time reads /dev/fuse and answers what is quick itself (lookups,
-        opens, reads from the page cache: microseconds of Python). A request that would wait (a large READ,
-        whose copy runs without the GIL, or a read from the disk) comes back as a :class:`Call`; this thread
-        then lets a waiting one read the device and finishes that request meanwhile. Every thread reading at
-        once measured half the rate on small files: each request then woke a second thread to fight over the
-        GIL (bench/fuse_bench.py)."""
+        self._lead(self._turn, self._next_request)
+
+    def _lead(self, turn: threading.Lock, take: Callable[[bytearray], int],
+              after_turn: Callable[[], object] | None = None) -> None:
+        """Leader/followers over a request source (``take``: the next request into the buffer, its length; 0: none
+        now; -1: the source ended): one thread at a time holds ``turn``, takes requests and answers what is quick
+        itself (lookups, opens, reads from the page cache: microseconds of Python). A request that would wait (a
+        large READ, whose copy runs without the GIL, or a read from the disk) comes back as a :class:`Call`; this
+        thread then lets a waiting one take the source and finishes that request meanwhile. Every thread reading at
+        once measured half the rate on small files: each request then woke a second thread to fight over the GIL
+        (bench/fuse_bench.py)."""
         buf = bytearray(abi.MAX_REQUEST)
         view = memoryview(buf)
         while not self.stopped.is_set():
             later = None
-            with self._turn:
+            with turn:
                 while later is None:
-                    n = self._next_request(buf)
+                    n = take(buf)
+                    if n < 0:
+                        return
                     if not n:
                         break
                     later = self._handle(view[:n])
+                if after_turn is not None:
+                    after_turn()
             if later is not None:
                 later.finish(self)
 
@@ -236,38 +243,33 @@ class RequestLoop:
                                  payload_size=max(abi.MAX_WRITE, MAX_PAGES * mmap.PAGESIZE))
         except OSError as exc:
             log.warning("FUSE over io_uring agreed but not set up (%s): requests stay on /dev/fuse", exc)
-            self.mode_notes.append(f"io_uring not set up: {exc.strerror or exc}")
             return
         self.stats["io_uring_queues"] = possible_cpus()
         log.info("serving through io_uring: %d queues of %d entries", possible_cpus(), RING_DEPTH)
         for i in range(self.workers):
-            threading.Thread(target=self._ring_worker, name=f"cachefs-fuse-ring-{i}", daemon=True).start()
+            threading.Thread(target=self._lead, args=(self._ring_turn, self._next_from_ring, self._ring_turn_over),
+                             name=f"cachefs-fuse-ring-{i}", daemon=True).start()
 
-    def _ring_worker(self) -> None:
-        """:meth:`_worker` for the ring: one thread at a time waits for the ring's next request and answers what
-        is quick itself; a :class:`Call` is finished after the ring is handed to another thread."""
-        ring = self.ring
-        assert ring is not None
-        buf = bytearray(abi.MAX_REQUEST)
-        view = memoryview(buf)
-        while not self.stopped.is_set():
-            later = None
-            with self._ring_turn:
-                self._ring_leader = threading.get_ident()
-                while later is None:
-                    try:
-                        got = ring.next_request(buf)
-                    except OSError as exc:
-                        log.error("FUSE ring: %s", exc)
-                        got = None
-                    if got is None:
-                        return  # the connection ended (unmounted, or aborted): /dev/fuse says so too
-                    self._ring_held[abi.IN_HEADER.unpack_from(buf)[2]] = got.entry
-                    later = self._handle(view[:got.size])
-                self._ring_leader = 0
-                ring.submit()  # (answers this thread queued: the next leader may be a while)
-            if later is not None:
-                later.finish(self)
+    def _next_from_ring(self, buf: bytearray) -> int:
+        """:meth:`_lead`'s source for the ring: the next request's length (-1: the connection ended, unmounted or
+        aborted; /dev/fuse says so too). The request's ring entry is kept for its answer."""
+        assert self.ring is not None
+        self._ring_leader = threading.get_ident()
+        try:
+            got = self.ring.next_request(buf)
+        except OSError as exc:
+            log.error("FUSE ring: %s", exc)
+            got = None
+        if got is None:
+            return -1
+        self._ring_held[abi.IN_HEADER.unpack_from(buf)[2]] = got.entry
+        return got.size
+
+    def _ring_turn_over(self) -> None:
+        """Answers the leaving leader queued go now (the next leader may be a while)."""
+        self._ring_leader = 0
+        assert self.ring is not None
+        self.ring.submit()
 
     def _next_request(self, buf: bytearray) -> int:
         """Read one request (its length), or 0 when there is none to handle (retry, or the session ended)."""
@@ -324,7 +326,7 @@ class RequestLoop:
             self.reply(unique, 0, payload)
         self.answered(unique, opcode, started)
         if opcode == Op.INIT:
-            if self.agreed & FUSE_OVER_IO_URING:
+            if self.agreed & InitFlag.OVER_IO_URING:
                 self._start_ring()
             if self.on_init is not None:
                 self.on_init(self)

@@ -25,7 +25,7 @@ __all__ = ["FuseSession"]
 
 log = logging.getLogger("cachefs.fuse")
 
-#: READs larger than this are answered while another thread reads the next request (see ``_worker``).
+#: READs larger than this are answered while another thread reads the next request (see ``RequestLoop._lead``).
 HANDOVER_READ = 128 * 1024
 
 

@@ -4,7 +4,7 @@
 What the kernel expects, from its UAPI (``include/uapi/linux/fuse.h``, protocol 7.42) and
 ``Documentation/filesystems/fuse-io-uring.rst``:
 
-- INIT is answered through ``/dev/fuse`` as always; the kernel offers ``FUSE_OVER_IO_URING`` (INIT flag bit 41)
+- INIT is answered through ``/dev/fuse`` as always; the kernel offers ``FUSE_OVER_IO_URING`` (``InitFlag.OVER_IO_URING``, bit 41)
   only when the module parameter is on, and uses the ring only if the daemon's answer keeps it.
 - The daemon then registers *ring entries*: an ``IORING_OP_URING_CMD`` SQE (128-byte SQEs) on the ``/dev/fuse``
   descriptor with ``cmd_op`` REGISTER, an iovec pair {header (288 bytes), payload (at least the largest request)}
@@ -56,8 +56,6 @@ _PARAMS = struct.Struct("<10I" + "8IQ" + "8IQ")
 
 FUSE_IO_URING_CMD_REGISTER = 1
 FUSE_IO_URING_CMD_COMMIT_AND_FETCH = 2
-#: INIT flag: the daemon serves requests through io_uring.
-FUSE_OVER_IO_URING = 1 << 41
 _HEADER_SIZE = 128 + 128 + 32  # in_out, op_in, fuse_uring_ent_in_out
 _ENT_IN_OUT = struct.Struct("<QQII8x")  # flags, commit_id, payload_sz, padding, reserved
 _CMD_REQ = struct.Struct("<QQH6x")  # flags, commit_id, qid
