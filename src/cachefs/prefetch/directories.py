@@ -40,8 +40,9 @@ class DirectoryAhead:
             return []
         # Positions counted from the miss (0): following[i] is at i + 1; reached is one past the last read ahead.
         reached = self._reached.get(key)
-        within = reached is not None and name < reached <= following[-1].name
-        at = 1 + bisect.bisect_right([e.name for e in following], reached) if within else 0
+        at = 0
+        if reached is not None and name < reached <= following[-1].name:
+            at = 1 + bisect.bisect_right([e.name for e in following], reached)
         plan = directory_ahead(0, at, self.count)
         if len(self._reached) >= _MAX_POSITIONS:
             self._reached.clear()
