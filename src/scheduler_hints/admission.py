@@ -46,6 +46,14 @@ def _percent(share: float) -> str:
     return f"{share * 100:.0f} percent"
 
 
+def _duration(seconds: float) -> str:
+    """``seconds`` rounded for a person: "40 s", "4 min", "2 h 5 min"."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 120 else f"{minutes // 60} h {minutes % 60} min"
+
+
 def _same_names(new: list[NodeState], old: list[NodeState]) -> bool:
     """Whether ``new`` names the same nodes in the same order as ``old``."""
     return new is old or (len(new) == len(old) and all(new[i].name == old[i].name for i in replaced(new, old)))
@@ -65,6 +73,8 @@ class Admission:
     locality_slack: float = 0.2
     clock: Callable[[], float] = time.monotonic
     _gang_first_seen: dict[str, float] = field(default_factory=dict)
+    #: (datasets, place) of a wait-warm refusal → (when first seen, the share cached then), for its ETA.
+    _warm_first_seen: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     _ready_since: dict[str, float] = field(default_factory=dict)
     _possible_memo: dict[tuple, float] = field(default_factory=dict)
     _ranked_memo: dict[tuple, tuple[list[tuple[float, str]], set[str]]] = field(default_factory=dict)
@@ -142,11 +152,11 @@ class Admission:
                     break
         return best_slots_locality(best, count)
 
-    @staticmethod
-    def warm_refusal(what: str, share: float, needs: PodNeeds, candidates: list[NodeState],
+    def warm_refusal(self, what: str, share: float, needs: PodNeeds, candidates: list[NodeState],
                      groups: Mapping[str, Mapping[str, float]]) -> str | None:
         """``cachefs.io/wait-warm``: why ``what`` (a pod, or a whole gang) waits for ``share`` of its data to be
-        cached where it could land (``candidates``: on a node, or in the node's cache group), or None."""
+        cached where it could land (``candidates``: on a node, or in the node's cache group), or None. Once the
+        share there has grown, the reason says when it will be there at the rate it grew (:meth:`_warm_eta`)."""
         if not needs.datasets:
             return None
         best, where = 0.0, ""
@@ -160,7 +170,20 @@ class Admission:
         names = ", ".join(sorted(needs.datasets))
         place = f" in {where}" if where else ""
         return (f"{what} waits for its data to be warm (cachefs.io/wait-warm {_percent(share)}): dataset {names} "
-                f"is {_percent(best)} cached{place}")
+                f"is {_percent(best)} cached{place}{self._warm_eta((names, where), best, share)}")
+
+    def _warm_eta(self, key: tuple[str, str], got: float, want: float) -> str:
+        """", ETA 4 min": when ``want`` is reached at the mean rate ``got`` grew since it was first seen for
+        ``key`` (datasets, place); "" until it has grown. A share that fell (eviction) starts the count over."""
+        now = self.clock()
+        first = self._warm_first_seen.get(key)
+        if first is None or got < first[1]:
+            room(self._warm_first_seen, 10_000)[key] = (now, got)
+            return ""
+        since, then = first
+        if got <= then or now <= since:
+            return ""
+        return f", ETA {_duration((want - got) * (now - since) / (got - then))}"
 
     def gang_refusal(self, gang: GangRef, gpus: int, needs: PodNeeds, score: Locality,
                      cluster: list[NodeState], selector: Selector = ()) -> str | None:

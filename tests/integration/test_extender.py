@@ -622,6 +622,36 @@ def test_a_pod_that_waits_for_warm_data_runs_once_that_share_is_cached_where_it_
     assert len(out["Nodes"]["items"]) == 2  # (a value it cannot read asks for nothing)
 
 
+def test_a_pod_waiting_for_warm_data_is_told_when_it_will_be_warm_at_the_rate_it_warms(server):
+    """The wait-warm reason says an ETA once the share where the pod could land has grown: at the mean rate since
+    the refusal was first seen (20 % -> 50 % in 60 s: the 40 % still missing for 90 % in 80 s); none before it grew,
+    and a share that fell (eviction) starts the count over."""
+    base, ext = server
+    ext.admission.locality_wait = 0
+    ext.node_cache.refresh_interval = 0
+    now = [1000.0]
+    ext.admission.clock = lambda: now[0]
+
+    def reason(fraction: float) -> str:
+        n = node("w1", fraction=fraction)
+        ext.node_cache.update(n)
+        _, out = post(base, "filter", args(_waiting(pod("p", annotation=URL), "90"), [n]))
+        assert not out["Nodes"]["items"], out
+        return out["FailedNodes"]["w1"]
+
+    assert "20 percent cached in node w1" in (said := reason(0.2)) and "ETA" not in said
+    now[0] += 30
+    assert "ETA" not in reason(0.2)  # (not grown yet)
+    now[0] += 30
+    assert (said := reason(0.5)).endswith("50 percent cached in node w1, ETA 80 s"), said
+    now[0] += 600
+    assert reason(0.86).endswith(", ETA 40 s")  # (66 % in 660 s: 4 % more at 0.1 % a second)
+    now[0] += 10
+    assert "ETA" not in reason(0.1)  # evicted: from here on
+    now[0] += 10
+    assert reason(0.3).endswith(", ETA 30 s")  # (20 % in 10 s since, not 10 % in 680 s)
+
+
 def test_a_gang_waiting_for_warm_data_holds_nothing_until_its_group_holds_enough(server):
     base, ext = server
     ext.admission.locality_wait = 0
