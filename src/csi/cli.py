@@ -38,6 +38,8 @@ def add_commands(sub, groups: dict[str, argparse.ArgumentParser]) -> None:
     cs.add_argument("--kubelet-registration-path", default="",
                     help="the CSI socket's path on the node, as kubelet sees it "
                          "(/var/lib/kubelet/plugins/csi.cachefs.io/csi.sock)")
+    cs.add_argument("--kubeconfig", default=None,
+                    help="API access for volumes that name a CacheDataset (default: in-cluster, or $KUBECONFIG)")
     cs.add_argument("--handover-wait", type=float, default=0.0, metavar="SECONDS",
                     help="stopped, keep serving up to this long while the session keeper still keeps sessions: until "
                          "the next node pod takes them over, or, with none coming, their pods end and they are "
@@ -81,7 +83,7 @@ async def csi(args: argparse.Namespace, config: Config) -> int:
           node=args.mode != "controller", controller=args.mode != "node",
           registration_dir=args.registration_dir, kubelet_registration_path=args.kubelet_registration_path,
           session_keeper=socket_path(args.session_keeper) if args.session_keeper else "",
-          handover_wait=args.handover_wait)
+          handover_wait=args.handover_wait, kubeconfig=args.kubeconfig)
     return 0
 
 

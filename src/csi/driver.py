@@ -37,6 +37,7 @@ from cachefs.base.errors import (
 )
 from cachefs.base.files import atomic_write
 from cachefs.base.metrics import CSI_CALLS, safely
+from csi.datasets import DatasetLookupError, DatasetResolver
 from csi.gen import csi_pb2 as pb
 from csi.gen import csi_pb2_grpc as rpc
 from csi.mounter import MounterUnavailable
@@ -241,8 +242,10 @@ class ControllerService(rpc.ControllerServicer):
 
 
 class NodeService(rpc.NodeServicer):
-    def __init__(self, sessions: SessionManager, node_id: str, cache_group: str = "") -> None:
+    def __init__(self, sessions: SessionManager, node_id: str, cache_group: str = "",
+                 datasets: DatasetResolver | None = None) -> None:
         self.sessions, self.node_id, self.cache_group = sessions, node_id, cache_group
+        self.datasets = datasets or DatasetResolver()
         self._locks = _VolumeLocks()
 
     @_rpc
@@ -265,6 +268,12 @@ class NodeService(rpc.NodeServicer):
         vol = volume_of(request.volume_id, dict(request.volume_context)).for_group(
             _mount_group(request.volume_capability.mount.volume_mount_group))
         _check_capability(request.volume_capability, writable=vol.writable)
+        env = credentials_env(dict(request.secrets))
+        if vol.dataset:
+            try:
+                vol, env = self.datasets.resolve(vol, dict(request.volume_context), dict(request.secrets))
+            except DatasetLookupError as exc:
+                raise _Abort(exc.code, str(exc)) from None
         target = os.path.abspath(request.target_path)
         if os.path.lexists(target) and not os.path.isdir(target):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"target path {target} exists and is not a directory")
@@ -274,7 +283,7 @@ class NodeService(rpc.NodeServicer):
             other = self.sessions.publishes.get(target)
             if other and other["volume_id"] != vol.volume_id:
                 raise _Abort(grpc.StatusCode.ALREADY_EXISTS, f"{target} already holds volume {other['volume_id']}")
-            self.sessions.publish(vol, target, credentials_env(dict(request.secrets)), readonly=request.readonly)
+            self.sessions.publish(vol, target, env, readonly=request.readonly)
         log.info("NodePublishVolume %s at %s", request.volume_id, target)
         return pb.NodePublishVolumeResponse()
 

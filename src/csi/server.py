@@ -21,6 +21,7 @@ import grpc
 
 from cachefs.base.errors import ConfigError
 from cachefs.fuse.keeper import SessionKeeper
+from csi.datasets import DatasetResolver
 from csi.driver import DRIVER_NAME, ControllerService, IdentityService, NodeService
 from csi.gen import csi_pb2_grpc as rpc
 from csi.generations import successor_present
@@ -56,13 +57,14 @@ def socket_path(endpoint: str) -> str:
 def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_group: str = "",
           mounter: str = "", session_idle_timeout: float = SESSION_IDLE_TIMEOUT, node: bool = True,
           controller: bool = True, registration_dir: str = "", kubelet_registration_path: str = "",
-          session_keeper: str = "", handover_wait: float = 0.0, ready: threading.Event | None = None,
-          stop: threading.Event | None = None) -> None:
+          session_keeper: str = "", handover_wait: float = 0.0, kubeconfig: str | None = None,
+          ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set). With ``registration_dir`` (kubelet's ``plugins_registry``,
     as this process sees it) the node plugin registers itself with kubelet, naming its socket by
     ``kubelet_registration_path`` (where kubelet finds it on the node). With ``session_keeper`` the node plugin
     keeps a copy of every FUSE session's descriptor there (:mod:`cachefs.fuse.keeper`); stopped, it goes on serving
-    up to ``handover_wait`` seconds while the keeper keeps any (:func:`_wait_for_sessions`)."""
+    up to ``handover_wait`` seconds while the keeper keeps any (:func:`_wait_for_sessions`). Volumes that name a
+    CacheDataset are read from the API server in-cluster, or through ``kubeconfig``."""
     if node and not node_id:
         raise ConfigError("--node-id is required for the node plugin (set it from the NODE_NAME env var)")
     if registration_dir and not (node and kubelet_registration_path.startswith("/")):
@@ -97,7 +99,7 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
         repaired = sessions.recover()
         if repaired:
             log.warning("repaired %d published volume(s): %s", len(repaired), ", ".join(repaired))
-        rpc.add_NodeServicer_to_server(NodeService(sessions, node_id, cache_group), server)
+        rpc.add_NodeServicer_to_server(NodeService(sessions, node_id, cache_group, DatasetResolver(kubeconfig)), server)
         threading.Thread(target=_repair_loop, args=(sessions, stop, session_idle_timeout), name="cachefs-csi-repair",
                          daemon=True).start()
     old_umask = os.umask(0o177)  # gRPC binds here: the socket is 0600, only root (kubelet) may call NodePublish

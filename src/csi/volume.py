@@ -4,7 +4,9 @@ Volume attributes (a PV's ``volumeAttributes``, an inline volume's ``volumeAttri
 ``parameters`` through CreateVolume):
 
 ============== =====================================================================
-``url``        dataset URL (required): ``s3://bucket/prefix``, ``gs://…``, ``file:///…``
+``url``        dataset URL (this or ``dataset``): ``s3://bucket/prefix``, ``gs://…``, ``file:///…``
+``dataset``    instead of ``url``: the name of a CacheDataset in the pod's namespace, whose URL,
+               endpoint, region and credentials Secret the volume uses (docs/DATASETS.md)
 ``endpointUrl`` S3 endpoint (MinIO, Ceph, a local server); default: the node's AWS settings
 ``region``     S3 region
 ``mode``       read bits of the files (``0444``, ``0440``, ``0400``): default ``0440``
@@ -38,6 +40,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from cachefs.base.errors import ConfigError
@@ -46,7 +49,9 @@ from cachefs.prefetch.samplers import parse_sampler
 
 __all__ = ["ATTRIBUTES", "KUBE_ADDED", "DatasetVolume", "VolumeError", "credentials_env"]
 
-ATTRIBUTES = ("url", "endpointUrl", "region", "mode", "sampler", "writable")
+ATTRIBUTES = ("url", "dataset", "endpointUrl", "region", "mode", "sampler", "writable")
+#: A CacheDataset's name: a DNS subdomain (RFC 1123), as Kubernetes names objects.
+_DATASET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _ID_PREFIX = "cfs1."
 _SECRET_KEYS = {
     "awsAccessKeyID": "AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
@@ -67,6 +72,8 @@ class DatasetVolume:
     mode: str = ""  # the ``mode`` attribute as given ("" = the default for the pod's group)
     sampler: str = ""  # the ``sampler`` attribute as given ("" = none declared)
     writable: bool = False  # a checkpoint volume (the ``writable`` attribute)
+    #: A CacheDataset named in place of the URL (``url`` is empty until NodePublishVolume reads the object).
+    dataset: str = ""
     #: The group (a pod's fsGroup) this volume is published for: who reads it, not what it is, so it is kept
     #: out of the attributes and the volume id.
     group: int | None = None
@@ -76,9 +83,12 @@ class DatasetVolume:
         unknown = sorted(set(attrs) - set(ATTRIBUTES) - KUBE_ADDED)
         if unknown:
             raise VolumeError(f"unknown volume attribute(s) {', '.join(unknown)}; known: {', '.join(ATTRIBUTES)}")
-        url = attrs.get("url", "").strip()
+        url, dataset = attrs.get("url", "").strip(), attrs.get("dataset", "").strip()
+        if dataset:
+            return cls._naming_a_dataset(attrs, dataset, url)
         if not url:
-            raise VolumeError("volume attribute 'url' (the dataset URL, e.g. s3://bucket/prefix) is required")
+            raise VolumeError("volume attribute 'url' (the dataset URL, e.g. s3://bucket/prefix) or 'dataset' (a "
+                              "CacheDataset's name) is required")
         if "://" not in url:
             raise VolumeError(f"url {url!r} is not a URL (want e.g. s3://bucket/prefix or file:///data)")
         scheme = url.split("://", 1)[0]
@@ -107,6 +117,27 @@ class DatasetVolume:
         return cls(url, attrs.get("endpointUrl", "").strip(), attrs.get("region", "").strip(), mode, sampler,
                    writable == "true")
 
+    @classmethod
+    def _naming_a_dataset(cls, attrs: dict[str, str], dataset: str, url: str) -> DatasetVolume:
+        if url or attrs.get("endpointUrl") or attrs.get("region"):
+            raise VolumeError("volume attribute 'dataset' names a CacheDataset, which says the URL, endpoint and "
+                              "region: give either 'dataset' or 'url', not both")
+        if "/" in dataset:
+            raise VolumeError(f"volume attribute 'dataset' is {dataset[:64]!r}: a CacheDataset is named without a "
+                              "namespace (it is looked up in the pod's own namespace)")
+        if len(dataset) > 253 or not _DATASET_NAME.fullmatch(dataset):
+            raise VolumeError(f"volume attribute 'dataset' is {dataset[:64]!r}: not a Kubernetes object name")
+        if attrs.get("writable", "false").strip().lower() != "false":
+            raise VolumeError("a CacheDataset is read-only: writable volumes name their S3 prefix with 'url'")
+        probe = cls.from_attributes({**{k: v for k, v in attrs.items() if k != "dataset"}, "url": "file:///"})
+        return dataclasses.replace(probe, url="", dataset=dataset)  # (mode and sampler checked as for a URL)
+
+    def resolved(self, url: str, endpoint_url: str, region: str) -> DatasetVolume:
+        """This volume with the URL, endpoint and region its CacheDataset says (checked as a ``url`` volume)."""
+        attrs = {k: v for k, v in {"url": url, "endpointUrl": endpoint_url, "region": region, "mode": self.mode,
+                                   "sampler": self.sampler}.items() if v}
+        return dataclasses.replace(DatasetVolume.from_attributes(attrs), group=self.group)
+
     def for_group(self, group: int | None) -> DatasetVolume:
         """This volume as published for a pod whose fsGroup is ``group`` (None: no fsGroup)."""
         return dataclasses.replace(self, group=group)
@@ -119,7 +150,7 @@ class DatasetVolume:
         return 0o440 if self.group is not None else 0o444
 
     def attributes(self) -> dict[str, str]:
-        out = {"url": self.url}
+        out = {"dataset": self.dataset} if self.dataset else {"url": self.url}
         if self.endpoint_url:
             out["endpointUrl"] = self.endpoint_url
         if self.region:

@@ -5,6 +5,7 @@ written by hand, as an agent would: tests/node reads a dataset through a pod and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.error
@@ -126,3 +127,161 @@ def test_two_controllers_with_one_lease_write_from_one_of_them(crd):
     assert asyncio.run(both()) == [True, False, True, False]
     lease = crd.request("GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases/e2e-datasets")
     assert lease["spec"]["holderIdentity"] == "replica-a"
+
+
+def _node_kubeconfig(k8s, path) -> str:
+    """A kubeconfig with a token of the node pods' service account (cachefs-node), as the CSI plugin runs."""
+    from .controlplane import _kubeconfig
+
+    token = k8s.request("POST", "/api/v1/namespaces/cachefs-system/serviceaccounts/cachefs-node/token", {
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 3600}})["status"]["token"]
+    return str(_kubeconfig(path, k8s.server, token))
+
+
+@pytest.mark.root
+def test_a_volume_naming_a_cachedataset_mounts_it_with_its_secret_in_the_pods_namespace_only(crd, tmp_path):
+    """An inline volume says `dataset: imagenet`: the node plugin reads the CacheDataset in the pod's namespace and
+    mounts its URL with its credentials Secret, which the node's service account reads only once a Role grants it
+    (deploy/'s RBAC on a real API server). Another namespace's pod, a namespaced name, a dataset without its Secret:
+    refused, nothing mounted."""
+    import base64
+    import hashlib
+
+    import grpc
+
+    from csi.datasets import POD_NAMESPACE, DatasetLookupError, DatasetResolver
+    from csi.gen import csi_pb2 as pb
+    from csi.volume import DatasetVolume
+
+    from .test_csi import Plugin, kubelet_target, tree_hashes, unmount_under
+
+    src = tmp_path / "src"
+    files = {f"d{i % 2}/f{i}.bin": bytes([i]) * (1000 + i) for i in range(6)}
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    ns = "ml-volumes"
+    crd.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    crd.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "imagenet-credentials", "namespace": ns},
+               "data": {"awsAccessKeyID": base64.b64encode(b"AKIDNODE").decode(),
+                        "awsSecretAccessKey": base64.b64encode(b"never-logged").decode()}})
+    crd.apply({"apiVersion": "cachefs.io/v1alpha1", "kind": "CacheDataset", "metadata": {"name": "imagenet",
+               "namespace": ns}, "spec": {"url": f"file://{src}", "credentialsSecret": "imagenet-credentials"}})
+    crd.apply({"apiVersion": "cachefs.io/v1alpha1", "kind": "CacheDataset", "metadata": {"name": "no-secret",
+               "namespace": ns}, "spec": {"url": f"file://{src}", "credentialsSecret": "nothing-by-that-name"}})
+    kubeconfig = _node_kubeconfig(crd, tmp_path / "node.kubeconfig")
+    resolver = DatasetResolver(kubeconfig)
+    by_name = DatasetVolume.from_attributes({"dataset": "imagenet"})
+
+    # The node's service account reads the object but not the Secret until a Role grants it.
+    with pytest.raises(DatasetLookupError) as refused:
+        resolver.resolve(by_name, {POD_NAMESPACE: ns}, {})
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED and "imagenet-credentials" in str(refused.value)
+    crd.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": {"name": "cachefs-warm-credentials", "namespace": ns},
+               "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["imagenet-credentials"],
+                          "verbs": ["get"]}]})
+    crd.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": "cachefs-warm-credentials", "namespace": ns},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cachefs-warm-credentials"},
+               "subjects": [{"kind": "ServiceAccount", "name": "cachefs-node", "namespace": "cachefs-system"}]})
+
+    def granted() -> bool:
+        try:
+            resolver.resolve(by_name, {POD_NAMESPACE: ns}, {})
+            return True
+        except DatasetLookupError:
+            return False
+
+    wait_for(granted, 30, "the Role granted")
+    vol, env = resolver.resolve(by_name, {POD_NAMESPACE: ns}, {})
+    assert vol.url == f"file://{src}" and not vol.dataset
+    assert env == {"AWS_ACCESS_KEY_ID": "AKIDNODE", "AWS_SECRET_ACCESS_KEY": "never-logged"}
+    _, given = resolver.resolve(by_name, {POD_NAMESPACE: ns}, {"awsAccessKeyID": "K", "awsSecretAccessKey": "S"})
+    assert given == {"AWS_ACCESS_KEY_ID": "K", "AWS_SECRET_ACCESS_KEY": "S"}  # kubelet's nodePublishSecretRef wins
+
+    plugin = Plugin(tmp_path / "plugin", extra=("--kubeconfig", kubeconfig))
+    cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.AccessMode(
+        mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
+
+    def publish(target, context: dict) -> None:
+        plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+            volume_id=f"csi-{hashlib.sha256(str(target).encode()).hexdigest()}", target_path=str(target),
+            readonly=True, volume_capability=cap, volume_context={
+                "csi.storage.k8s.io/ephemeral": "true", "csi.storage.k8s.io/pod.name": "reader", **context}))
+
+    try:
+        target = kubelet_target(tmp_path, "uid-1")
+        publish(target, {"dataset": "imagenet", POD_NAMESPACE: ns})
+        assert tree_hashes(target) == {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+        for i, (context, code) in enumerate([
+                ({"dataset": "imagenet", POD_NAMESPACE: "default"}, grpc.StatusCode.NOT_FOUND),  # not its namespace
+                ({"dataset": f"{ns}/imagenet", POD_NAMESPACE: "default"}, grpc.StatusCode.INVALID_ARGUMENT),
+                ({"dataset": "imagenet"}, grpc.StatusCode.FAILED_PRECONDITION),  # no pod namespace from kubelet
+                ({"dataset": "no-secret", POD_NAMESPACE: ns}, grpc.StatusCode.PERMISSION_DENIED),  # (not granted)
+                ({"dataset": "nothing-by-that-name", POD_NAMESPACE: ns}, grpc.StatusCode.NOT_FOUND),
+                ({"dataset": "imagenet", "url": f"file://{src}", POD_NAMESPACE: ns}, grpc.StatusCode.INVALID_ARGUMENT)]):
+            other = kubelet_target(tmp_path, f"uid-refused-{i}")
+            with pytest.raises(grpc.RpcError) as err:
+                publish(other, context)
+            assert err.value.code() == code, (context, err.value.details())
+            assert not os.path.exists(other), context
+    finally:
+        log = plugin.stop()
+        unmount_under(tmp_path)
+    assert "never-logged" not in log and "Traceback" not in log
+
+
+def test_a_warm_up_says_its_progress_on_its_node_and_in_its_metrics(crd, tmp_path):
+    """The agent's warm-up task (in this process, on the real API server): a CacheDataset with `warmup.enabled`
+    placed on the node is warmed whole; the node's annotation and the cachefs_warmup_* metrics say the same N of N
+    files and bytes, and the metrics say it is no longer running."""
+    import asyncio
+
+    from prometheus_client import REGISTRY
+
+    from cachefs.agent.node_agent import AgentContext
+    from cachefs.base.config import load_config
+    from cachefs.cluster.cachedatasets import warm_key
+    from cachefs.engine import Engine
+    from cachefs.jobs.warmups import Warmups
+    from cachefs.kube import KubeClient, load_kube_config
+
+    src = tmp_path / "src"
+    files = {f"d{i % 3}/f{i:03d}.bin": bytes([i]) * (300 + 97 * i) for i in range(40)}
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    url = f"file://{src}"
+    make_node(crd, "warm-metrics", labels={"e2e": "warm-metrics"})
+    crd.apply({"apiVersion": "cachefs.io/v1alpha1", "kind": "CacheDataset",
+               "metadata": {"name": "warm-metrics", "namespace": "default"},
+               "spec": {"url": url, "nodeSelector": {"e2e": "warm-metrics"}, "warmup": {"enabled": True}}})
+    config = load_config(env={}, overrides={"cache_dir": str(tmp_path / "cache"), "cache_min_free": "0"})
+
+    def metric(name: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"dataset": url, **labels})
+
+    async def scenario() -> dict:
+        engine = Engine(config)
+        kube = KubeClient(load_kube_config(str(crd.admin_kubeconfig)))
+        try:
+            warmups = Warmups(AgentContext(config, "warm-metrics", "", engine, None, kube))
+            await warmups.once()
+            ((_, task),) = warmups._running.values()
+            await asyncio.wait_for(task, 120)
+            node = await kube.get("/api/v1/nodes/warm-metrics")
+            return json.loads(node["metadata"]["annotations"][warm_key(dataset_id(url))])
+        finally:
+            await kube.aclose()
+            await engine.aclose()
+
+    said = asyncio.run(scenario())
+    total = sum(len(d) for d in files.values())
+    assert said["state"] == "done" and (said["filesDone"], said["filesTotal"]) == (40, 40), said
+    assert (said["bytesDone"], said["bytesTotal"]) == (total, total), said
+    assert metric("cachefs_warmup_files", state="done") == metric("cachefs_warmup_files", state="wanted") == 40
+    assert metric("cachefs_warmup_bytes", state="done") == metric("cachefs_warmup_bytes", state="wanted") == total
+    assert metric("cachefs_warmup_files", state="failed") == 0 and metric("cachefs_warmup_running") == 0
+    crd.request("DELETE", "/apis/cachefs.io/v1alpha1/namespaces/default/cachedatasets/warm-metrics")

@@ -262,7 +262,8 @@ def test_yaml_config_is_loaded_or_refused_clearly(doc, tmp_path_factory):
         pass
 
 
-@given(attrs=st.dictionaries(st.sampled_from(["url", "endpointUrl", "region", "other", "csi.storage.k8s.io/pod.name"]),
+@given(attrs=st.dictionaries(st.sampled_from(["url", "dataset", "endpointUrl", "region", "other",
+                                             "csi.storage.k8s.io/pod.name"]),
                              st.text(max_size=30), max_size=4),
        volume_id=st.text(max_size=60), secrets=st.dictionaries(st.text(max_size=20), st.text(max_size=20), max_size=4))
 @example(attrs={"url": "s3:/x"}, volume_id="cachefs:!!!", secrets={"": ""})

@@ -129,6 +129,14 @@ CHECKPOINT_FAILURES = Counter("cachefs_checkpoint_upload_failures", "Uploads tha
                               "entry), by reason", ["reason"])
 CSI_CALLS = Counter("cachefs_csi_calls", "CSI calls answered, by method and gRPC code", ["method", "code"])
 
+# CacheDataset warm-ups on this node (the node agent; docs/DATASETS.md)
+WARMUP_FILES = Gauge("cachefs_warmup_files", "Files of this node's warm-up of a dataset: wanted, done, failed",
+                     ["dataset", "state"], multiprocess_mode="livesum")
+WARMUP_BYTES = Gauge("cachefs_warmup_bytes", "Bytes of this node's warm-up of a dataset: wanted, done (fetched or "
+                     "found cached)", ["dataset", "state"], multiprocess_mode="livesum")
+WARMUP_RUNNING = Gauge("cachefs_warmup_running", "1 while this node warms the dataset up, 0 once it is done, failed "
+                       "or cancelled", ["dataset"], multiprocess_mode="livesum")
+
 
 _log = logging.getLogger(__name__)
 _warned = False

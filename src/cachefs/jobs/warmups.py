@@ -21,7 +21,6 @@ Secret (docs/DATASETS.md), else the node's own.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -29,8 +28,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from cachefs.base.metrics import WARMUP_BYTES, WARMUP_FILES, WARMUP_RUNNING
 from cachefs.base.types import dataset_id, object_key
-from cachefs.cluster.cachedatasets import API, placed_on, warm_key
+from cachefs.cluster.cachedatasets import API, placed_on, secret_credentials, warm_key
 from cachefs.cluster.keys import DirectoryWindows, block_key
 from cachefs.jobs.warm import Progress, warm
 
@@ -95,7 +95,7 @@ class Warmups:
         spec, meta = obj.get("spec") or {}, obj.get("metadata") or {}
         url = str(spec["url"])
         ds_id = dataset_id(url)
-        report = _Reporter(self.ctx.kube, self.ctx.node, ds_id)
+        report = _Reporter(self.ctx.kube, self.ctx.node, ds_id, url)
         try:
             options = await self._storage_options(str(meta.get("namespace", "default")), spec)
             engine = self.ctx.engine or get_engine(self.ctx.config)
@@ -149,32 +149,41 @@ class Warmups:
             options["client_kwargs"] = {"region_name": spec["region"]}
         name = spec.get("credentialsSecret")
         if name:
-            secret = await self.ctx.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
-            data = secret.get("data") or {}
-            try:
-                options["key"] = base64.b64decode(data["awsAccessKeyID"]).decode()
-                options["secret"] = base64.b64decode(data["awsSecretAccessKey"]).decode()
-            except (KeyError, ValueError) as exc:
-                raise ValueError(f"Secret {namespace}/{name} lacks awsAccessKeyID/awsSecretAccessKey") from exc
+            env = secret_credentials(await self.ctx.kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}"))
+            options["key"], options["secret"] = env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+            if "AWS_SESSION_TOKEN" in env:
+                options["token"] = env["AWS_SESSION_TOKEN"]
         return options
 
 
 class _Reporter:
     """This node's progress annotation of one warm-up, patched at most every :data:`REPORT_EVERY` seconds."""
 
-    def __init__(self, kube, node: str, ds_id: str) -> None:
-        self.kube, self.node, self.key = kube, node, warm_key(ds_id)
+    def __init__(self, kube, node: str, ds_id: str, url: str) -> None:
+        self.kube, self.node, self.key, self.url = kube, node, warm_key(ds_id), url
         self.last: Progress | None = None
         self._sent_at = 0.0
         self._pending: asyncio.Task | None = None
+        WARMUP_RUNNING.labels(url).set(1)
 
     def progress(self, prog: Progress) -> None:
         self.last = prog
+        self.measure(prog)
         if time.monotonic() - self._sent_at >= REPORT_EVERY and (self._pending is None or self._pending.done()):
             self._pending = asyncio.ensure_future(self.send(prog, "running", ""))
 
+    def measure(self, prog: Progress, running: bool = True) -> None:
+        """The warm-up's metrics (cachefs_warmup_*), from the same figures as its annotation."""
+        for state, files, nbytes in (("wanted", prog.files_total, prog.bytes_total),
+                                     ("done", prog.files_done, prog.bytes_done)):
+            WARMUP_FILES.labels(self.url, state).set(files)
+            WARMUP_BYTES.labels(self.url, state).set(nbytes)
+        WARMUP_FILES.labels(self.url, "failed").set(len(prog.failed))
+        WARMUP_RUNNING.labels(self.url).set(1 if running else 0)
+
     async def send(self, prog: Progress, state: str, reason: str, *, force: bool = False) -> None:
         self._sent_at = time.monotonic()
+        self.measure(prog, running=state == "running")
         value = json.dumps({"state": state, "filesDone": prog.files_done, "filesTotal": prog.files_total,
                             "bytesDone": prog.bytes_done, "bytesTotal": prog.bytes_total,
                             "errors": len(prog.failed), "reason": reason}, separators=(",", ":"), sort_keys=True)
@@ -185,6 +194,7 @@ class _Reporter:
                 log.warning("warm-up progress not published: %s", exc)
 
     async def clear(self) -> None:
+        WARMUP_RUNNING.labels(self.url).set(0)
         await self.kube.merge_patch(f"/api/v1/nodes/{self.node}", {"metadata": {"annotations": {self.key: None}}})
 
 
