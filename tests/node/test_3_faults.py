@@ -68,7 +68,13 @@ def cold_dataset(cluster, name: str, files: int = 300) -> tuple[str, dict[str, s
     return cold_dataset_url(name), {rel: digest(b) for rel, b in data.items()}
 
 
-def start_reader(cluster, name: str, url: str, want: dict[str, str], pace: float = 0.05) -> None:
+def start_reader(cluster, name: str, url: str, want: dict[str, str], pace: float = 0.05, dataset: str = "") -> None:
+    """A pod reading ``url`` in a loop, checking every byte (``dataset``: its volume names that CacheDataset instead
+    of the URL and credentials)."""
+    csi = ({"driver": "csi.cachefs.io", "readOnly": True, "volumeAttributes": {"dataset": dataset}} if dataset else
+           {"driver": "csi.cachefs.io", "readOnly": True,
+            "volumeAttributes": {"url": url, "endpointUrl": cluster.s3.endpoint, "region": "us-east-1"},
+            "nodePublishSecretRef": {"name": "dataset-credentials"}})
     cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-want", "namespace": "default",
                                                                      "labels": {"cachefs-test": "want"}},
                    "data": {"want.json": json.dumps(want)}})
@@ -78,10 +84,7 @@ def start_reader(cluster, name: str, url: str, want: dict[str, str], pace: float
                         "command": ["python3", "-c", READ_LOOP, "/data", "/want/want.json", str(pace)],
                         "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True},
                                          {"name": "want", "mountPath": "/want"}]}],
-        "volumes": [{"name": "data", "csi": {
-                        "driver": "csi.cachefs.io", "readOnly": True,
-                        "volumeAttributes": {"url": url, "endpointUrl": cluster.s3.endpoint, "region": "us-east-1"},
-                        "nodePublishSecretRef": {"name": "dataset-credentials"}}},
+        "volumes": [{"name": "data", "csi": csi},
                     {"name": "want", "configMap": {"name": f"{name}-want"}}]}})
     cluster.wait(lambda: "started" in cluster.kubectl("logs", name, check=False), f"{name} reading", 180)
     time.sleep(3)  # well into the first pass

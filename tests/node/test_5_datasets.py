@@ -1,7 +1,7 @@
 """A CacheDataset on the real node: the agent warms it (with the credentials Secret a Role lets it read), the
 dataset controller in the CSI controller Deployment writes its status from the agent's own accounting, `kubectl get
 cachedatasets` shows it, a pod then reads it without asking the origin, and the status never claims bytes that are
-no longer on the node's disk (evicted: it follows)."""
+no longer on the node's disk (evicted: it follows). The reading pod's volume names the dataset rather than its URL."""
 
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ def test_a_cachedataset_is_warmed_by_the_agent_and_its_status_follows_the_cache(
     assert st["warmup"]["progress"] == f"{len(want)}/{len(want)} files" and st["warmup"]["errors"] == 0
     table = cluster.kubectl("get", "cachedatasets", "warm-me")
     assert "100.0%" in table and "Ready" in table and url in table, table
-    # A pod reading it now is served from the node's cache: nothing asked of the origin.
+    # A pod reading it now, its volume naming the dataset (kubelet passes the pod's namespace; the node plugin reads
+    # the object and its Secret), is served from the node's cache: nothing asked of the origin.
     gets = origin_gets_under(cluster, url)
-    start_reader(cluster, "cds-reader", url, want, pace=0.0)
+    start_reader(cluster, "cds-reader", url, want, pace=0.0, dataset="warm-me")
     read = reader_result(cluster, "cds-reader")
     cluster.delete_pod("cds-reader")
     assert read["errors"] == 0 and read["wrong"] == 0 and origin_gets_under(cluster, url) == gets
