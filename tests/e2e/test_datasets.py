@@ -285,3 +285,79 @@ def test_a_warm_up_says_its_progress_on_its_node_and_in_its_metrics(crd, tmp_pat
     assert metric("cachefs_warmup_bytes", state="done") == metric("cachefs_warmup_bytes", state="wanted") == total
     assert metric("cachefs_warmup_files", state="failed") == 0 and metric("cachefs_warmup_running") == 0
     crd.request("DELETE", "/apis/cachefs.io/v1alpha1/namespaces/default/cachedatasets/warm-metrics")
+
+
+def test_a_scheduled_warm_up_lists_the_source_again_and_any_refresh_warms_what_is_new(crd, tmp_path):
+    """`warmup.schedule` (cron, UTC): at its next time the agent lists the source again and warms the new files (the
+    clock is the task's, moved by hand: no waiting for a minute); between times nothing runs. A refresh taken by
+    someone else (`cachefs refresh`, or the group's listing) is warmed at the next look. A schedule that is not cron
+    is said in the node's annotation, and the warm-up itself still runs."""
+    import asyncio
+
+    from cachefs.agent.node_agent import AgentContext
+    from cachefs.base.config import load_config
+    from cachefs.cluster.cachedatasets import warm_key
+    from cachefs.engine import Engine
+    from cachefs.jobs.warmups import Warmups
+    from cachefs.kube import KubeClient, load_kube_config
+
+    src = tmp_path / "src"
+
+    def add(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            (src / f"d{i % 2}").mkdir(parents=True, exist_ok=True)
+            (src / f"d{i % 2}" / f"f{i:03d}.bin").write_bytes(bytes([i]) * (200 + i))
+
+    add(0, 10)
+    url = f"file://{src}"
+    make_node(crd, "warm-cron", labels={"e2e": "warm-cron"})
+    path = "/apis/cachefs.io/v1alpha1/namespaces/default/cachedatasets"
+    crd.apply({"apiVersion": "cachefs.io/v1alpha1", "kind": "CacheDataset",
+               "metadata": {"name": "warm-cron", "namespace": "default"},
+               "spec": {"url": url, "nodeSelector": {"e2e": "warm-cron"},
+                        "warmup": {"enabled": True, "schedule": "0 */6 * * *"}}})
+    config = load_config(env={}, overrides={"cache_dir": str(tmp_path / "cache"), "cache_min_free": "0"})
+    clock = [1_800_000_000.0]  # (2027-01-15 08:00 UTC; the next 6-hourly time is 12:00)
+
+    async def scenario() -> None:
+        engine = Engine(config)
+        kube = KubeClient(load_kube_config(str(crd.admin_kubeconfig)))
+        warmups = Warmups(AgentContext(config, "warm-cron", "", engine, None, kube))
+        warmups.clock = lambda: clock[0]
+
+        async def look() -> tuple[object, dict]:
+            await warmups.once()
+            ((_, task),) = warmups._running.values()
+            await asyncio.wait_for(task, 120)
+            node = await kube.get("/api/v1/nodes/warm-cron")
+            return task, json.loads(node["metadata"]["annotations"][warm_key(dataset_id(url))])
+
+        try:
+            first, said = await look()
+            assert (said["state"], said["filesDone"], said["filesTotal"]) == ("done", 10, 10), said
+            add(10, 5)
+            clock[0] += 3 * 3600  # 11:00: not yet
+            task, said = await look()
+            assert task is first and said["filesTotal"] == 10
+            clock[0] += 3600 + 1  # past 12:00: listed again, the new files warmed
+            task, said = await look()
+            assert task is not first and (said["filesDone"], said["filesTotal"]) == (15, 15), said
+            assert engine.index.dataset(dataset_id(url)).current == 2
+            add(15, 2)
+            await engine.refresh(url)  # someone else's refresh (cachefs refresh, the group's member)
+            refreshed, said = await look()
+            assert refreshed is not task and (said["filesDone"], said["filesTotal"]) == (17, 17), said
+            assert engine.index.dataset(dataset_id(url)).current == 3  # (warmed, not listed a fourth time)
+            again, _ = await look()
+            assert again is refreshed  # nothing new, not due: nothing runs
+            crd.request("PATCH", f"{path}/warm-cron", {"spec": {"warmup": {"schedule": "every day"}}},
+                        content_type="application/merge-patch+json")
+            _, said = await look()  # (a changed object: a new warm-up, which says what is wrong with the schedule)
+            assert said["state"] == "done" and "not a cron expression" in said["reason"], said
+        finally:
+            await kube.aclose()
+            await engine.aclose()
+
+    asyncio.run(scenario())
+    crd.request("DELETE", f"{path}/warm-cron")
+

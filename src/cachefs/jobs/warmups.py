@@ -8,6 +8,11 @@ group each member warms the files whose placement key (a small file's directory 
 it owns, and fetches the rest of a large file through the group as a reader would: the origin is read about once per
 byte. A warm-up whose dataset is deleted, turned off or placed elsewhere is cancelled.
 
+A finished warm-up runs again when the node holds a newer manifest of its dataset (a ``cachefs refresh``, or the
+group's listing of it), and at each time of ``spec.warmup.schedule`` (cron, UTC) the node that lists the dataset for
+its group (every node outside a group) lists the source again first: the group lists once per schedule, and every
+member then warms what is new to it.
+
 The same look keeps the node's pins (eviction passes a pinned dataset over) equal to the CacheDatasets with
 ``spec.pin`` placed on this node.
 
@@ -25,16 +30,19 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
+
+from croniter import croniter
 
 from cachefs.base.metrics import WARMUP_BYTES, WARMUP_FILES, WARMUP_RUNNING
 from cachefs.base.types import dataset_id, object_key
 from cachefs.cluster.cachedatasets import API, placed_on, secret_credentials, warm_key
-from cachefs.cluster.keys import DirectoryWindows, block_key
+from cachefs.cluster.keys import DirectoryWindows, block_key, manifest_key
 from cachefs.jobs.warm import Progress, warm
 
-__all__ = ["Warmups", "warm_datasets"]
+__all__ = ["Warmups", "next_run", "schedule_problem", "warm_datasets"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,10 @@ class Warmups:
     def __init__(self, ctx) -> None:
         self.ctx = ctx
         self._running: dict[str, tuple[str, asyncio.Task]] = {}  # object uid -> (what it warms, the task)
+        self._warmed: dict[str, int] = {}  # object uid -> the manifest version its last warm-up warmed
+        self._listed_at: dict[str, float] = {}  # object uid -> when its schedule last listed the source (or began)
+        #: Wall-clock seconds (cron schedules are in UTC wall time).
+        self.clock: Callable[[], float] = time.time
         self._said_forbidden = False
 
     async def run(self) -> None:
@@ -87,26 +99,61 @@ class Warmups:
         for uid, (what, obj) in wanted.items():
             running = self._running.get(uid)
             if running is None or (running[1].done() and running[1].exception() is not None):
-                self._running[uid] = (what, asyncio.ensure_future(self._warm(obj)))
+                self._running[uid] = (what, asyncio.ensure_future(self._warm(uid, obj)))
+            elif running[1].done() and (again := self._again(uid, obj)) is not None:
+                self._running[uid] = (what, asyncio.ensure_future(self._warm(uid, obj, refresh=again)))
 
-    async def _warm(self, obj: Mapping[str, Any]) -> None:
+    def _again(self, uid: str, obj: Mapping[str, Any]) -> bool | None:
+        """Whether a finished warm-up runs again: False when the node now holds a newer manifest of its dataset (a
+        refresh of the source, here or by the group's member that lists it), True when its ``warmup.schedule`` is
+        due and this node lists the dataset for its group (the source is listed again first), else None."""
+        from cachefs.engine import get_engine
+
+        spec = obj.get("spec") or {}
+        ds_id = dataset_id(str(spec["url"]))
+        rec = (self.ctx.engine or get_engine(self.ctx.config)).index.dataset(ds_id)
+        if rec is not None and uid in self._warmed and rec.current != self._warmed[uid]:
+            return False
+        schedule = (spec.get("warmup") or {}).get("schedule")
+        if not schedule or schedule_problem(schedule) or not self._lists_for_group(ds_id):
+            return None
+        since = self._listed_at.setdefault(uid, self.clock())
+        return True if next_run(schedule, since) <= self.clock() else None
+
+    def _lists_for_group(self, ds_id: str) -> bool:
+        """Whether this node lists ``ds_id`` for its cache group (its manifest's owner; any node outside a group):
+        the others take the new manifest from it and warm up on seeing it."""
+        table = self.ctx.table
+        if table is None or not self.ctx.group:
+            return True
+        return table.placement.owner(manifest_key(ds_id)) in (self.ctx.node, None)
+
+    async def _warm(self, uid: str, obj: Mapping[str, Any], *, refresh: bool = False) -> None:
         from cachefs.engine import get_engine
 
         spec, meta = obj.get("spec") or {}, obj.get("metadata") or {}
         url = str(spec["url"])
         ds_id = dataset_id(url)
         report = _Reporter(self.ctx.kube, self.ctx.node, ds_id, url)
+        schedule = (spec.get("warmup") or {}).get("schedule")
+        note = schedule_problem(schedule) if schedule else ""
         try:
             options = await self._storage_options(str(meta.get("namespace", "default")), spec)
             engine = self.ctx.engine or get_engine(self.ctx.config)
+            if refresh:
+                self._listed_at[uid] = self.clock()
+                log.info("warm-up of %s: listing the source again (warmup.schedule %s)", url, schedule)
+                await engine.refresh(url, storage_options=options)
             ds = await engine.open_dataset(url, storage_options=options)
             only = self._share(engine, ds)
             include = (spec.get("warmup") or {}).get("include") or spec.get("include")
             log.info("warming %s on this node (%s)", url, "its share of the group" if only else "whole")
             prog = await warm(engine, ds, include=include, exclude=spec.get("exclude"), only=only,
                               on_progress=report.progress)
+            self._warmed[uid] = ds.version
+            self._listed_at.setdefault(uid, self.clock())
             await report.send(prog, "done" if not prog.failed else "failed",
-                              f"{len(prog.failed)} file(s) failed" if prog.failed else "", force=True)
+                              f"{len(prog.failed)} file(s) failed" if prog.failed else note, force=True)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await report.clear()
@@ -154,6 +201,18 @@ class Warmups:
             if "AWS_SESSION_TOKEN" in env:
                 options["token"] = env["AWS_SESSION_TOKEN"]
         return options
+
+
+def schedule_problem(schedule: str) -> str:
+    """Why ``warmup.schedule`` cannot be used ("" if it can): a five-field cron expression, in UTC."""
+    if not isinstance(schedule, str) or len(schedule.split()) != 5 or not croniter.is_valid(schedule):
+        return f"warmup.schedule {str(schedule)[:64]!r} is not a cron expression of five fields: not scheduled"
+    return ""
+
+
+def next_run(schedule: str, since: float) -> float:
+    """The first time ``schedule`` (cron, UTC) names after ``since`` (epoch seconds)."""
+    return float(croniter(schedule, datetime.fromtimestamp(since, tz=UTC)).get_next(float))
 
 
 class _Reporter:
