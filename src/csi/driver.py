@@ -283,7 +283,7 @@ class NodeService(rpc.NodeServicer):
             other = self.sessions.publishes.get(target)
             if other and other["volume_id"] != vol.volume_id:
                 raise _Abort(grpc.StatusCode.ALREADY_EXISTS, f"{target} already holds volume {other['volume_id']}")
-            self.sessions.publish(vol, target, env, readonly=request.readonly)
+            self.sessions.publish(vol, target, env, readonly=request.readonly, pod=_pod_of(request.volume_context))
         log.info("NodePublishVolume %s at %s", request.volume_id, target)
         return pb.NodePublishVolumeResponse()
 
@@ -321,6 +321,12 @@ class NodeService(rpc.NodeServicer):
     @_rpc
     def NodeUnstageVolume(self, request):
         raise _Abort(grpc.StatusCode.UNIMPLEMENTED, "cachefs volumes need no staging")
+
+
+def _pod_of(context) -> dict[str, str] | None:
+    """The pod kubelet publishes for (podInfoOnMount), or None when it did not say."""
+    pod = {k: context.get(f"csi.storage.k8s.io/pod.{k}", "") for k in ("name", "namespace", "uid")}
+    return pod if pod["uid"] else None
 
 
 def _mount_group(value: str) -> int | None:

@@ -23,6 +23,7 @@ from cachefs.base.errors import ConfigError
 from cachefs.fuse.keeper import SessionKeeper
 from csi.datasets import DatasetResolver
 from csi.driver import DRIVER_NAME, ControllerService, IdentityService, NodeService
+from csi.events import PodEvents
 from csi.gen import csi_pb2_grpc as rpc
 from csi.generations import successor_present
 from csi.mounter import RemoteMounter
@@ -101,6 +102,8 @@ def serve(endpoint: str, *, node_id: str, cache_dir: str, state_dir: str, cache_
             log.warning("repaired %d published volume(s): %s", len(repaired), ", ".join(repaired))
         rpc.add_NodeServicer_to_server(NodeService(sessions, node_id, cache_group, DatasetResolver(kubeconfig)), server)
         threading.Thread(target=_repair_loop, args=(sessions, stop, session_idle_timeout), name="cachefs-csi-repair",
+                         daemon=True).start()
+        threading.Thread(target=PodEvents(node_id, kubeconfig).run, args=(sessions, stop), name="cachefs-csi-events",
                          daemon=True).start()
     old_umask = os.umask(0o177)  # gRPC binds here: the socket is 0600, only root (kubelet) may call NodePublish
     try:

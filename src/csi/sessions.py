@@ -117,16 +117,17 @@ class SessionManager:
                     and not is_stale_mount(target))
 
     def publish(self, vol: DatasetVolume, target: str, env: dict[str, str] | None = None, *,
-                readonly: bool = False) -> None:
+                readonly: bool = False, pod: dict[str, str] | None = None) -> None:
         """Bind the session of ``vol`` at ``target`` (created if missing): read-only, unless ``vol`` is a writable
-        volume the pod does not mount read-only."""
+        volume the pod does not mount read-only. ``pod``: the pod kubelet named (name, namespace, uid), recorded
+        so that events about the session reach it."""
         src = self.ensure_session(vol, env)
         os.makedirs(target, exist_ok=True)
         if is_mount_point(target):  # a broken earlier bind (stale session): replace it
             unmount(target)
         bind_mount(src, target, readonly=readonly or not vol.writable)
         self._record(target, {"volume_id": vol.volume_id, "attributes": vol.attributes(), "group": vol.group,
-                              "readonly": readonly})
+                              "readonly": readonly, **({"pod": pod} if pod else {})})
 
     def unpublish(self, target: str) -> None:
         """Remove the bind mount at ``target`` and the directory; the shared session stays. The last pod of a

@@ -361,3 +361,64 @@ def test_a_scheduled_warm_up_lists_the_source_again_and_any_refresh_warms_what_i
     asyncio.run(scenario())
     crd.request("DELETE", f"{path}/warm-cron")
 
+
+@pytest.mark.root
+def test_a_pod_whose_session_the_new_node_pod_cannot_take_over_gets_an_event_saying_why(crd, tmp_path):
+    """Version skew (docs/UPGRADES.md): the new generation's mounter notes the sessions it leaves with the previous
+    one (cachefs.index.mounts.record_left_behind, as tests/unit/test_generations.py shows it doing); the node plugin,
+    as the node pods' service account (deploy/'s RBAC), posts one Warning event on each pod using such a session,
+    saying why, and only once."""
+    import hashlib
+
+    from cachefs.index.mounts import record_left_behind
+    from csi.events import REASON
+    from csi.gen import csi_pb2 as pb
+
+    from .test_csi import Plugin, kubelet_target, unmount_under
+    from .test_scheduling import make_pod
+
+    plugin = Plugin(tmp_path / "plugin", extra=("--kubeconfig", _node_kubeconfig(crd, tmp_path / "node.kubeconfig")))
+    sessions = tmp_path / "plugin" / "cache" / "csi" / "sessions"
+
+    def reader(name: str) -> tuple[str, str]:
+        """A pod reading a dataset of its own (its own session): (its uid, the session's mountpoint)."""
+        src = tmp_path / f"src-{name}"
+        src.mkdir()
+        (src / "a.bin").write_bytes(name.encode() * 100)
+        crd.apply(make_pod(name, node="warm-skew"))
+        uid = crd.request("GET", f"/api/v1/namespaces/default/pods/{name}")["metadata"]["uid"]
+        target = kubelet_target(tmp_path, uid)
+        before = set(sessions.iterdir()) if sessions.exists() else set()
+        plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+            volume_id=f"csi-{hashlib.sha256(str(target).encode()).hexdigest()}", target_path=str(target),
+            readonly=True, volume_capability=pb.VolumeCapability(
+                mount=pb.VolumeCapability.MountVolume(),
+                access_mode=pb.VolumeCapability.AccessMode(mode=pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)),
+            volume_context={"url": f"file://{src}", "csi.storage.k8s.io/ephemeral": "true",
+                            "csi.storage.k8s.io/pod.name": name, "csi.storage.k8s.io/pod.namespace": "default",
+                            "csi.storage.k8s.io/pod.uid": uid}))
+        (new,) = set(sessions.iterdir()) - before
+        return uid, str(new / "mnt")
+
+    def events(name: str) -> list[dict]:
+        got = crd.request("GET", f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{name}")
+        return [e for e in got["items"] if e.get("reason") == REASON]
+
+    why = "its node pod generation (release 9.9) hands sessions over in version 9, this one knows up to 2"
+    cache = str(tmp_path / "plugin" / "cache")
+    try:
+        uid, mnt = reader("skewed-1")
+        record_left_behind(cache, {mnt: why})
+        (said,) = wait_for(lambda: events("skewed-1"), 60, "the pod's event")
+        assert said["type"] == "Warning" and why in said["message"], said
+        assert said["involvedObject"]["uid"] == uid and said["source"]["component"] == "cachefs-csi"
+        _, mnt2 = reader("skewed-2")  # a second session left: its event comes from a later look of the plugin ...
+        record_left_behind(cache, {mnt: why, mnt2: why})
+        wait_for(lambda: events("skewed-2"), 60, "the second pod's event")
+        assert len(events("skewed-1")) == 1  # ... which did not say the first again
+    finally:
+        log = plugin.stop()
+        unmount_under(tmp_path)
+        for name in ("skewed-1", "skewed-2"):
+            crd.request("DELETE", f"/api/v1/namespaces/default/pods/{name}")
+    assert "Traceback" not in log

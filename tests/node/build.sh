@@ -4,6 +4,7 @@
 #     (tests/e2e/k8s-bins/build.sh node);
 #   - the images deploy/ names, as docker-archive tarballs the runtime imports (no registry is reachable):
 #       localhost/cachefs:0.1.0              the Dockerfile, FROM a Debian base made here with mmdebstrap;
+#       localhost/cachefs:0.1.0-next         a second build of it (another image id), to upgrade to;
 #       localhost/csi-provisioner:v5.2.0     github.com/kubernetes-csi/external-provisioner/v5 (bins/provisioner);
 #       localhost/kube-scheduler:v1.36.3     the control plane's own kube-scheduler binary;
 #       localhost/pause:3.10                 the runtime's sandbox image (bins/pause, ours);
@@ -108,5 +109,19 @@ if [ "$(cat "$tar.key" 2>/dev/null)" != "$key" ] || [ ! -s "$tar" ]; then
   podman image prune -f >/dev/null 2>&1 || true  # the previous build's layers
 fi
 step "cachefs image ready" "$t"
+
+# A second build of it (the same layers, one more label: another image id), for the upgrade by `kubectl set image`.
+t=$(date +%s)
+next="$out/images/localhost_cachefs_0.1.0-next.tar"
+if [ "$(cat "$next.key" 2>/dev/null)" != "$key" ] || [ ! -s "$next" ]; then
+  podman image exists localhost/cachefs:0.1.0 || podman load -q -i "$tar" >/dev/null
+  ctx="$(mktemp -d)"
+  printf 'FROM localhost/cachefs:0.1.0\nLABEL io.cachefs.build=next\n' > "$ctx/Containerfile"
+  podman build -q -t localhost/cachefs:0.1.0-next -f "$ctx/Containerfile" "$ctx" >/dev/null
+  rm -rf "$ctx"
+  podman save -q --format docker-archive -o "$next.tmp" localhost/cachefs:0.1.0-next && mv "$next.tmp" "$next"
+  echo "$key" > "$next.key"
+fi
+step "cachefs image's second build ready" "$t"
 if [ "$worked" = 1 ]; then mv "$out/build-times.tmp" "$out/last-build.txt"; else rm -f "$out/build-times.tmp"; fi
 echo "$out"

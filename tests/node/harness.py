@@ -28,6 +28,8 @@ from .cluster import NODE_IP, NODE_NAME, Node, NodeControlPlane
 
 HERE = Path(__file__).resolve().parent
 IMAGE = "localhost/cachefs:0.1.0"
+#: A second build of it (tests/node/build.sh), for the upgrade by `kubectl set image`.
+NEXT_IMAGE = "localhost/cachefs:0.1.0-next"
 BUCKET = "example-bucket"
 #: The example StorageClass's dataset (deploy/base/storageclass.yaml): the tier's origin holds one there.
 DATASET_PREFIX = "imagenet"

@@ -24,7 +24,7 @@ from tests.e2e.controlplane import REPO
 
 from .cluster import CACHE_DIR, mounts_under
 from .conftest import REPORT
-from .harness import BUCKET, IMAGE, digest, last_json
+from .harness import BUCKET, IMAGE, NEXT_IMAGE, digest, last_json
 
 #: The longest a reader may wait for one file across a fault ("a stall of at most a few seconds").
 MAX_STALL_S = 10.0
@@ -236,6 +236,20 @@ def origin_gets_under(cluster, url: str) -> int:
 def test_the_node_pod_rolled_over_by_a_rollout_restart_under_a_reading_pod(cluster):
     replaced_node_pod(cluster, "node-pod-rollout", lambda _pod: cluster.kubectl(
         "rollout", "restart", "daemonset/cachefs-node", "-n", "cachefs-system"))
+
+
+def test_the_node_pod_upgraded_to_another_build_by_kubectl_set_image_under_a_reading_pod(cluster):
+    """The upgrade as docs/UPGRADES.md says it: `kubectl set image` to another build of the image (tests/node/build.sh
+    makes a second one: another image id). The next pod runs it and takes the reader's session over."""
+    before = {c["name"]: c["imageID"] for c in node_pod(cluster)["status"]["containerStatuses"]}
+    replaced_node_pod(cluster, "node-pod-set-image", lambda _pod: cluster.kubectl(
+        "set", "image", "daemonset/cachefs-node", "-n", "cachefs-system", f"*={NEXT_IMAGE}"))
+    pod = node_pod(cluster)
+    after = {c["name"]: c["imageID"] for c in pod["status"]["containerStatuses"]}
+    REPORT["node-pod-set-image: image ids before and after"] = f"{sorted(set(before.values()))} -> " \
+                                                                f"{sorted(set(after.values()))}"
+    assert all(c["image"] == NEXT_IMAGE for c in pod["spec"]["containers"])
+    assert set(after) == set(before) and not set(after.values()) & set(before.values())
 
 
 def test_the_node_pod_deleted_under_a_reading_pod(cluster):
