@@ -3,8 +3,10 @@ daemon) overlaps the parent's own work, and told to go on, or to leave, through 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from collections.abc import Mapping
 
 __all__ = ["GO_ENV", "EarlyChild", "start_detached", "wait_for_go"]
 
@@ -25,10 +27,11 @@ class EarlyChild:
         finally:
             os.close(r)
 
-    def go(self) -> subprocess.Popen:
-        """Let it go on; the process."""
+    def go(self, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+        """Let it go on, with ``env`` added to its environment (what the parent learnt after starting it: an
+        adopted mount's credentials; through the pipe, never on a command line); the process."""
         try:
-            os.write(self._go, b"g")
+            os.write(self._go, b"g" + (json.dumps(dict(env)).encode() if env else b""))
         except BrokenPipeError:  # it died meanwhile: its exit code says why
             pass
         finally:
@@ -46,16 +49,23 @@ class EarlyChild:
 
 
 def wait_for_go() -> bool:
-    """In a child started as an :class:`EarlyChild`: wait until the parent says go (True) or cancels (False). True
-    at once in a process started otherwise."""
+    """In a child started as an :class:`EarlyChild`: wait until the parent says go (True; what it adds to the
+    environment is added) or cancels (False). True at once in a process started otherwise."""
     go = os.environ.pop(GO_ENV, "")
     if not go:
         return True
     fd = int(go)
+    said = bytearray()
     try:
-        return os.read(fd, 1) == b"g"
+        while chunk := os.read(fd, 65536):  # (until the parent closes its end)
+            said += chunk
     finally:
         os.close(fd)
+    if said[:1] != b"g":
+        return False
+    if len(said) > 1:
+        os.environ.update(json.loads(said[1:]))
+    return True
 
 
 def start_detached(argv: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -85,17 +85,19 @@ def daemon_argv(args: argparse.Namespace, config: Config, mountpoint: str) -> li
 def start_early(args: argparse.Namespace, config: Config) -> EarlyChild | subprocess.Popen | None:
     """What a ``cachefs mount`` of a dataset starts before this process imports the rest of what it runs (about
     0.3 s of Python), so that the process it starts imports meanwhile: in the background, the holder (which checks
-    and mounts; its error is the command's); as a holder (``--foreground``), its first daemon, which attaches once
-    the holder listens (or exits if the holder gives up first). None for every other kind of mount."""
+    and mounts; its error is the command's); as a holder (``--foreground``, or ``--adopt``: the next node pod
+    generation's, whose readers wait from the previous holder's retiring until this daemon serves), its first
+    daemon, which attaches once the holder listens (or exits if the holder gives up first). None for every other
+    kind of mount."""
     import os
 
     from cachefs.base.early_start import EarlyChild, start_detached
     from cachefs.index.mounts import holder_socket
 
-    if args.attach or args.adopt or args.writable:
+    if args.attach or args.writable:
         return None
     mnt = os.path.abspath(args.mountpoint)
     argv = daemon_argv(args, config, mnt)
-    if not args.foreground:
+    if not args.foreground and not args.adopt:
         return start_detached(argv, mount_log_path(config, mnt))
     return EarlyChild([*argv, "--attach", holder_socket(config.cache.dir, mnt)])

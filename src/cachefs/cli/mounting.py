@@ -51,11 +51,12 @@ async def mount(args: argparse.Namespace, config: Config) -> int:
     argv = daemon_argv(args, config, mnt)
     if args.adopt or args.foreground:
         from cachefs.fuse import hold_mount
-    if args.adopt:  # a holder for a mount whose holder died (the session keeper's copy): mounted and checked
-        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
-                          nonempty=args.nonempty, adopt=True)
     # (cli.main started it before importing this module: a holder's first daemon, or the background's holder)
     early = getattr(args, "started_early", None) or start_early(args, config)
+    if args.adopt:  # a holder for a mount whose holder died (the session keeper's copy): mounted and checked
+        assert isinstance(early, EarlyChild)
+        return hold_mount(config, args.url, mnt, argv, answer_after=args.answer_after, allow_other=args.allow_other,
+                          nonempty=args.nonempty, adopt=True, first=early)
     if args.foreground:  # this process holds the mount; the daemon serving it is its child
         # The first daemon imports what it serves with (half a second of Python) while this process checks; it
         # attaches once the mount is there, or exits if it never comes.

@@ -91,6 +91,7 @@ class MountHolder:
         self.responder: ErrorResponder | None = None
         self._served = False  # some daemon served this mount (the kernel's INIT is answered)
         self.retired = False  # the next node pod generation took the mount over
+        self.adopted_env: dict[str, str] = {}  # the credentials an adopted mount's keeper copy carried
         self._ready = threading.Event()  # the current daemon serves
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
@@ -136,6 +137,7 @@ class MountHolder:
             raise ConfigError("adopting a mount needs the session keeper's socket (CACHEFS_SESSION_KEEPER)")
         self.fd, meta, env = take_session(predecessor or self.keeper, self.mountpoint)
         os.environ.update(env)  # the volume's credentials, for its daemons (and this holder's next deposit)
+        self.adopted_env = dict(env)  # (for a first daemon started before they were known)
         if predecessor:
             # Before listening: the previous holder's socket has this path, and it removes it as it retires.
             retired = retire_holder(str(meta.get("socket") or self.socket_path))
@@ -292,8 +294,8 @@ class MountHolder:
                 if self.keeper and self.generation > 1:  # (the keeper's copy names the generation to resume)
                     with contextlib.suppress(CacheFSError):
                         self._deposit()
-                if first is not None:  # (started while this process checked; it attaches now)
-                    self.daemon, first = first.go(), None
+                if first is not None:  # (started while this process checked or took over; it attaches now)
+                    self.daemon, first = first.go(self.adopted_env), None
                 else:
                     self.daemon = subprocess.Popen(daemon_argv, env=env)
                 rc = self._wait_daemon(down_since)
