@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from cachefs.manifest.lazy import is_provisional
-from cachefs.testing.synthetic_s3 import SyntheticBucket, content
+from cachefs.testing.synthetic_s3 import SyntheticBucket, content, running
 from tests.integration.test_fuse import Mounted
 
 pytestmark = pytest.mark.root
@@ -31,15 +31,8 @@ BUDGET = 512 * 2**20  # engine.memory_budget's default: the daemon and its holde
 
 @pytest.fixture(scope="module")
 def synthetic():
-    proc = subprocess.Popen([sys.executable, "-m", "cachefs.testing.synthetic_s3", "--objects", str(N),
-                             "--hold-prefix", HELD], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("PORT "), line
-    endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
-    yield endpoint
-    proc.terminate()
-    proc.wait(10)
-    proc.stdout.close()
+    with running("--objects", str(N), "--hold-prefix", HELD) as endpoint:
+        yield endpoint
 
 
 def _env(endpoint: str) -> dict:
@@ -172,14 +165,8 @@ FLAT = 3_000  # three LIST pages, a dozen directory pages, some seventy READDIR 
 
 @pytest.fixture(scope="module")
 def flat_origin():
-    proc = subprocess.Popen([sys.executable, "-m", "cachefs.testing.synthetic_s3", "--objects", "0", "--flat",
-                             str(FLAT)], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("PORT "), line
-    yield f"http://127.0.0.1:{int(line.split()[1])}"
-    proc.terminate()
-    proc.wait(10)
-    proc.stdout.close()
+    with running("--objects", "0", "--flat", str(FLAT)) as endpoint:
+        yield endpoint
 
 
 def test_a_flat_directory_is_read_in_pages_across_a_daemon_restart(flat_origin, tmp_path):

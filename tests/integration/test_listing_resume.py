@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from cachefs.testing.synthetic_s3 import SyntheticBucket
+from cachefs.testing.synthetic_s3 import SyntheticBucket, running
 from cachefs.testing.waiting import wait_for
 
 N = 20_000  # 20 directories of 1,000: each a unit of the listing
@@ -21,14 +21,8 @@ HELD = "d000013"
 
 @pytest.fixture
 def synthetic():
-    proc = subprocess.Popen([sys.executable, "-m", "cachefs.testing.synthetic_s3", "--objects", str(N),
-                             "--hold-prefix", HELD + "/"], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("PORT "), line
-    yield f"http://127.0.0.1:{int(line.split()[1])}"
-    proc.terminate()
-    proc.wait(10)
-    proc.stdout.close()
+    with running("--objects", str(N), "--hold-prefix", HELD + "/") as endpoint:
+        yield endpoint
 
 
 def _server(endpoint: str, what: str) -> dict:

@@ -20,13 +20,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import hashlib
 import struct
+import subprocess
+import sys
+from collections.abc import Iterator
 from urllib.parse import quote
 
 from aiohttp import web
 
-__all__ = ["SyntheticBucket", "content", "main"]
+__all__ = ["SyntheticBucket", "content", "main", "running"]
 
 BUCKET = "synthetic"
 _WORD = struct.Struct("<QQ")
@@ -192,6 +196,23 @@ def make_app(bucket: SyntheticBucket, hold_prefix: str | None = None) -> web.App
     app.router.add_route("*", "/{bucket}/", on_bucket)
     app.router.add_route("*", "/{bucket}/{key:.+}", on_object)
     return app
+
+
+@contextlib.contextmanager
+def running(*args: str) -> Iterator[str]:
+    """This endpoint in a process of its own, started with ``args`` (``--objects N``, ``--flat N`` …): its URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.testing.synthetic_s3", *args], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"the synthetic S3 endpoint did not start: {line!r}")
+        yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
 
 
 def main(argv: list[str] | None = None) -> None:
