@@ -37,7 +37,8 @@ from scheduler_hints.extender_wire import NodeItems, NodeNames, as_sent
 from scheduler_hints.gang import GangManager
 from scheduler_hints.memo import room
 from scheduler_hints.node_cache import NodeCache
-from scheduler_hints.pods import VolumeIndex, pod_gang, pod_key, pod_wait_warm
+from scheduler_hints.pods import VolumeIndex, pod_dataset_urls, pod_gang, pod_key, pod_wait_warm
+from scheduler_hints.prewarm import PreWarm
 from scheduler_hints.priorities import Priorities
 from scheduler_hints.request_nodes import RequestNodes
 from scheduler_hints.scoring import NodeState, PodNeeds, Weights
@@ -109,6 +110,8 @@ class Extender:
         #: (:meth:`warm_now`), so that kube-scheduler tries the ones that may run now without waiting for its next
         #: event (the cluster watch touches them).
         self.warm_waiting: dict[str, Mapping[str, Any]] = {}
+        #: Where pending gangs will land, warmed meanwhile (the cluster watch writes it on the nodes).
+        self.prewarm = PreWarm(clock)
 
     # -- the state, by its old names (callers and tests read and set them) ---------------------------------------
     @property
@@ -232,11 +235,19 @@ class Extender:
             self.warm_waiting.pop(pod_key(pod), None)
         if gang is not None:
             if state.gangs.admitted(gang):
+                self.prewarm.drop(gang.key)
                 return None
             needs = state.needs(pod)
-            score = self.priorities.locality(needs, state.node_cache.cluster()[1])
-            return self.admission.gang_refusal(gang, gpus, needs, score, self._cluster_for(pod, state.held()),
-                                               _selector(pod))
+            base, groups = state.node_cache.cluster()
+            score = self.priorities.locality(needs, groups)
+            reason = self.admission.gang_refusal(gang, gpus, needs, score, self._cluster_for(pod, state.held()),
+                                                 _selector(pod))
+            if reason:  # it waits: warm where it will land meanwhile
+                self.prewarm.plan(gang.key, pod_dataset_urls(pod, state.volumes), needs, gpus, gang.min_member,
+                                  base, groups)
+            else:
+                self.prewarm.drop(gang.key)
+            return reason
         if not items or self.admission.locality_wait <= 0:
             return None
         needs = state.needs(pod)

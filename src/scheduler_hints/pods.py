@@ -21,6 +21,7 @@ __all__ = [
     "StaticVolumes",
     "VolumeIndex",
     "field_of",
+    "pod_dataset_urls",
     "pod_datasets",
     "pod_gang",
     "pod_gpus",
@@ -84,6 +85,19 @@ def pod_key(pod: Mapping[str, Any]) -> str:
 def pod_datasets(pod: Mapping[str, Any], volumes: VolumeIndex | None = None) -> list[str]:
     """Dataset ids the pod reads: its cachefs CSI volumes (inline or PVC) and the ``cachefs.io/datasets``
     annotation. Unparseable URLs are skipped (the pod is scored as if it read nothing from them)."""
+    ids: list[str] = []
+    for url in pod_dataset_urls(pod, volumes):
+        try:
+            ds = dataset_id(url)
+        except InvalidURLError:
+            continue
+        if ds not in ids:
+            ids.append(ds)
+    return ids
+
+
+def pod_dataset_urls(pod: Mapping[str, Any], volumes: VolumeIndex | None = None) -> list[str]:
+    """The URLs of what :func:`pod_datasets` counts, as the pod (or its claims) gives them."""
     urls: list[str] = []
     meta = _meta(pod)
     ann = meta.get("annotations") or {}
@@ -106,15 +120,7 @@ def pod_datasets(pod: Mapping[str, Any], volumes: VolumeIndex | None = None) -> 
             url = volumes.claim_dataset(namespace, str(pvc["claimName"]))
             if url:
                 urls.append(url)
-    ids: list[str] = []
-    for url in urls:
-        try:
-            ds = dataset_id(url)
-        except InvalidURLError:
-            continue
-        if ds not in ids:
-            ids.append(ds)
-    return ids
+    return urls
 
 
 #: More of a resource than any node has: a larger request is this many (it fits nowhere), so that arithmetic

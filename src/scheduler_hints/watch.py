@@ -9,11 +9,13 @@ ResourceSlices, ResourceClaims, their templates and DeviceClasses, each kept cur
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from cachefs.cluster.cachedatasets import WARM_FOR
 from cachefs.kube import ApiError, KubeClient, Reflector
 from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender import Binder, Extender
@@ -101,6 +103,7 @@ class ClusterWatch:
         ]
         self._tasks: list[asyncio.Task] = []
         self._touching: asyncio.Task | None = None
+        self._prewarm_written: dict[str, str] | None = None  # the ConfigMap's data as last written or read
 
     #: Node changes come in bursts (every agent publishes about once a second during a warm-up): the pods waiting
     #: for warm data are asked again this long after the first change of a burst, or once the extender's cluster
@@ -118,7 +121,8 @@ class ClusterWatch:
 
     def _on_node(self, kind: str, node: Mapping[str, Any]) -> None:
         if kind == "DELETED":
-            self.ext.node_cache.remove(str((node.get("metadata") or {}).get("name", "")))
+            name = str((node.get("metadata") or {}).get("name", ""))
+            self.ext.node_cache.remove(name)
         elif kind in ("ADDED", "MODIFIED"):
             self.ext.node_cache.update(node)
             if self.ext.warm_waiting and self._touching is None:
@@ -186,10 +190,47 @@ class ClusterWatch:
         if total > 0:
             self.ext.min_members[key] = total
 
+    #: Seconds between writes of the pending gangs' warm-ups (:data:`~cachefs.cluster.cachedatasets.WARM_FOR`).
+    PREWARM_EVERY = 5.0
+
+    async def _prewarm_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.PREWARM_EVERY)
+            try:
+                await self.write_prewarm()
+            except (TimeoutError, ApiError, OSError) as exc:  # (the next pass tries again)
+                log.info("could not write the warm-ups for pending gangs: %s", exc)
+
+    async def write_prewarm(self) -> bool:
+        """Write what :class:`~scheduler_hints.prewarm.PreWarm` wants each cache group to warm into the ConfigMap
+        the node agents read, if it changed; whether it wrote."""
+        wanted = {g: json.dumps(urls) for g, urls in self.ext.prewarm.wanted().items()}
+        if self._prewarm_written is None:  # (after a restart: what an earlier extender wrote)
+            try:
+                self._prewarm_written = dict((await self.client.get(WARM_FOR)).get("data") or {})
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                self._prewarm_written = {}
+        if wanted == self._prewarm_written:
+            return False
+        data: dict[str, str | None] = {**{g: None for g in self._prewarm_written if g not in wanted}, **wanted}
+        try:
+            await self.client.merge_patch(WARM_FOR, {"data": data})
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            await self.client.post(WARM_FOR.rsplit("/", 1)[0], {
+                "apiVersion": "v1", "kind": "ConfigMap", "data": wanted,
+                "metadata": {"name": WARM_FOR.rsplit("/", 1)[1], "namespace": "cachefs-system"}})
+        self._prewarm_written = wanted
+        return True
+
     async def start(self, timeout: float = 60.0) -> None:
         """Start every reflector and wait until each has listed once."""
         self._tasks = [asyncio.create_task(r.run()) for r in self.reflectors]
         await asyncio.wait_for(asyncio.gather(*(r.synced.wait() for r in self.reflectors)), timeout)
+        self._tasks.append(asyncio.create_task(self._prewarm_loop()))
 
     async def aclose(self) -> None:
         if self._touching is not None:

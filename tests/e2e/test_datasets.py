@@ -422,3 +422,67 @@ def test_a_pod_whose_session_the_new_node_pod_cannot_take_over_gets_an_event_say
         for name in ("skewed-1", "skewed-2"):
             crd.request("DELETE", f"/api/v1/namespaces/default/pods/{name}")
     assert "Traceback" not in log
+
+
+def test_the_group_a_pending_gang_will_land_in_warms_its_dataset_until_the_gang_is_admitted(crd, tmp_path):
+    """The extender's write of its warm targets (as the scheduler's service account: deploy/'s Role for the one
+    ConfigMap) and a node agent of that cache group warming from it (as the node pods' service account): the
+    dataset is warmed on the node, and once the target is dropped the next writes remove it."""
+    import asyncio
+
+    from cachefs.agent.node_agent import AgentContext
+    from cachefs.base.config import load_config
+    from cachefs.cluster.cachedatasets import WARM_FOR, warm_key
+    from cachefs.engine import Engine
+    from cachefs.jobs.warmups import Warmups
+    from cachefs.kube import ApiError, KubeClient, load_kube_config
+    from scheduler_hints.extender import Extender
+    from scheduler_hints.prewarm import WarmTarget
+    from scheduler_hints.watch import ClusterWatch
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"f{i:02d}.bin").write_bytes(bytes([i]) * (400 + i))
+    url = f"file://{src}"
+    make_node(crd, "prewarm-b1", labels={"cachefs.io/cache-group": "rack-prewarm"})
+    config = load_config(env={}, overrides={"cache_dir": str(tmp_path / "cache"), "cache_min_free": "0"})
+
+    async def scenario() -> None:
+        ext = Extender()
+        watch = ClusterWatch(KubeClient(load_kube_config(str(crd.extender_kubeconfig))), ext)
+        node_kube = KubeClient(load_kube_config(_node_kubeconfig(crd, tmp_path / "node.kubeconfig")))
+        # (the agent itself as admin: the node pods' token may patch only its own Node, which needs a pod-bound
+        # token; what the node's service account may read is checked below with its own token)
+        agent_kube = KubeClient(load_kube_config(str(crd.admin_kubeconfig)))
+        engine = Engine(config)
+        warmups = Warmups(AgentContext(config, "prewarm-b1", "rack-prewarm", engine, None, agent_kube))
+        try:
+            ext.prewarm.targets["ml/pending"] = WarmTarget("rack-prewarm", (url,), ext.prewarm.clock())
+            assert await watch.write_prewarm()  # (created: the first target)
+            assert not await watch.write_prewarm()  # (unchanged: not written again)
+            assert json.loads((await node_kube.get(WARM_FOR))["data"]["rack-prewarm"]) == [url]  # (readable by nodes)
+            for _ in range(100):  # (a CRD made just now answers 429 while its storage starts)
+                try:
+                    await warmups.once()
+                    break
+                except ApiError as exc:
+                    if exc.status != 429:
+                        raise
+                    await asyncio.sleep(0.2)
+            ((_, task),) = warmups._running.values()
+            await asyncio.wait_for(task, 120)
+            node = await agent_kube.get("/api/v1/nodes/prewarm-b1")
+            said = json.loads(node["metadata"]["annotations"][warm_key(dataset_id(url))])
+            assert (said["state"], said["filesDone"], said["filesTotal"]) == ("done", 12, 12), said
+            ext.prewarm.drop("ml/pending")  # admitted
+            assert await watch.write_prewarm()
+            assert (await node_kube.get(WARM_FOR)).get("data") in (None, {})
+            await warmups.once()
+            assert not warmups._running  # (nothing asks for it now)
+        finally:
+            for client in (watch.client, node_kube, agent_kube):
+                await client.aclose()
+            await engine.aclose()
+
+    asyncio.run(scenario())

@@ -672,6 +672,33 @@ def test_a_gang_waiting_for_warm_data_holds_nothing_until_its_group_holds_enough
     assert len(out["Nodes"]["items"]) == 2 and ext.gangs.admitted(pod_gang(members[0], {})), out["FailedNodes"]
 
 
+def test_a_gang_waiting_for_gpus_has_the_group_it_will_land_in_warmed_meanwhile(server):
+    """A gang that fits nowhere while other jobs hold the GPUs: the extender names the cache group it will land in
+    (of those whose GPUs could hold it, the one holding most of its data) for the node agents there to warm its
+    dataset; once it is admitted the target goes."""
+    base, ext = server
+    ext.admission.locality_wait = 0
+    ext.node_cache.refresh_interval = 0
+    layout = {"a1": ("rack-a", 0.1), "a2": ("rack-a", None), "b1": ("rack-b", 0.5), "b2": ("rack-b", 0.2),
+              "b3": ("rack-b", None), "c1": ("rack-c", 0.9)}  # (rack-c's one node cannot hold the gang)
+    nodes = []
+    for name, (group, fraction) in layout.items():
+        n = node(name, fraction=fraction)
+        n["metadata"]["labels"]["cachefs.io/cache-group"] = group
+        ext.node_cache.update(n)
+        nodes.append(n)
+        ext.bound_pods[f"busy/{name}"] = (name, 8)  # every GPU held by a running job
+    members = [pod(f"g{i}", inline=URL, gpus=8, gang="pre", gang_size=2) for i in range(2)]
+    _, out = post(base, "filter", args(members[0], nodes))
+    assert not out["Nodes"]["items"] and "waiting until the whole gang fits" in out["FailedNodes"]["a1"], out
+    assert ext.prewarm.wanted() == {"rack-b": [URL]}
+    for name in ("a1", "a2"):
+        del ext.bound_pods[f"busy/{name}"]  # a job ends: the gang fits now
+    _, out = post(base, "filter", args(members[0], nodes))
+    assert out["Nodes"]["items"] and ext.gangs.admitted(pod_gang(members[0], {})), out["FailedNodes"]
+    assert ext.prewarm.wanted() == {}
+
+
 def test_a_pod_does_not_wait_for_nodes_its_node_selector_rules_out(server):
     """Delay scheduling counts only nodes the pod could ever run on: a node holding 90 % of its data but outside
     its nodeSelector is not worth waiting for (it waited for one, up to locality_wait, in the e2e run)."""

@@ -11,13 +11,16 @@ from typing import Any
 
 from cachefs.cluster.membership import GROUP_LABEL
 
-__all__ = ["API", "WARM_PREFIX", "placed_on", "secret_credentials", "warm_key"]
+__all__ = ["API", "WARM_FOR", "WARM_PREFIX", "placed_on", "secret_credentials", "warm_key"]
 
 #: The CacheDataset API (deploy/base/cachedataset-crd.yaml).
 API = "/apis/cachefs.io/v1alpha1"
 #: ``warm.cachefs.io/<dataset id>``: a node's warm-up progress, JSON (``state`` running, done or failed,
 #: ``filesDone``, ``filesTotal``, ``bytesDone``, ``bytesTotal``, ``errors``, ``reason``).
 WARM_PREFIX = "warm.cachefs.io"
+#: The ConfigMap the scheduler extender writes (scheduler_hints.prewarm): per cache group, a JSON list of the dataset
+#: URLs to warm there, for pending gangs that will land in it.
+WARM_FOR = "/api/v1/namespaces/cachefs-system/configmaps/cachefs-warm-for"
 
 
 def warm_key(ds_id: str) -> str:

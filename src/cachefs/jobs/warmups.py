@@ -13,6 +13,10 @@ group's listing of it), and at each time of ``spec.warmup.schedule`` (cron, UTC)
 its group (every node outside a group) lists the source again first: the group lists once per schedule, and every
 member then warms what is new to it.
 
+The same look takes the datasets the scheduler extender asks this node's cache group to warm for pending gangs that
+will land in it (the ConfigMap ``cachefs-system/cachefs-warm-for``; scheduler_hints.prewarm), warmed the same way
+(with the credentials of a CacheDataset of the same URL, if any, else the node's own) until the extender drops them.
+
 The same look keeps the node's pins (eviction passes a pinned dataset over) equal to the CacheDatasets with
 ``spec.pin`` placed on this node.
 
@@ -38,7 +42,7 @@ from croniter import croniter
 
 from cachefs.base.metrics import WARMUP_BYTES, WARMUP_FILES, WARMUP_RUNNING
 from cachefs.base.types import dataset_id, object_key
-from cachefs.cluster.cachedatasets import API, placed_on, secret_credentials, warm_key
+from cachefs.cluster.cachedatasets import API, WARM_FOR, placed_on, secret_credentials, warm_key
 from cachefs.cluster.keys import DirectoryWindows, block_key, manifest_key
 from cachefs.jobs.warm import Progress, warm
 
@@ -63,6 +67,7 @@ class Warmups:
         #: Wall-clock seconds (cron schedules are in UTC wall time).
         self.clock: Callable[[], float] = time.time
         self._said_forbidden = False
+        self._said_warm_for = False
 
     async def run(self) -> None:
         try:
@@ -92,6 +97,13 @@ class Warmups:
                 what = json.dumps([spec.get("url"), spec.get("include"), spec.get("exclude"),
                                    (spec.get("warmup") or {}).get("include"), meta.get("generation")], sort_keys=True)
                 wanted[str(meta.get("uid"))] = (what, obj)
+        for url in await self._warm_for_group():  # (pending gangs that will land in this node's group)
+            if any((o.get("spec") or {}).get("url") == url for _, o in wanted.values()):
+                continue
+            like: Mapping[str, Any] = next((o for o in objs if (o.get("spec") or {}).get("url") == url), {})
+            spec = {**(like.get("spec") or {}), "url": url, "warmup": {"enabled": True}}  # (its credentials too)
+            meta = {"uid": f"warm-for/{url}", "namespace": (like.get("metadata") or {}).get("namespace", "default")}
+            wanted[meta["uid"]] = (json.dumps([url, "warm-for"]), {"spec": spec, "metadata": meta})
         for uid, (what, task) in list(self._running.items()):
             if uid not in wanted or wanted[uid][0] != what:
                 task.cancel()
@@ -102,6 +114,21 @@ class Warmups:
                 self._running[uid] = (what, asyncio.ensure_future(self._warm(uid, obj)))
             elif running[1].done() and (again := self._again(uid, obj)) is not None:
                 self._running[uid] = (what, asyncio.ensure_future(self._warm(uid, obj, refresh=again)))
+
+    async def _warm_for_group(self) -> list[str]:
+        """The dataset URLs the scheduler extender asks this node's cache group to warm, for gangs that will land
+        in it (:data:`~cachefs.cluster.cachedatasets.WARM_FOR`); none outside a group or without that ConfigMap."""
+        if not self.ctx.group:
+            return []
+        try:
+            data = (await self.ctx.kube.get(WARM_FOR)).get("data") or {}
+            urls = json.loads(data.get(self.ctx.group) or "[]")
+        except Exception as exc:  # noqa: BLE001 - (none written yet, or not readable: no such warm-ups)
+            if "404" not in str(exc) and not self._said_warm_for:
+                log.info("the warm-ups for pending gangs are not readable (%s)", exc)
+                self._said_warm_for = True
+            return []
+        return [u for u in urls if isinstance(u, str)] if isinstance(urls, list) else []
 
     def _again(self, uid: str, obj: Mapping[str, Any]) -> bool | None:
         """Whether a finished warm-up runs again: False when the node now holds a newer manifest of its dataset (a
