@@ -111,6 +111,9 @@ class Result:
     partial_gpu_hours: float = 0.0
     multi_leaf: int = 0
     gangs: int = 0
+    gang_bytes: int = 0  # what gangs read (their first epoch)
+    gang_cached_bytes: int = 0  # ... of it from their node or cache group
+    prewarm_bytes: int = 0  # read from object storage ahead of pending gangs (``prewarm_tbph``)
 
     @property
     def total(self) -> int:
@@ -163,8 +166,12 @@ def make_world(n_nodes: int, n_jobs: int, seed: int, cache_tib: float = 15.0, n_
 class Simulation:
     def __init__(self, policy: str, nodes: list[Node], sizes: dict[str, int], jobs: list[Job], seed: int,
                  locality_wait: float = LOCALITY_WAIT, locality_slack: float = LOCALITY_SLACK,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, prewarm_tbph: float = 0.0) -> None:
+        """``prewarm_tbph``: with ``sharded``, the cache group a pending gang will land in (scheduler_hints.prewarm's
+        choice: of the groups whose GPUs could hold it, the one with most free room, then holding most of its
+        dataset) is warmed with its dataset at this many TB per hour per group while the gang waits."""
         self.policy, self.sizes = policy, sizes
+        self.prewarm_rate = prewarm_tbph * TB if sharded else 0.0
         self.groups: dict[str, ShardedGroup] = {}
         if sharded:  # the warm start's copies become the group's: each leaf holds the most any member held
             for n in nodes:
@@ -175,6 +182,7 @@ class Simulation:
                 for ds, b in n.cache.items():
                     g.cache[ds] = max(g.cache.get(ds, 0), b)
             self.members = {leaf: sum(n.leaf == leaf for n in nodes) for leaf in self.groups}
+            self.leaf_nodes = {leaf: [n for n in nodes if n.leaf == leaf] for leaf in self.groups}
         self.locality_wait, self.locality_slack = locality_wait, locality_slack
         self.nodes = {n.name: n for n in nodes}
         self.jobs = jobs
@@ -315,11 +323,44 @@ class Simulation:
             g = self.groups[n.leaf]
             from_group = min(shard, int(shard * g.cache.get(job.dataset, 0) / size))
             local = from_group // self.members[n.leaf]
+            if job.pods > 1:
+                self.result.gang_bytes += shard
+                self.result.gang_cached_bytes += from_group
             self.result.local_bytes += local
             self.result.peer_bytes += from_group - local
             self.result.origin_bytes += shard - from_group
             g.add(job.dataset, shard, size)  # its owners fetched what the group lacked, once
             self.touch(n)
+
+    # -- warming where pending gangs will land ---------------------------------------------------------------
+    def target_leaf(self, job: Job) -> str | None:
+        """The cache group ``job`` (a pending gang) will land in: scheduler_hints.prewarm's choice."""
+        best = None
+        for leaf, members in self.leaf_nodes.items():
+            if len(members) * (GPUS // job.gpus) < job.pods:
+                continue
+            key = (sum(n.free // job.gpus for n in members),
+                   self.groups[leaf].cache.get(job.dataset, 0) / self.sizes[job.dataset], leaf)
+            best = max(best, key) if best else key
+        return best[2] if best else None
+
+    def prewarm(self, queue: list[Job], t0: float, t1: float) -> None:
+        """Between two events, each group warms the datasets of the pending gangs that will land in it, its
+        bandwidth shared among them."""
+        if t1 <= t0:
+            return
+        wanted: dict[str, set[str]] = {}
+        for q in queue:
+            if q.pods > 1 and not q.placed and (leaf := self.target_leaf(q)) is not None:
+                wanted.setdefault(leaf, set()).add(q.dataset)
+        for leaf, datasets in wanted.items():
+            g, each = self.groups[leaf], self.prewarm_rate * (t1 - t0) / len(datasets)
+            for ds in sorted(datasets):
+                add = int(min(each, self.sizes[ds] - g.cache.get(ds, 0)))
+                if add > 0:
+                    g.add(ds, add, self.sizes[ds])
+                    self.result.prewarm_bytes += add
+            self.touch(self.leaf_nodes[leaf][0])
 
     def run(self) -> Result:
         r = self.result
@@ -345,6 +386,8 @@ class Simulation:
         while events:
             t, kind, jid = heapq.heappop(events)
             self.sample_stranded(queue, last_t, t)
+            if self.prewarm_rate:
+                self.prewarm(queue, last_t, t)
             last_t = t
             job = self.jobs[jid]
             if kind == 0:  # arrival
@@ -448,6 +491,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="7", help="comma-separated seeds; one table each, then a summary")
     ap.add_argument("--locality-wait", type=float, default=LOCALITY_WAIT, help="hours (0: no delay scheduling)")
     ap.add_argument("--sharded", action="store_true", help="leaves are cache groups sharding each dataset")
+    ap.add_argument("--prewarm-tbph", type=float, default=0.0, metavar="TB_PER_HOUR",
+                    help="with --sharded: also run cachefs warming the group a pending gang will land in at this rate "
+                         "per group (4.5 TB/h is 10 Gbit/s), and compare its gangs' first epochs")
     args = ap.parse_args()
     rows = []
     for seed in (int(x) for x in args.seeds.split(",")):
@@ -457,6 +503,16 @@ def main() -> None:
         print(f"placement simulation: {args.nodes} nodes × {GPUS} GPUs, {args.jobs} jobs, seed {seed}; {caches}")
         print(table(results))
         rows.append((seed, *report(results)))
+        if args.sharded and args.prewarm_tbph > 0:
+            warmed = Simulation("cachefs", *make_world(args.nodes, args.jobs, seed), seed=seed,
+                                locality_wait=args.locality_wait, sharded=True, prewarm_tbph=args.prewarm_tbph).run()
+            plain = next(r for r in results if r.policy == "cachefs")
+            print(f"warming where pending gangs land ({args.prewarm_tbph:g} TB/h per group), same trace: gangs' first "
+                  f"epoch from node or group {plain.gang_cached_bytes / max(plain.gang_bytes, 1):.3f} without, "
+                  f"{warmed.gang_cached_bytes / max(warmed.gang_bytes, 1):.3f} with; object storage read "
+                  f"{plain.origin_bytes / TB:.0f} TB without, {warmed.origin_bytes / TB:.0f} TB + "
+                  f"{warmed.prewarm_bytes / TB:.0f} TB ahead with; mean wait {statistics.fmean(plain.waits):.2f} h "
+                  f"vs {statistics.fmean(warmed.waits):.2f} h")
         print(flush=True)
     if len(rows) > 1:
         print("seed  local/default  local/fluid  stranded ours−default  deadlocks")
