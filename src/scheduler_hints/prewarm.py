@@ -3,10 +3,10 @@ cache group it will run in is warmed, so that it starts warm the moment its GPUs
 
 The extender picks that group when it refuses the gang for room (:meth:`PreWarm.plan`): of the cache groups whose
 GPUs could hold the whole gang, the one closest to having room for it (most free pod slots now: where it will fit
-first, and be placed, when GPUs free up), then the one holding most of its data already. The cluster watch writes what each group should warm into the
-ConfigMap ``cachefs-system/cachefs-warm-for`` (one key per cache group, a JSON list of dataset URLs;
-:meth:`PreWarm.wanted`), and each node agent warms its share of its group's as it does a CacheDataset's (the group
-reads each byte from the origin once). A target is dropped when the gang is admitted, and ends by itself when the
+first, and be placed, when GPUs free up), then the one holding most of its data already. The cluster watch writes
+what each group should warm into the ConfigMap ``cachefs-system/cachefs-warm-for`` (one key per cache group, a JSON
+list of dataset URLs; :meth:`PreWarm.wanted`), and each node agent warms its share of its group's as it does a
+CacheDataset's (the group reads each byte from the origin once). A target is dropped when the gang is admitted, and ends by itself when the
 gang has not been asked about for :data:`TARGET_TTL` seconds (kube-scheduler asks about a pending pod at least every
 five minutes). A ConfigMap rather than an annotation on each Node: the extender needs no right to change Nodes.
 """
