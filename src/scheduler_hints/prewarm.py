@@ -6,9 +6,10 @@ GPUs could hold the whole gang, the one closest to having room for it (most free
 first, and be placed, when GPUs free up), then the one holding most of its data already. The cluster watch writes
 what each group should warm into the ConfigMap ``cachefs-system/cachefs-warm-for`` (one key per cache group, a JSON
 list of dataset URLs; :meth:`PreWarm.wanted`), and each node agent warms its share of its group's as it does a
-CacheDataset's (the group reads each byte from the origin once). A target is dropped when the gang is admitted, and ends by itself when the
-gang has not been asked about for :data:`TARGET_TTL` seconds (kube-scheduler asks about a pending pod at least every
-five minutes). A ConfigMap rather than an annotation on each Node: the extender needs no right to change Nodes.
+CacheDataset's (the group reads each byte from the origin once). A target is dropped when the gang is admitted, and
+ends by itself when the gang has not been asked about for :data:`TARGET_TTL` seconds (kube-scheduler asks about a
+pending pod at least every five minutes). A ConfigMap rather than an annotation on each Node: the extender needs no
+right to change Nodes.
 """
 
 from __future__ import annotations
