@@ -27,6 +27,7 @@ __all__ = [
     "pod_gpus",
     "pod_key",
     "pod_wait_warm",
+    "volume_dataset",
 ]
 
 CSI_DRIVER = "csi.cachefs.io"
@@ -47,8 +48,25 @@ WAIT_WARM_ANNOTATION = "cachefs.io/wait-warm"
 #: RFC 3339): the pod's update has kube-scheduler try it again at once.
 WARM_READY_ANNOTATION = "cachefs.io/warm-ready"
 GANG_SIZE_ANNOTATION = "cachefs.io/gang-size"
-#: Volume attribute keys that carry the dataset URL (PV spec.csi.volumeAttributes or inline csi.volumeAttributes).
+#: Volume attribute keys that carry the dataset (PV spec.csi.volumeAttributes or inline csi.volumeAttributes): its URL,
+#: or the name of a CacheDataset in the pod's namespace (a ``dataset`` value with ``://`` is read as a URL, as before
+#: CacheDatasets existed).
 URL_ATTRIBUTES = ("url", "dataset")
+
+
+def volume_dataset(attrs: Any, namespace: str, volumes: VolumeIndex | None) -> str | None:
+    """The dataset URL a cachefs volume's attributes name, in ``namespace`` (a CacheDataset's name resolved through
+    ``volumes``), else None."""
+    if not isinstance(attrs, Mapping):
+        return None
+    if attrs.get("url"):
+        return str(attrs["url"])
+    name = attrs.get("dataset")
+    if not name:
+        return None
+    if "://" in str(name):
+        return str(name)
+    return volumes.dataset_url(namespace, str(name)) if volumes is not None else None
 
 
 class VolumeIndex(abc.ABC):
@@ -57,6 +75,10 @@ class VolumeIndex(abc.ABC):
     @abc.abstractmethod
     def claim_dataset(self, namespace: str, claim: str) -> str | None:
         """The dataset URL behind a PVC bound to a cachefs PV, else None."""
+
+    def dataset_url(self, namespace: str, name: str) -> str | None:
+        """The URL of CacheDataset ``namespace/name``, else None (no such object, or not watched)."""
+        return None
 
 
 class StaticVolumes(VolumeIndex):
@@ -111,10 +133,9 @@ def pod_dataset_urls(pod: Mapping[str, Any], volumes: VolumeIndex | None = None)
             continue
         csi = vol.get("csi")
         if isinstance(csi, Mapping) and csi.get("driver") == CSI_DRIVER:
-            attrs = csi.get("volumeAttributes") or {}
-            url = next((attrs.get(k) for k in URL_ATTRIBUTES if isinstance(attrs, Mapping) and attrs.get(k)), None)
+            url = volume_dataset(csi.get("volumeAttributes"), namespace, volumes)
             if url:
-                urls.append(str(url))
+                urls.append(url)
         pvc = vol.get("persistentVolumeClaim")
         if isinstance(pvc, Mapping) and pvc.get("claimName") and volumes is not None:
             url = volumes.claim_dataset(namespace, str(pvc["claimName"]))

@@ -15,26 +15,40 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from cachefs.cluster.cachedatasets import API as CACHEDATASETS_API
 from cachefs.cluster.cachedatasets import WARM_FOR
 from cachefs.kube import ApiError, KubeClient, Reflector
 from scheduler_hints.dra import DraInventory
 from scheduler_hints.extender import Binder, Extender
-from scheduler_hints.pods import CSI_DRIVER, URL_ATTRIBUTES, WARM_READY_ANNOTATION, VolumeIndex, pod_gpus, pod_key
+from scheduler_hints.pods import (
+    CSI_DRIVER,
+    URL_ATTRIBUTES,
+    WARM_READY_ANNOTATION,
+    VolumeIndex,
+    pod_gpus,
+    pod_key,
+    volume_dataset,
+)
 
 __all__ = ["ClusterWatch", "KubeBinder", "Reflector", "WatchedVolumes"]
 
 log = logging.getLogger(__name__)
 
 class WatchedVolumes(VolumeIndex):
-    """PVC → dataset URL from watched PVCs and PVs of the cachefs CSI driver."""
+    """PVC → dataset URL from watched PVCs and PVs of the cachefs CSI driver, and CacheDataset → URL for volumes
+    that name one."""
 
     def __init__(self) -> None:
-        self.pv_url: dict[str, str] = {}
+        self.pv_attrs: dict[str, dict[str, str]] = {}  # a cachefs PV's dataset attributes
         self.claim_pv: dict[tuple[str, str], str] = {}
+        self.datasets: dict[tuple[str, str], str] = {}  # (namespace, name) → URL
 
     def claim_dataset(self, namespace: str, claim: str) -> str | None:
         pv = self.claim_pv.get((namespace, claim))
-        return self.pv_url.get(pv) if pv else None
+        return volume_dataset(self.pv_attrs.get(pv), namespace, self) if pv else None
+
+    def dataset_url(self, namespace: str, name: str) -> str | None:
+        return self.datasets.get((namespace, name))
 
     def on_pv(self, kind: str, pv: Mapping[str, Any]) -> None:
         name = (pv.get("metadata") or {}).get("name")
@@ -42,11 +56,20 @@ class WatchedVolumes(VolumeIndex):
             return
         csi = (pv.get("spec") or {}).get("csi") or {}
         attrs = csi.get("volumeAttributes") or {}
-        url = next((attrs[k] for k in URL_ATTRIBUTES if attrs.get(k)), None)
-        if kind == "DELETED" or csi.get("driver") != CSI_DRIVER or not url:
-            self.pv_url.pop(name, None)
+        named = {k: str(attrs[k]) for k in URL_ATTRIBUTES if isinstance(attrs, Mapping) and attrs.get(k)}
+        if kind == "DELETED" or csi.get("driver") != CSI_DRIVER or not named:
+            self.pv_attrs.pop(name, None)
         else:
-            self.pv_url[name] = str(url)
+            self.pv_attrs[name] = named
+
+    def on_dataset(self, kind: str, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        url = (obj.get("spec") or {}).get("url")
+        if kind == "DELETED" or not url:
+            self.datasets.pop(key, None)
+        elif kind in ("ADDED", "MODIFIED"):
+            self.datasets[key] = str(url)
 
     def on_pvc(self, kind: str, pvc: Mapping[str, Any]) -> None:
         meta = pvc.get("metadata") or {}
@@ -93,6 +116,7 @@ class ClusterWatch:
             Reflector(client, "/api/v1/nodes", self._on_node),
             Reflector(client, "/api/v1/persistentvolumes", self.volumes.on_pv),
             Reflector(client, "/api/v1/persistentvolumeclaims", self.volumes.on_pvc),
+            Reflector(client, f"{CACHEDATASETS_API}/cachedatasets", self.volumes.on_dataset, optional=True),
             Reflector(client, "/api/v1/pods", self._on_pod),
             *(Reflector(client, path, self._on_podgroup, optional=True) for path in self.PODGROUPS),
             *(Reflector(client, path, self._on_workload, optional=True) for path in self.WORKLOADS),

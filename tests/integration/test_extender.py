@@ -754,3 +754,31 @@ def test_a_node_change_that_makes_a_waiting_pod_warm_marks_the_pod_for_kube_sche
     assert len(patches) == 1
     path, patch = patches[0]
     assert path.endswith("/pods/p") and patch["metadata"]["annotations"]["cachefs.io/warm-ready"].endswith("Z")
+
+
+def test_volumes_that_name_a_cachedataset_count_as_its_url_in_the_pods_namespace():
+    """`dataset: NAME` (inline, or a PV's attribute behind a claim) is the CacheDataset of that name in the pod's
+    namespace, as the watch of CacheDatasets says it; another namespace's pod reads no such dataset; a `dataset`
+    value that is a URL is read as one, as before CacheDatasets."""
+    from cachefs.base.types import dataset_id
+    from scheduler_hints.pods import pod_datasets
+    from scheduler_hints.watch import WatchedVolumes
+
+    volumes = WatchedVolumes()
+    volumes.on_dataset("ADDED", {"metadata": {"namespace": "ml", "name": "imagenet"}, "spec": {"url": URL}})
+    volumes.on_pv("ADDED", {"metadata": {"name": "pv-1"}, "spec": {"csi": {
+        "driver": "csi.cachefs.io", "volumeAttributes": {"dataset": "imagenet"}}}})
+    volumes.on_pvc("ADDED", {"metadata": {"namespace": "ml", "name": "claim"}, "spec": {"volumeName": "pv-1"}})
+
+    def reader(namespace: str, volume: dict) -> dict:
+        return {"metadata": {"namespace": namespace, "name": "r"}, "spec": {"volumes": [volume]}}
+
+    inline = {"name": "d", "csi": {"driver": "csi.cachefs.io", "volumeAttributes": {"dataset": "imagenet"}}}
+    claim = {"name": "d", "persistentVolumeClaim": {"claimName": "claim"}}
+    assert pod_datasets(reader("ml", inline), volumes) == [dataset_id(URL)]
+    assert pod_datasets(reader("ml", claim), volumes) == [dataset_id(URL)]
+    assert pod_datasets(reader("other", inline), volumes) == []
+    legacy = {"name": "d", "csi": {"driver": "csi.cachefs.io", "volumeAttributes": {"dataset": URL}}}
+    assert pod_datasets(reader("other", legacy), volumes) == [dataset_id(URL)]
+    volumes.on_dataset("DELETED", {"metadata": {"namespace": "ml", "name": "imagenet"}, "spec": {"url": URL}})
+    assert pod_datasets(reader("ml", inline), volumes) == []
