@@ -6,6 +6,9 @@ memory per inode). What a walk through it costs is the kernel's round trips plus
 this machine: the bound a cachefs walk with its manifest local is measured against (bench/scale_bench.py).
 
     python -m bench.scale_bench --sizes 1000000 --systems cachefs   # measures it beside a cachefs mount
+
+:class:`FileTree` is the same for reads: files of given sizes, their bytes in memory (bench/uring_bench.py's floor
+for warm small files).
 """
 
 from __future__ import annotations
@@ -106,6 +109,64 @@ class ArithmeticTree(RequestLoop):
         return b""
 
 
+class FileTree(RequestLoop):
+    """A read-only tree of the files ``sizes`` names (``dir/name``: one level of directories), their bytes one
+    buffer of zeros held in memory: what a daemon must do to serve a small file whose bytes it already has in hand
+    (LOOKUP, OPEN, READ, FLUSH, RELEASE), with none of the work of finding them."""
+
+    def __init__(self, fd: int, sizes: dict[str, int], workers: int = 4) -> None:
+        super().__init__(fd, workers=workers, timeout=TIMEOUT)
+        dirs = sorted({rel.split("/", 1)[0] for rel in sizes})
+        self.by_name: dict[tuple[int, bytes], int] = {}
+        self.attrs: dict[int, bytes] = {ROOT: abi.pack_attr(ROOT, 0, 0o40555, 0, 2)}
+        self.sizes: dict[int, int] = {}
+        for i, d in enumerate(dirs):
+            ino = 2 + i
+            self.by_name[(ROOT, d.encode())] = ino
+            self.attrs[ino] = abi.pack_attr(ino, 0, 0o40555, 0, 2)
+        next_ino = 2 + len(dirs)
+        for rel, size in sorted(sizes.items()):
+            d, name = rel.split("/", 1)
+            self.by_name[(self.by_name[(ROOT, d.encode())], name.encode())] = next_ino
+            self.attrs[next_ino] = abi.pack_attr(next_ino, size, 0o100444, 0, 1)
+            self.sizes[next_ino] = size
+            next_ino += 1
+        self.zeros = bytes(max(sizes.values(), default=0))
+        self.ops.update({Op.LOOKUP: self.lookup, Op.GETATTR: self.getattr, Op.OPEN: self.open, Op.READ: self.read,
+                         Op.FLUSH: self.empty, Op.RELEASE: self.empty, Op.STATFS: self.statfs,
+                         Op.ACCESS: self.empty})
+
+    def init_wants(self) -> int:
+        return int(InitFlag.ASYNC_READ | InitFlag.PARALLEL_DIROPS | InitFlag.MAX_PAGES | InitFlag.INIT_EXT)
+
+    def initialized(self, agreed: int) -> int:
+        self.mode = "userspace"
+        return 0
+
+    def lookup(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        ino = self.by_name.get((nodeid, bytes(body).split(b"\0", 1)[0]))
+        if ino is None:
+            raise OSError(errno.ENOENT, "no such entry")
+        return abi.pack_entry(ino, self.attrs[ino], TIMEOUT, TIMEOUT)
+
+    def getattr(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return abi.pack_attr_out(self.attrs[nodeid], TIMEOUT)
+
+    def open(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return abi.OPEN_OUT.pack(nodeid, OpenFlag.KEEP_CACHE, 0)
+
+    def read(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        _fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
+        end = min(self.sizes.get(nodeid, 0), offset + size)
+        return self.zeros[:max(0, end - offset)]
+
+    def statfs(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return abi.KSTATFS.pack(0, 0, 0, len(self.attrs), 0, 4096, 255, 4096)
+
+    def empty(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        return b""
+
+
 def serve(mountpoint: str, dirs: int, per_dir: int) -> None:
     """Mount the arithmetic tree at ``mountpoint`` and serve it until unmounted (root)."""
     from cachefs.fuse.mount import open_and_mount
@@ -115,6 +176,31 @@ def serve(mountpoint: str, dirs: int, per_dir: int) -> None:
         ArithmeticTree(fd, dirs, per_dir).serve()
     finally:
         os.close(fd)
+
+
+def serve_files(mountpoint: str, sizes_path: str) -> None:
+    """Mount :class:`FileTree` of the ``{path: size}`` JSON at ``sizes_path`` and serve it until unmounted (root)."""
+    import json
+
+    from cachefs.fuse.mount import open_and_mount
+
+    with open(sizes_path) as f:
+        sizes = json.load(f)
+    fd = open_and_mount(mountpoint, allow_other=False, writable=False)
+    try:
+        FileTree(fd, sizes).serve()
+    finally:
+        os.close(fd)
+
+
+def files_floor_mount(mountpoint: str, sizes: dict[str, int], work: str) -> Mount:
+    """:class:`FileTree` of ``sizes`` served by a process of its own, mounted at ``mountpoint``."""
+    import json
+
+    path = os.path.join(work, "floor-sizes.json")
+    with open(path, "w") as f:
+        json.dump(sizes, f)
+    return Mount([sys.executable, "-m", "bench.fuse_floor", "--serve", mountpoint, "--files", path], mountpoint)
 
 
 def floor_mount(mountpoint: str, dirs: int, per_dir: int) -> Mount:
@@ -128,8 +214,12 @@ def main() -> None:
     p.add_argument("--dirs", type=int, default=1000)
     p.add_argument("--per-dir", type=int, default=1000)
     p.add_argument("--serve", metavar="MOUNTPOINT", required=True, help="mount the tree there and serve it")
+    p.add_argument("--files", metavar="SIZES_JSON", help="instead: the files a {path: size} JSON names (FileTree)")
     args = p.parse_args()
-    serve(args.serve, args.dirs, args.per_dir)
+    if args.files:
+        serve_files(args.serve, args.files)
+    else:
+        serve(args.serve, args.dirs, args.per_dir)
 
 
 if __name__ == "__main__":
