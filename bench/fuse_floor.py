@@ -110,11 +110,12 @@ class ArithmeticTree(RequestLoop):
 
 
 class FileTree(RequestLoop):
-    """A read-only tree of the files ``sizes`` names (``dir/name``: one level of directories), their bytes one
-    buffer of zeros held in memory: what a daemon must do to serve a small file whose bytes it already has in hand
-    (LOOKUP, OPEN, READ, FLUSH, RELEASE), with none of the work of finding them."""
+    """A read-only tree of the files ``sizes`` names (``dir/name``: one level of directories): what a daemon must do
+    to serve a small file (LOOKUP, OPEN, READ, FLUSH, RELEASE) with none of the work of finding it. Its bytes are
+    read from the same path under ``source`` (a local copy: the disk reads a cache must do too), or, without one,
+    are zeros held in memory."""
 
-    def __init__(self, fd: int, sizes: dict[str, int], workers: int = 4) -> None:
+    def __init__(self, fd: int, sizes: dict[str, int], workers: int = 4, source: str = "") -> None:
         super().__init__(fd, workers=workers, timeout=TIMEOUT)
         dirs = sorted({rel.split("/", 1)[0] for rel in sizes})
         self.by_name: dict[tuple[int, bytes], int] = {}
@@ -125,15 +126,18 @@ class FileTree(RequestLoop):
             self.by_name[(ROOT, d.encode())] = ino
             self.attrs[ino] = abi.pack_attr(ino, 0, 0o40555, 0, 2)
         next_ino = 2 + len(dirs)
+        self.paths: dict[int, str] = {}
         for rel, size in sorted(sizes.items()):
             d, name = rel.split("/", 1)
             self.by_name[(self.by_name[(ROOT, d.encode())], name.encode())] = next_ino
             self.attrs[next_ino] = abi.pack_attr(next_ino, size, 0o100444, 0, 1)
             self.sizes[next_ino] = size
+            if source:
+                self.paths[next_ino] = os.path.join(source, rel)
             next_ino += 1
         self.zeros = bytes(max(sizes.values(), default=0))
         self.ops.update({Op.LOOKUP: self.lookup, Op.GETATTR: self.getattr, Op.OPEN: self.open, Op.READ: self.read,
-                         Op.FLUSH: self.empty, Op.RELEASE: self.empty, Op.STATFS: self.statfs,
+                         Op.FLUSH: self.empty, Op.RELEASE: self.release, Op.STATFS: self.statfs,
                          Op.ACCESS: self.empty})
 
     def init_wants(self) -> int:
@@ -153,12 +157,21 @@ class FileTree(RequestLoop):
         return abi.pack_attr_out(self.attrs[nodeid], TIMEOUT)
 
     def open(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        return abi.OPEN_OUT.pack(nodeid, OpenFlag.KEEP_CACHE, 0)
+        fh = os.open(self.paths[nodeid], os.O_RDONLY) if nodeid in self.paths else 0
+        return abi.OPEN_OUT.pack(fh, OpenFlag.KEEP_CACHE, 0)
 
     def read(self, nodeid: int, unique: int, body: memoryview) -> bytes:
-        _fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
+        fh, offset, size = abi.READ_IN.unpack_from(body)[:3]
+        if fh:
+            return os.pread(fh, size, offset)
         end = min(self.sizes.get(nodeid, 0), offset + size)
         return self.zeros[:max(0, end - offset)]
+
+    def release(self, nodeid: int, unique: int, body: memoryview) -> bytes:
+        fh = abi.RELEASE_IN.unpack_from(body)[0]
+        if fh:
+            os.close(fh)
+        return b""
 
     def statfs(self, nodeid: int, unique: int, body: memoryview) -> bytes:
         return abi.KSTATFS.pack(0, 0, 0, len(self.attrs), 0, 4096, 255, 4096)
@@ -178,8 +191,9 @@ def serve(mountpoint: str, dirs: int, per_dir: int) -> None:
         os.close(fd)
 
 
-def serve_files(mountpoint: str, sizes_path: str) -> None:
-    """Mount :class:`FileTree` of the ``{path: size}`` JSON at ``sizes_path`` and serve it until unmounted (root)."""
+def serve_files(mountpoint: str, sizes_path: str, source: str = "") -> None:
+    """Mount :class:`FileTree` of the ``{path: size}`` JSON at ``sizes_path`` (bytes from ``source``) and serve it
+    until unmounted (root)."""
     import json
 
     from cachefs.fuse.mount import open_and_mount
@@ -188,19 +202,20 @@ def serve_files(mountpoint: str, sizes_path: str) -> None:
         sizes = json.load(f)
     fd = open_and_mount(mountpoint, allow_other=False, writable=False)
     try:
-        FileTree(fd, sizes).serve()
+        FileTree(fd, sizes, source=source).serve()
     finally:
         os.close(fd)
 
 
-def files_floor_mount(mountpoint: str, sizes: dict[str, int], work: str) -> Mount:
-    """:class:`FileTree` of ``sizes`` served by a process of its own, mounted at ``mountpoint``."""
+def files_floor_mount(mountpoint: str, sizes: dict[str, int], work: str, source: str = "") -> Mount:
+    """:class:`FileTree` of ``sizes`` (bytes from ``source``) served by a process of its own, at ``mountpoint``."""
     import json
 
     path = os.path.join(work, "floor-sizes.json")
     with open(path, "w") as f:
         json.dump(sizes, f)
-    return Mount([sys.executable, "-m", "bench.fuse_floor", "--serve", mountpoint, "--files", path], mountpoint)
+    return Mount([sys.executable, "-m", "bench.fuse_floor", "--serve", mountpoint, "--files", path,
+                  *(["--source", source] if source else [])], mountpoint)
 
 
 def floor_mount(mountpoint: str, dirs: int, per_dir: int) -> Mount:
@@ -215,9 +230,10 @@ def main() -> None:
     p.add_argument("--per-dir", type=int, default=1000)
     p.add_argument("--serve", metavar="MOUNTPOINT", required=True, help="mount the tree there and serve it")
     p.add_argument("--files", metavar="SIZES_JSON", help="instead: the files a {path: size} JSON names (FileTree)")
+    p.add_argument("--source", default="", help="with --files: read their bytes from this directory")
     args = p.parse_args()
     if args.files:
-        serve_files(args.serve, args.files)
+        serve_files(args.serve, args.files, args.source)
     else:
         serve(args.serve, args.dirs, args.per_dir)
 
