@@ -9,7 +9,9 @@ annotation, docs/LABELS.md: bytes its index records as present, never bytes mere
   group's cached percentage;
 * ``cachedBytes`` / ``cachedPercentage``: those of the dataset's placement — its cache group, the nodes its
   ``nodeSelector`` matches, or else the best single group or node (what one pod could read without the origin);
-* ``phase``: ``Pending`` (no node holds any of it yet), ``Warming`` (a warm-up is on and not done), ``Ready``
+* ``phase``: ``Pending`` (no node holds any of it yet), ``Listing`` (a node's warm-up is listing the origin, and
+  no node holds a manifest of it yet: ``listedFiles`` says how many files so far), ``Warming`` (a warm-up is on and
+  not done), ``Ready``
   (placed whole), ``Partial`` (no warm-up, partly cached), ``Failed`` (a node's warm-up failed: ``reason`` says
   which and why);
 * ``warmup``: the warm-up's progress N of M files and bytes, and errors, added up from what each node running it
@@ -104,6 +106,8 @@ def dataset_status(obj: Mapping[str, Any], nodes: list[Mapping[str, Any]], now: 
         phase = "Ready"
     elif failed:
         phase = "Failed"
+    elif not holdings and any(w.get("state") == "listing" for w in warming.get("nodes", ())):
+        phase = "Listing"
     elif not holdings:
         phase = "Pending"
     elif warmup:
@@ -126,6 +130,8 @@ def dataset_status(obj: Mapping[str, Any], nodes: list[Mapping[str, Any]], now: 
     }
     if warming:
         status["warmup"] = warming
+    if phase == "Listing":
+        status["listedFiles"] = max(w.get("filesListed", 0) for w in warming["nodes"])
     if failed:
         status["reason"] = "; ".join(failed)[:1000]
     status.update(_progress(previous, cached, total, now))
@@ -150,7 +156,7 @@ def _warmups(ds_id: str, nodes: list[Mapping[str, Any]]) -> dict[str, Any]:
                 continue
             per_node.append({"node": str(meta.get("name", "")), "state": str(w.get("state", "")),
                              **{k: max(0, int(w.get(k, 0))) for k in ("filesDone", "filesTotal", "bytesDone",
-                                                                       "bytesTotal", "errors")},
+                                                                       "bytesTotal", "errors", "filesListed")},
                              "reason": str(w.get("reason", ""))[:300]})
         except (ValueError, TypeError):
             continue
@@ -158,7 +164,8 @@ def _warmups(ds_id: str, nodes: list[Mapping[str, Any]]) -> dict[str, Any]:
         return {}
     states = {w["state"] for w in per_node}
     sums = {k: sum(w[k] for w in per_node) for k in ("filesDone", "filesTotal", "bytesDone", "bytesTotal", "errors")}
-    state = "running" if "running" in states else "failed" if "failed" in states else "done"
+    state = ("running" if "running" in states else "listing" if "listing" in states else
+             "failed" if "failed" in states else "done")
     return {"state": state, **sums, "progress": f"{sums['filesDone']}/{sums['filesTotal']} files",
             "nodes": sorted(per_node, key=lambda w: w["node"])}
 

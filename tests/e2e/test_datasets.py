@@ -486,3 +486,69 @@ def test_the_group_a_pending_gang_will_land_in_warms_its_dataset_until_the_gang_
             await engine.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_warm_up_whose_dataset_is_still_listed_shows_listing_with_the_files_found(crd, tmp_path, monkeypatch):
+    """A warm-up of a dataset no node has listed yet: while its first listing runs (one directory's LIST held by the
+    synthetic endpoint, so it cannot finish), the node's annotation says listing with the files found so far, and
+    the status the controller makes of it is Listing, not a Pending dataset of no size."""
+    import asyncio
+    import urllib.request
+
+    from cachefs.agent.node_agent import AgentContext
+    from cachefs.base.config import load_config
+    from cachefs.cluster.cachedatasets import warm_key
+    from cachefs.engine import Engine
+    from cachefs.jobs.warmups import Warmups
+    from cachefs.kube import ApiError, KubeClient, load_kube_config
+    from cachefs.testing.synthetic_s3 import running
+    from scheduler_hints.datasets import dataset_status
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "synthetic", "AWS_SECRET_ACCESS_KEY": "synthetic", "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    url = "s3://synthetic"
+    make_node(crd, "listing-a", labels={"e2e": "listing"})
+    config = load_config(env={}, overrides={"cache_dir": str(tmp_path / "cache"), "cache_min_free": "0"})
+    path = "/apis/cachefs.io/v1alpha1/namespaces/default/cachedatasets"
+    with running("--objects", "20000", "--hold-prefix", "d000019/") as endpoint:
+        crd.apply({"apiVersion": "cachefs.io/v1alpha1", "kind": "CacheDataset",
+                   "metadata": {"name": "listing", "namespace": "default"},
+                   "spec": {"url": url, "endpointUrl": endpoint, "region": "us-east-1",
+                            "nodeSelector": {"e2e": "listing"}, "warmup": {"enabled": True}}})
+
+        async def scenario() -> tuple[dict, dict]:
+            engine = Engine(config)
+            kube = KubeClient(load_kube_config(str(crd.admin_kubeconfig)))
+            warmups = Warmups(AgentContext(config, "listing-a", "", engine, None, kube))
+            try:
+                for _ in range(100):  # (a CRD made just now answers 429 while its storage starts)
+                    try:
+                        await warmups.once()
+                        break
+                    except ApiError as exc:
+                        if exc.status != 429:
+                            raise
+                        await asyncio.sleep(0.2)
+                for _ in range(300):
+                    node = await kube.get("/api/v1/nodes/listing-a")
+                    raw = (node["metadata"].get("annotations") or {}).get(warm_key(dataset_id(url)))
+                    said = json.loads(raw) if raw else {}
+                    if said.get("state") == "listing" and said.get("filesListed", 0) > 0:
+                        obj = await kube.get(f"{path}/listing")
+                        return said, dataset_status(obj, [node], now=1.0)
+                    await asyncio.sleep(0.2)
+                raise AssertionError("the node never said it was listing")
+            finally:
+                with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/_synthetic/release", method="POST"),
+                                            timeout=30):
+                    pass
+                for _, task in warmups._running.values():
+                    task.cancel()
+                await asyncio.gather(*(t for _, t in warmups._running.values()), return_exceptions=True)
+                await kube.aclose()
+                await engine.aclose()
+
+        said, status = asyncio.run(scenario())
+    assert 0 < said["filesListed"] < 20_000, said
+    assert status["phase"] == "Listing" and status["listedFiles"] == said["filesListed"], status
+    crd.request("DELETE", f"{path}/listing")

@@ -98,3 +98,22 @@ def test_the_warm_up_progress_of_each_node_adds_up_and_a_failure_says_where_and_
     assert bad["phase"] == "Failed" and "a: 403 Forbidden" in bad["reason"]
     off = dataset_status(dataset({"cacheGroup": "g1"}), [warming("a", "running", 20, 50)], now=1.0)
     assert "warmup" not in off and off["phase"] == "Partial"
+
+
+def test_a_dataset_still_being_listed_for_its_warm_up_is_listing_with_the_files_found_so_far():
+    """No node holds a manifest yet, but a node's warm-up is listing the origin: the phase says Listing (with the
+    files found so far), not Pending; once a node holds some of it, the usual phases."""
+    def listing(name: str, listed: int) -> dict:
+        n = node(name, group="g1")
+        n["metadata"]["annotations"][f"warm.cachefs.io/{ID}"] = json.dumps(
+            {"state": "listing", "filesDone": 0, "filesTotal": 0, "bytesDone": 0, "bytesTotal": 0, "errors": 0,
+             "reason": "", "filesListed": listed})
+        return n
+
+    spec = {"cacheGroup": "g1", "warmup": {"enabled": True}}
+    st = dataset_status(dataset(spec), [listing("a", 120_000), listing("b", 90_000)], now=1.0)
+    assert st["phase"] == "Listing" and st["listedFiles"] == 120_000 and st["warmup"]["state"] == "listing"
+    assert st["size"] == "" and st["cachedBytes"] == 0  # (nothing claimed before a manifest says what there is)
+    held = listing("b", 90_000)
+    held["metadata"]["annotations"].update(node("b", group="g1", cached=100)["metadata"]["annotations"])
+    assert dataset_status(dataset(spec), [listing("a", 120_000), held], now=1.0)["phase"] == "Warming"

@@ -167,11 +167,17 @@ class Warmups:
         try:
             options = await self._storage_options(str(meta.get("namespace", "default")), spec)
             engine = self.ctx.engine or get_engine(self.ctx.config)
-            if refresh:
-                self._listed_at[uid] = self.clock()
-                log.info("warm-up of %s: listing the source again (warmup.schedule %s)", url, schedule)
-                await engine.refresh(url, storage_options=options)
-            ds = await engine.open_dataset(url, storage_options=options)
+            # (while the dataset is listed, its first time on this node or again on schedule, the annotation says so
+            # with the files found so far: the status shows Listing, not a dataset of no size)
+            listing = asyncio.ensure_future(report.listing(engine.config.cache.dir))
+            try:
+                if refresh:
+                    self._listed_at[uid] = self.clock()
+                    log.info("warm-up of %s: listing the source again (warmup.schedule %s)", url, schedule)
+                    await engine.refresh(url, storage_options=options)
+                ds = await engine.open_dataset(url, storage_options=options)
+            finally:
+                listing.cancel()
             only = self._share(engine, ds)
             include = (spec.get("warmup") or {}).get("include") or spec.get("include")
             log.info("warming %s on this node (%s)", url, "its share of the group" if only else "whole")
@@ -258,6 +264,17 @@ class _Reporter:
         if time.monotonic() - self._sent_at >= REPORT_EVERY and (self._pending is None or self._pending.done()):
             self._pending = asyncio.ensure_future(self.send(prog, "running", ""))
 
+    async def listing(self, cache_dir: str) -> None:
+        """Until cancelled: while this node lists the dataset, say so (``state`` listing, ``filesListed``) every
+        :data:`REPORT_EVERY` seconds."""
+        from cachefs.index.listings import listings_under_way
+
+        while True:
+            found = [li for li in await asyncio.to_thread(listings_under_way, cache_dir) if li["url"] == self.url]
+            if found:
+                await self.send(Progress(), "listing", "", listed=found[0]["files"])
+            await asyncio.sleep(REPORT_EVERY)
+
     def measure(self, prog: Progress, running: bool = True) -> None:
         """The warm-up's metrics (cachefs_warmup_*), from the same figures as its annotation."""
         for state, files, nbytes in (("wanted", prog.files_total, prog.bytes_total),
@@ -267,12 +284,13 @@ class _Reporter:
         WARMUP_FILES.labels(self.url, "failed").set(len(prog.failed))
         WARMUP_RUNNING.labels(self.url).set(1 if running else 0)
 
-    async def send(self, prog: Progress, state: str, reason: str, *, force: bool = False) -> None:
+    async def send(self, prog: Progress, state: str, reason: str, *, force: bool = False, listed: int = 0) -> None:
         self._sent_at = time.monotonic()
-        self.measure(prog, running=state == "running")
+        self.measure(prog, running=state in ("running", "listing"))
         value = json.dumps({"state": state, "filesDone": prog.files_done, "filesTotal": prog.files_total,
                             "bytesDone": prog.bytes_done, "bytesTotal": prog.bytes_total,
-                            "errors": len(prog.failed), "reason": reason}, separators=(",", ":"), sort_keys=True)
+                            "errors": len(prog.failed), "reason": reason, **({"filesListed": listed} if listed else {})},
+                           separators=(",", ":"), sort_keys=True)
         try:
             await self.kube.merge_patch(f"/api/v1/nodes/{self.node}", {"metadata": {"annotations": {self.key: value}}})
         except Exception as exc:  # noqa: BLE001 - progress is best effort; the next report says it again
