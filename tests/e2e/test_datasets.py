@@ -129,6 +129,23 @@ def test_two_controllers_with_one_lease_write_from_one_of_them(crd):
     assert lease["spec"]["holderIdentity"] == "replica-a"
 
 
+async def first_look(warmups) -> None:
+    """The agent's first look at the CacheDatasets (a CRD made just now answers 429 while its storage starts)."""
+    import asyncio
+
+    from cachefs.kube import ApiError
+
+    for _ in range(100):
+        try:
+            await warmups.once()
+            return
+        except ApiError as exc:
+            if exc.status != 429:
+                raise
+            await asyncio.sleep(0.2)
+    raise AssertionError("the CacheDatasets never answered")
+
+
 def _node_kubeconfig(k8s, path) -> str:
     """A kubeconfig with a token of the node pods' service account (cachefs-node), as the CSI plugin runs."""
     from .controlplane import _kubeconfig
@@ -435,7 +452,7 @@ def test_the_group_a_pending_gang_will_land_in_warms_its_dataset_until_the_gang_
     from cachefs.cluster.cachedatasets import WARM_FOR, warm_key
     from cachefs.engine import Engine
     from cachefs.jobs.warmups import Warmups
-    from cachefs.kube import ApiError, KubeClient, load_kube_config
+    from cachefs.kube import KubeClient, load_kube_config
     from scheduler_hints.extender import Extender
     from scheduler_hints.prewarm import WarmTarget
     from scheduler_hints.watch import ClusterWatch
@@ -462,14 +479,7 @@ def test_the_group_a_pending_gang_will_land_in_warms_its_dataset_until_the_gang_
             assert await watch.write_prewarm()  # (created: the first target)
             assert not await watch.write_prewarm()  # (unchanged: not written again)
             assert json.loads((await node_kube.get(WARM_FOR))["data"]["rack-prewarm"]) == [url]  # (readable by nodes)
-            for _ in range(100):  # (a CRD made just now answers 429 while its storage starts)
-                try:
-                    await warmups.once()
-                    break
-                except ApiError as exc:
-                    if exc.status != 429:
-                        raise
-                    await asyncio.sleep(0.2)
+            await first_look(warmups)
             ((_, task),) = warmups._running.values()
             await asyncio.wait_for(task, 120)
             node = await agent_kube.get("/api/v1/nodes/prewarm-b1")
@@ -500,7 +510,7 @@ def test_a_warm_up_whose_dataset_is_still_listed_shows_listing_with_the_files_fo
     from cachefs.cluster.cachedatasets import warm_key
     from cachefs.engine import Engine
     from cachefs.jobs.warmups import Warmups
-    from cachefs.kube import ApiError, KubeClient, load_kube_config
+    from cachefs.kube import KubeClient, load_kube_config
     from cachefs.testing.synthetic_s3 import running
     from scheduler_hints.datasets import dataset_status
 
@@ -521,14 +531,7 @@ def test_a_warm_up_whose_dataset_is_still_listed_shows_listing_with_the_files_fo
             kube = KubeClient(load_kube_config(str(crd.admin_kubeconfig)))
             warmups = Warmups(AgentContext(config, "listing-a", "", engine, None, kube))
             try:
-                for _ in range(100):  # (a CRD made just now answers 429 while its storage starts)
-                    try:
-                        await warmups.once()
-                        break
-                    except ApiError as exc:
-                        if exc.status != 429:
-                            raise
-                        await asyncio.sleep(0.2)
+                await first_look(warmups)
                 for _ in range(300):
                     node = await kube.get("/api/v1/nodes/listing-a")
                     raw = (node["metadata"].get("annotations") or {}).get(warm_key(dataset_id(url)))
