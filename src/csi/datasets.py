@@ -16,7 +16,8 @@ import grpc
 
 from cachefs.base.errors import ConfigError
 from cachefs.cluster.cachedatasets import API, secret_credentials
-from cachefs.kube import ApiError, KubeClient, KubeConfig, load_kube_config
+from cachefs.kube import ApiError, KubeClient
+from csi.api import ApiAccess
 from csi.volume import DatasetVolume, VolumeError, credentials_env
 
 __all__ = ["POD_NAMESPACE", "DatasetLookupError", "DatasetResolver"]
@@ -36,8 +37,7 @@ class DatasetResolver:
     """Reads CacheDatasets and their Secrets from the API server (in-cluster, or ``kubeconfig``)."""
 
     def __init__(self, kubeconfig: str | None = None) -> None:
-        self._kubeconfig = kubeconfig
-        self._config: KubeConfig | None = None
+        self.api = ApiAccess(kubeconfig)
 
     def resolve(self, vol: DatasetVolume, context: dict[str, str], secrets: dict[str, str]
                 ) -> tuple[DatasetVolume, dict[str, str]]:
@@ -52,32 +52,31 @@ class DatasetResolver:
     async def _resolve(self, vol: DatasetVolume, namespace: str, secrets: dict[str, str]
                        ) -> tuple[DatasetVolume, dict[str, str]]:
         where = f"CacheDataset {namespace}/{vol.dataset}"
-        if self._config is None:
-            try:
-                self._config = load_kube_config(self._kubeconfig)
-            except ConfigError as exc:
-                raise DatasetLookupError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}") from None
-        client = KubeClient(self._config, timeout=10.0)
         try:
-            obj = await _get(client, f"{API}/namespaces/{namespace}/cachedatasets/{vol.dataset}", where)
-            spec = obj.get("spec") or {}
+            async with self.api.client() as client:
+                return await self._read(client, vol, namespace, secrets, where)
+        except ConfigError as exc:
+            raise DatasetLookupError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}") from None
+
+    async def _read(self, client: KubeClient, vol: DatasetVolume, namespace: str, secrets: dict[str, str],
+                    where: str) -> tuple[DatasetVolume, dict[str, str]]:
+        obj = await _get(client, f"{API}/namespaces/{namespace}/cachedatasets/{vol.dataset}", where)
+        spec = obj.get("spec") or {}
+        try:
+            resolved = vol.resolved(str(spec.get("url") or ""), str(spec.get("endpointUrl") or ""),
+                                    str(spec.get("region") or ""))
+        except VolumeError as exc:
+            raise DatasetLookupError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}") from None
+        env = credentials_env(secrets)
+        name = spec.get("credentialsSecret")
+        if not env and name:
+            secret = await _get(client, f"/api/v1/namespaces/{namespace}/secrets/{name}",
+                                f"Secret {namespace}/{name} (the credentials of {where})")
             try:
-                resolved = vol.resolved(str(spec.get("url") or ""), str(spec.get("endpointUrl") or ""),
-                                        str(spec.get("region") or ""))
-            except VolumeError as exc:
-                raise DatasetLookupError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}") from None
-            env = credentials_env(secrets)
-            name = spec.get("credentialsSecret")
-            if not env and name:
-                secret = await _get(client, f"/api/v1/namespaces/{namespace}/secrets/{name}",
-                                    f"Secret {namespace}/{name} (the credentials of {where})")
-                try:
-                    env = secret_credentials(secret)
-                except ValueError as exc:
-                    raise DatasetLookupError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-            return resolved, env
-        finally:
-            await client.aclose()
+                env = secret_credentials(secret)
+            except ValueError as exc:
+                raise DatasetLookupError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        return resolved, env
 
 
 async def _get(client: KubeClient, path: str, what: str) -> dict:

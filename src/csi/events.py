@@ -17,7 +17,7 @@ import threading
 
 from cachefs.base.errors import ConfigError
 from cachefs.index.mounts import left_behind
-from cachefs.kube import KubeClient, KubeConfig, load_kube_config
+from csi.api import ApiAccess
 from csi.publishes import recorded_volume
 
 __all__ = ["EVENTS_INTERVAL", "REASON", "PodEvents"]
@@ -33,8 +33,7 @@ class PodEvents:
     """Says, once per pod and session, why a pod's volume stays with the previous node pod generation."""
 
     def __init__(self, node_id: str, kubeconfig: str | None = None) -> None:
-        self.node_id, self._kubeconfig = node_id, kubeconfig
-        self._config: KubeConfig | None = None
+        self.node_id, self.api = node_id, ApiAccess(kubeconfig)
         self._said: set[tuple[str, str]] = set()  # (pod uid, session mountpoint)
         self._off = False
 
@@ -62,21 +61,17 @@ class PodEvents:
                 todo.append((pod, mnt, why))
         if not todo:
             return 0
-        if self._config is None:
-            try:
-                self._config = load_kube_config(self._kubeconfig)
-            except ConfigError as exc:
-                log.info("no pod events about sessions left behind (cachefs status says it): %s", exc)
-                self._off = True
-                return 0
-        return asyncio.run(self._post(todo))
+        try:
+            return asyncio.run(self._post(todo))
+        except ConfigError as exc:
+            log.info("no pod events about sessions left behind (cachefs status says it): %s", exc)
+            self._off = True
+            return 0
 
     async def _post(self, todo: list[tuple[dict, str, str]]) -> int:
-        assert self._config is not None
-        client = KubeClient(self._config, timeout=10.0)
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         posted = 0
-        try:
+        async with self.api.client() as client:
             for pod, mnt, why in todo:
                 ns = pod.get("namespace") or "default"
                 await client.post(f"/api/v1/namespaces/{ns}/events", {
@@ -89,6 +84,4 @@ class PodEvents:
                                f"serving it: {why}"})
                 self._said.add((pod["uid"], mnt))
                 posted += 1
-        finally:
-            await client.aclose()
         return posted

@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler_hints.memo import room
 from scheduler_hints.node_state import NodeState
 from scheduler_hints.scoring import PodNeeds, warm_share
 
-__all__ = ["TARGET_TTL", "PreWarm", "WarmTarget"]
+__all__ = ["REPLAN_EVERY", "TARGET_TTL", "PreWarm", "WarmTarget"]
 
 #: Seconds a pending gang's target lives after the extender last refused it.
 TARGET_TTL = 600.0
+
+
+#: Seconds a gang's target stands before a refusal chooses again (the choice walks every node; the cluster watch
+#: writes the targets this often anyway).
+REPLAN_EVERY = 5.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class WarmTarget:
     group: str
     urls: tuple[str, ...]
     seen: float
+    planned: float = 0.0
 
 
 @dataclass
@@ -48,6 +54,11 @@ class PreWarm:
         if not urls or gpus <= 0:
             self.targets.pop(gang, None)
             return None
+        now = self.clock()
+        known = self.targets.get(gang)
+        if known is not None and now - known.planned < REPLAN_EVERY:  # (a refusal per pod: walk the nodes rarely)
+            self.targets[gang] = replace(known, seen=now)
+            return known.group
         slots: dict[str, list[int]] = {}  # group → [pod slots of its GPUs, free slots now]
         best_share: dict[str, float] = {}
         for n in cluster:
@@ -63,7 +74,7 @@ class PreWarm:
             self.targets.pop(gang, None)
             return None
         group = max(fitting)[2]
-        room(self.targets, 10_000)[gang] = WarmTarget(group, tuple(sorted(set(urls))), self.clock())
+        room(self.targets, 10_000)[gang] = WarmTarget(group, tuple(sorted(set(urls))), now, now)
         return group
 
     def drop(self, gang: str) -> None:
